@@ -1,0 +1,269 @@
+"""The AR-diffusion rollout: sessions advance one block of latent frames at a time on every SP rank.
+
+Every rank calls `open_session`, `run_block` and `close_session` in the same order with the same
+arguments (the Triton coordinator guarantees it); only the rank that answers a request decodes.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .attention import select_attention
+from .camera import latent_camera_features, plucker_rays
+from .checkpoint import load_text_encoder, load_transformer, load_vae
+from .config import EngineConfig, read_checkpoint_configs
+from .errors import InputError
+from .geometry import VideoGeometry
+from .kv_cache import SelfAttentionCache, TextCache
+from .parallel import SequenceParallel
+from .request import SessionRequest, check_request
+from .rope import RotaryTables
+from .text_encoder import PromptEncoder
+from .transformer import CausalWanTransformer, ForwardContext
+from .validation import validate_engine
+from .vae import DecodeState, StreamingVae
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dmd_sigmas(steps: int, shift: float) -> list[float]:
+    """Flow-matching noise levels of the distilled steps: uniform in [1, 0), warped by `shift`."""
+    base = [1.0 - k / steps for k in range(steps)]
+    return [shift * s / (1.0 + (shift - 1.0) * s) for s in base]
+
+
+@dataclass
+class Session:
+    id: str
+    request: SessionRequest
+    geometry: VideoGeometry
+    generator: torch.Generator
+    condition: torch.Tensor  # [1, t + z, F, h, w]: first-frame mask and image latents
+    camera: torch.Tensor  # [1, 6t, F, h, w]: Pluecker features
+    text: TextCache
+    cache: SelfAttentionCache
+    decode_state: DecodeState | None
+    block_index: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.block_index >= self.geometry.num_blocks
+
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes() + self.text.nbytes()
+
+
+@dataclass
+class BlockOutput:
+    session_id: str
+    block_index: int
+    num_blocks: int
+    latents: torch.Tensor  # [1, z, block_frames, h, w] normalised latents, float32, on CPU
+    dit_ms: float
+    all_to_all_bytes: int  # this rank's bytes sent by all-to-all during this block's forwards
+
+
+class WorldModelEngine:
+    def __init__(self, config: EngineConfig, sp: SequenceParallel | None = None, max_frames: int = 1024) -> None:
+        self.config = config
+        self.sp = sp or SequenceParallel()
+        self.max_frames = max_frames
+        self.ckpt = read_checkpoint_configs(config.checkpoint)
+        validate_engine(config, self.ckpt, self.sp.degree)  # before any weight is read
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
+        root = Path(config.checkpoint)
+        self.transformer: CausalWanTransformer = load_transformer(
+            root / "transformer", self.ckpt.transformer, self.dtype, self.device
+        )
+        encoder, tokenizer = load_text_encoder(root, self.dtype, self.device)
+        self.prompts = PromptEncoder(encoder, tokenizer, config.text_len, self.device)
+        # The VAE always encodes the first frame; decoding blocks is skipped per request or by config.
+        self.vae = StreamingVae(load_vae(root / "vae", self.dtype, self.device), self.device)
+        self.rope = RotaryTables(self.ckpt.transformer.attention_head_dim, self.ckpt.transformer.rope_max_seq_len,
+                                 self.device)
+        self.sigmas = dmd_sigmas(config.denoise_steps, config.timestep_shift)
+        self._ids = itertools.count()
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def validate(self, request: SessionRequest) -> VideoGeometry:
+        """All request checks; raises InputError naming the bad input. Cheap: no model work."""
+        check_request(request, self.max_frames)
+        geometry = VideoGeometry.build(
+            self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
+        )
+        if geometry.num_blocks < 1:
+            raise InputError(f"num_frames={request.num_frames} makes no complete block")
+        return geometry
+
+    @torch.no_grad()
+    def open_session(self, request: SessionRequest, session_id: str | None = None) -> Session:
+        geometry = self.validate(request)
+        cfg, tcfg = self.config, self.ckpt.transformer
+        image = torch.from_numpy(np.ascontiguousarray(request.image))
+        if image.shape[:2] != (request.height, request.width):
+            image = resize_image(image, request.height, request.width)
+        first = self.vae.encode_image(image)  # [1, z, 1, h, w]
+        t = self.ckpt.vae.temporal_factor
+        frames = geometry.latent_frames
+        grid = (geometry.latent_height, geometry.latent_width)
+        mask = torch.zeros((1, t, frames, *grid), device=self.device)
+        mask[:, :, 0] = 1.0
+        image_latents = torch.zeros((1, first.shape[1], frames, *grid), device=self.device)
+        image_latents[:, :, :1] = first
+        rays = plucker_rays(
+            torch.from_numpy(request.poses),
+            torch.from_numpy(request.camera_intrinsics()),
+            request.height,
+            request.width,
+            geometry.latent_height,
+            geometry.latent_width,
+        )
+        camera = latent_camera_features(rays, frames, t)[None].to(self.device)
+        local_heads = tcfg.num_attention_heads // self.sp.degree
+        text = self.transformer.text_caches(
+            self.prompts.encode(request.prompt).to(self.dtype), self.sp.head_slice(tcfg.num_attention_heads)
+        )
+        cache = SelfAttentionCache(
+            num_layers=tcfg.num_layers,
+            window_tokens=cfg.window_frames * geometry.tokens_per_frame,
+            block_tokens=geometry.block_tokens,
+            sink_tokens=cfg.sink_frames * geometry.tokens_per_frame,
+            local_heads=local_heads,
+            head_dim=tcfg.attention_head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return Session(
+            id=session_id or f"session-{next(self._ids)}",
+            request=request,
+            geometry=geometry,
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+            condition=torch.cat([mask, image_latents], dim=1),
+            camera=camera,
+            text=text,
+            cache=cache,
+            decode_state=self.vae.new_decode_state() if self.config.decode_frames and request.decode else None,
+        )
+
+    # -- rollout ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run_block(self, sessions: list[Session]) -> list[BlockOutput]:
+        """Denoise the next block of each session (batched: same geometry), then commit its clean K/V."""
+        geometry = sessions[0].geometry
+        if any(s.geometry != geometry or s.done for s in sessions):
+            raise ValueError("run_block: sessions must share one geometry and have blocks left")
+        start = time.perf_counter()
+        self.sp.stats.reset()
+        bf = self.config.block_frames
+        z = self.ckpt.vae.z_dim
+        starts = [s.block_index * bf for s in sessions]
+        for s in sessions:
+            s.cache.make_room()
+        ctx = self._context(sessions, starts, geometry)
+        condition = torch.cat([s.condition[:, :, f : f + bf] for s, f in zip(sessions, starts)])
+        camera = torch.cat([s.camera[:, :, f : f + bf] for s, f in zip(sessions, starts)]).to(self.dtype)
+        noise_shape = (1, z, bf, geometry.latent_height, geometry.latent_width)
+
+        def noise() -> torch.Tensor:  # same draws on every rank: one CPU generator per session
+            return torch.cat([torch.randn(noise_shape, generator=s.generator) for s in sessions]).to(self.device)
+
+        x = noise()
+        clean = x
+        for k, sigma in enumerate(self.sigmas):
+            timesteps = torch.full((len(sessions), bf), sigma * 1000.0, device=self.device)
+            velocity = self._predict(x, condition, camera, timesteps, geometry, ctx)
+            clean = x - sigma * velocity
+            if k + 1 < len(self.sigmas):
+                nxt = self.sigmas[k + 1]
+                x = (1.0 - nxt) * clean + nxt * noise()
+        # Clean-KV commit: one forward at t = 0 writes the block's keys/values into the cache.
+        self._predict(clean, condition, camera, torch.zeros((len(sessions), bf), device=self.device), geometry, ctx)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        outputs = []
+        for i, s in enumerate(sessions):
+            s.cache.commit()
+            s.block_index += 1
+            outputs.append(
+                BlockOutput(
+                    session_id=s.id,
+                    block_index=s.block_index - 1,
+                    num_blocks=geometry.num_blocks,
+                    latents=clean[i : i + 1].cpu(),
+                    dit_ms=elapsed_ms,
+                    all_to_all_bytes=self.sp.stats.all_to_all_bytes,
+                )
+            )
+        return outputs
+
+    def decode(self, session: Session, output: BlockOutput) -> np.ndarray:
+        """uint8 frames [n, H, W, 3] of one block (in block order); empty when the session does not decode."""
+        if session.decode_state is None:
+            g = session.geometry
+            return np.zeros((0, g.height, g.width, 3), dtype=np.uint8)
+        return self.vae.decode_block(output.latents.to(self.device), session.decode_state)
+
+    def close_session(self, session: Session) -> None:
+        """Drop the session's caches now (they can be large); the object stays safe to hold."""
+        session.cache.keys.clear()
+        session.cache.values.clear()
+        session.text.keys.clear()
+        session.text.values.clear()
+        session.decode_state = None
+
+    def generate(self, request: SessionRequest) -> list[tuple[BlockOutput, np.ndarray]]:
+        """Single-caller convenience: the whole rollout of one request, with decoded frames."""
+        session = self.open_session(request)
+        try:
+            results = []
+            while not session.done:
+                (out,) = self.run_block([session])
+                results.append((out, self.decode(session, out)))
+            return results
+        finally:
+            self.close_session(session)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _context(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> ForwardContext:
+        tables = [self.rope.block(f, g.block_frames, g.grid_height, g.grid_width) for f in starts]
+        cos = self.sp.shard(torch.stack([c for c, _ in tables]), 1)
+        sin = self.sp.shard(torch.stack([s for _, s in tables]), 1)
+        return ForwardContext(
+            sp=self.sp,
+            attention=self.attention,
+            rope_cos=cos,
+            rope_sin=sin,
+            self_caches=[s.cache for s in sessions],
+            text_caches=[s.text for s in sessions],
+        )
+
+    def _predict(
+        self,
+        x: torch.Tensor,
+        condition: torch.Tensor,
+        camera: torch.Tensor,
+        timesteps: torch.Tensor,
+        g: VideoGeometry,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        model_in = torch.cat([x, condition], dim=1).to(self.dtype)
+        return self.transformer(model_in, camera, timesteps, g.tokens_per_frame, ctx).float()
+
+
+def resize_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [H, W, 3] -> uint8 [height, width, 3], bilinear with antialiasing."""
+    x = image.permute(2, 0, 1)[None].float()
+    x = F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    return x[0].round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)

@@ -1,0 +1,91 @@
+"""Sizes of one request: pixels -> latents -> patch tokens -> AR blocks -> sequence shards."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import CheckpointConfigs, EngineConfig
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class VideoGeometry:
+    height: int
+    width: int
+    latent_height: int
+    latent_width: int
+    grid_height: int  # patch tokens per latent frame, vertically
+    grid_width: int
+    block_frames: int
+    latent_frames: int  # 0 when built for start-up checks without a clip length
+    sp_degree: int
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.grid_height * self.grid_width
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block_frames * self.tokens_per_frame
+
+    @property
+    def local_block_tokens(self) -> int:
+        return self.block_tokens // self.sp_degree
+
+    @property
+    def num_blocks(self) -> int:
+        return self.latent_frames // self.block_frames
+
+    @staticmethod
+    def build(
+        config: EngineConfig,
+        ckpt: CheckpointConfigs,
+        height: int,
+        width: int,
+        num_frames: int | None,
+        error: type[ValueError] = ConfigError,
+    ) -> "VideoGeometry":
+        """Check a resolution (and clip length) against VAE, patch, block and SP factors; raise `error` if off."""
+        _, patch_h, patch_w = ckpt.transformer.patch_size
+        factor_h = ckpt.vae.spatial_factor * patch_h
+        factor_w = ckpt.vae.spatial_factor * patch_w
+        if height <= 0 or width <= 0 or height % factor_h or width % factor_w:
+            raise error(
+                f"height x width = {height} x {width} must be positive multiples of VAE x patch factors "
+                f"{factor_h} x {factor_w}"
+            )
+        latent_frames = 0
+        if num_frames is not None:
+            t = ckpt.vae.temporal_factor
+            block_video = config.block_frames * t
+            if num_frames < 1 or (num_frames - 1) % t != 0:
+                raise error(f"num_frames={num_frames} must be 1 + {t} x k (causal VAE, temporal factor {t})")
+            latent_frames = 1 + (num_frames - 1) // t
+            if latent_frames % config.block_frames != 0:
+                first = t * config.block_frames - t + 1
+                raise error(
+                    f"num_frames={num_frames} gives {latent_frames} latent frames, not a multiple of "
+                    f"block_frames={config.block_frames}; use {first} + {block_video} x k frames (e.g. 81)"
+                )
+            if latent_frames > ckpt.transformer.rope_max_seq_len:
+                raise error(
+                    f"num_frames={num_frames} gives {latent_frames} latent frames, more than the transformer's "
+                    f"rope_max_seq_len={ckpt.transformer.rope_max_seq_len}"
+                )
+        geometry = VideoGeometry(
+            height=height,
+            width=width,
+            latent_height=height // ckpt.vae.spatial_factor,
+            latent_width=width // ckpt.vae.spatial_factor,
+            grid_height=height // factor_h,
+            grid_width=width // factor_w,
+            block_frames=config.block_frames,
+            latent_frames=latent_frames,
+            sp_degree=config.sp_degree,
+        )
+        if geometry.block_tokens % config.sp_degree != 0:
+            raise error(
+                f"block token count {geometry.block_tokens} ({config.block_frames} frames x "
+                f"{geometry.grid_height} x {geometry.grid_width} tokens at {height} x {width}) is not divisible by "
+                f"sp_degree={config.sp_degree}"
+            )
+        return geometry

@@ -1,0 +1,58 @@
+"""Run a function on N local processes forming one gloo group (tests and CPU benchmarks)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .parallel import SequenceParallel, init_process_group
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, threads: int, results: mp.Queue) -> None:
+    try:
+        torch.set_num_threads(threads)
+        init_process_group(rank, world, "127.0.0.1", port, "gloo", timeout_s=300)
+        sp = SequenceParallel(dist.group.WORLD if world > 1 else None)
+        results.put((rank, fn(sp, *args), None))
+    except BaseException:  # report every failure to the parent instead of hanging it
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_group(world: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 600, threads: int = 1) -> list:
+    """fn(sp, *args) on every rank (fn must be importable); returns the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, threads, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            try:
+                rank, value, error = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"run_group: no result from some rank within {timeout_s} s") from None
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]

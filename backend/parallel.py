@@ -1,0 +1,96 @@
+"""Process group set-up and the Ulysses exchanges: sequence shards <-> head shards with all-to-all."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent through collectives since the last reset (the engine resets it per block)."""
+
+    all_to_all_bytes: int = 0
+    all_gather_bytes: int = 0
+
+    def reset(self) -> None:
+        self.all_to_all_bytes = 0
+        self.all_gather_bytes = 0
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    """Join the default process group through a TCP store that rank 0 hosts (or MPI's env:// under mpirun)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("OMPI_COMM_WORLD_SIZE") and os.environ.get("MASTER_ADDR"):
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+class SequenceParallel:
+    """One rank's view of the sequence-parallel group; degree 1 makes every exchange the identity."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.degree = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.stats = CommStats()
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous slice of `dim` (sequence order is rank order)."""
+        if self.degree == 1:
+            return x
+        return x.chunk(self.degree, dim=dim)[self.rank].contiguous()
+
+    def head_slice(self, num_heads: int) -> slice:
+        local = num_heads // self.degree
+        return slice(self.rank * local, (self.rank + 1) * local)
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., L/sp, H, D] sequence shard -> [..., L, H/sp, D] head shard."""
+        if self.degree == 1:
+            return x
+        *lead, local_len, heads, dim = x.shape
+        sp = self.degree
+        # chunk j (heads j*H/sp ...) goes to rank j; received chunk i holds rank i's tokens.
+        send = x.reshape(*lead, local_len, sp, heads // sp, dim).movedim(-3, 0).contiguous()
+        recv = self._all_to_all(send)
+        return recv.movedim(0, -4).reshape(*lead, sp * local_len, heads // sp, dim)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., L, H/sp, D] head shard -> [..., L/sp, H, D] sequence shard."""
+        if self.degree == 1:
+            return x
+        *lead, length, local_heads, dim = x.shape
+        sp = self.degree
+        send = x.reshape(*lead, sp, length // sp, local_heads, dim).movedim(-4, 0).contiguous()
+        recv = self._all_to_all(send)  # recv[i]: our tokens, heads of rank i
+        return recv.movedim(0, -3).reshape(*lead, length // sp, sp * local_heads, dim)
+
+    def gather_seq(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's sequence shard along `dim`."""
+        if self.degree == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.degree)]
+        dist.all_gather(parts, x, group=self.group)
+        self.stats.all_gather_bytes += x.numel() * x.element_size() * (self.degree - 1)
+        return torch.cat(parts, dim=dim)
+
+    def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        # Bytes that leave this rank: every chunk but the one it keeps.
+        self.stats.all_to_all_bytes += send.numel() * send.element_size() * (self.degree - 1) // self.degree
+        return recv

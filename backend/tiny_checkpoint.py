@@ -1,0 +1,123 @@
+"""Write a random checkpoint in the diffusers directory format the engine loads (weights can't be downloaded).
+
+    python -m backend.tiny_checkpoint OUT_DIR [--preset tiny|mid] [--seed 0]
+
+Same layout as a real checkpoint: model_index.json, transformer/ (config.json + safetensors),
+vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel), tokenizer/, scheduler/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import WEIGHTS_NAME
+from .config import TransformerConfig
+from .transformer import CausalWanTransformer
+
+PRESETS: dict[str, dict] = {
+    # CI size: 4 heads (SP 1/2/4), 64x64 video -> 8x8 latents -> 16 tokens per frame.
+    "tiny": {
+        "transformer": dict(num_attention_heads=4, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=128,
+                            num_layers=2, rope_max_seq_len=64),
+        "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+        "z_dim": 4,
+        "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+    },
+    # GPU benchmark size: the real 40-head geometry, a fraction of the depth and width.
+    "mid": {
+        "transformer": dict(num_attention_heads=40, attention_head_dim=64, text_dim=512, freq_dim=256, ffn_dim=6912,
+                            num_layers=8, rope_max_seq_len=1024),
+        "vae": dict(base_dim=32, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+        "z_dim": 16,
+        "text_encoder": dict(d_model=512, d_kv=64, d_ff=1024, num_layers=2, num_heads=8),
+    },
+}
+
+WORDS = (
+    "a the of and in on with to from at by is are walking flying driving camera forward left right street city "
+    "forest mountain river sea sky sunset night rain snow road car house tree people light dark castle village "
+    "desert cave bridge tower garden field ocean beach cloud fog"
+).split()
+
+
+def write_transformer(out: Path, preset: dict, seed: int) -> TransformerConfig:
+    z = preset["z_dim"]
+    config = TransformerConfig(**preset["transformer"], in_channels=2 * z + 4, out_channels=z, camera_dim=24)
+    torch.manual_seed(seed)
+    model = CausalWanTransformer(config)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    meta = {"_class_name": "CausalWanTransformer", "_diffusers_version": "0.42.1", **config.to_dict()}
+    (out / "config.json").write_text(json.dumps(meta, indent=2))
+    return config
+
+
+def write_vae(out: Path, preset: dict, seed: int) -> None:
+    from diffusers import AutoencoderKLWan
+
+    z = preset["z_dim"]
+    g = torch.Generator().manual_seed(seed)
+    mean = (torch.randn(z, generator=g) * 0.1).tolist()
+    std = (1.0 + torch.rand(z, generator=g) * 0.5).tolist()
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        **preset["vae"], z_dim=z, temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std
+    )
+    vae.save_pretrained(str(out))
+
+
+def write_text_encoder(root: Path, preset: dict, seed: int) -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    tokenizer.save_pretrained(str(root / "tokenizer"))
+    torch.manual_seed(seed)
+    config = UMT5Config(vocab_size=len(vocab), relative_attention_num_buckets=8, **preset["text_encoder"])
+    UMT5EncoderModel(config).save_pretrained(str(root / "text_encoder"))
+
+
+def write_checkpoint(root: Path, preset_name: str = "tiny", seed: int = 0) -> Path:
+    preset = PRESETS[preset_name]
+    root.mkdir(parents=True, exist_ok=True)
+    write_transformer(root / "transformer", preset, seed)
+    write_vae(root / "vae", preset, seed + 1)
+    write_text_encoder(root, preset, seed + 2)
+    scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.42.1",
+                 "num_train_timesteps": 1000, "shift": 5.0}
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler, indent=2))
+    index = {
+        "_class_name": "LingBotWorldCausalPipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["backend", "CausalWanTransformer"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    }
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_checkpoint(args.out, args.preset, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Streaming requests to the decoupled `lingbot_world` model over Triton's gRPC stream.
+
+One request per stream: the server answers with one response per AR block, and the
+last one (a data response, or an empty one) carries `triton_final_response`.
+"""
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from backend import protocol
+
+_FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
+_CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
+
+
+class StreamError(RuntimeError):
+    """The server, the connection or the response contents failed the request."""
+
+
+class StreamTimeoutError(StreamError, TimeoutError):
+    """No final response arrived within the timeout; the request was cancelled."""
+
+
+class StreamCancelledError(StreamError):
+    """StreamingSession.cancel() ended the request before its final response."""
+
+
+@dataclass(frozen=True)
+class BlockResponse:
+    block_index: int
+    num_blocks: int
+    latents: np.ndarray | None  # float32 [C, block_frames, h, w], None when not requested
+    frames: np.ndarray  # uint8 [n, H, W, 3]; n = 0 without VAE decode
+    timing_ms: tuple[float, ...]  # server: DiT compute, VAE decode, since request arrival
+    arrival_s: float  # time.perf_counter() when the response reached the client
+
+
+def _scalar_input(name: str, value: int, dtype: type[np.generic]) -> grpcclient.InferInput:
+    array = np.array([value], dtype=dtype)
+    return grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)).set_data_from_numpy(array)
+
+
+def _tensor_input(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    array = np.ascontiguousarray(array)
+    return grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)).set_data_from_numpy(array)
+
+
+def build_inputs(
+    image: np.ndarray,
+    prompt: str,
+    poses: np.ndarray,
+    intrinsics: np.ndarray | None,
+    *,
+    num_frames: int,
+    seed: int,
+    height: int,
+    width: int,
+) -> list[grpcclient.InferInput]:
+    """Validate one generation request and pack it as Triton inputs (intrinsics optional)."""
+    if num_frames < 1 or (num_frames - 1) % protocol.VAE_TEMPORAL_FACTOR:
+        f = protocol.VAE_TEMPORAL_FACTOR
+        raise ValueError(f"num_frames must be 1 + {f} * k (e.g. 77 or 81), got {num_frames}")
+    if height < 1 or width < 1:
+        raise ValueError(f"height and width must be positive, got {height}x{width}")
+    image = np.asarray(image)
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    poses = np.asarray(poses, dtype=np.float32)
+    if poses.shape != (num_frames, 4, 4):
+        raise ValueError(f"camera poses must be [{num_frames}, 4, 4] (one per frame), got {list(poses.shape)}")
+    inputs = [
+        _tensor_input(protocol.IMAGE, image),
+        _tensor_input(protocol.PROMPT, np.array([prompt.encode("utf-8")], dtype=np.object_)),
+        _tensor_input(protocol.CAMERA_POSES, poses),
+        _scalar_input(protocol.NUM_FRAMES, num_frames, np.int32),
+        _scalar_input(protocol.SEED, seed, np.int64),
+        _scalar_input(protocol.HEIGHT, height, np.int32),
+        _scalar_input(protocol.WIDTH, width, np.int32),
+    ]
+    if intrinsics is not None:
+        intrinsics = np.asarray(intrinsics, dtype=np.float32)
+        if intrinsics.shape != (num_frames, 4):
+            raise ValueError(f"camera intrinsics must be [{num_frames}, 4] (fx, fy, cx, cy), got {list(intrinsics.shape)}")
+        inputs.append(_tensor_input(protocol.CAMERA_INTRINSICS, intrinsics))
+    return inputs
+
+
+def _first_int(result: grpcclient.InferResult, name: str) -> int:
+    array = result.as_numpy(name)
+    if array is None or array.size != 1:
+        raise StreamError(f"server response lacks a one-element {name!r} output")
+    return int(array.reshape(-1)[0])
+
+
+def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[BlockResponse | None, bool]:
+    """(block, is_final) of one streamed response; block is None for an empty final response."""
+    response = result.get_response()
+    final = _FINAL_FLAG in response.parameters and response.parameters[_FINAL_FLAG].bool_param
+    if not response.outputs:
+        return None, final
+    frames = result.as_numpy(protocol.FRAMES)
+    if frames is None:
+        frames = np.empty((0, 0, 0, 3), dtype=np.uint8)
+    elif frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+        raise StreamError(f"server sent {protocol.FRAMES!r} as {frames.dtype} {list(frames.shape)}; expected uint8 [n, H, W, 3]")
+    timing = result.as_numpy(protocol.TIMING_MS)
+    block = BlockResponse(
+        block_index=_first_int(result, protocol.BLOCK_INDEX),
+        num_blocks=_first_int(result, protocol.NUM_BLOCKS),
+        latents=result.as_numpy(protocol.LATENTS),
+        frames=frames,
+        timing_ms=() if timing is None else tuple(float(t) for t in timing.reshape(-1)),
+        arrival_s=arrival_s,
+    )
+    return block, final
+
+
+class StreamingSession:
+    """A gRPC client holding one stream at a time, carrying one generation request.
+
+    send() opens the stream and enqueues the request; responses() yields its blocks and
+    closes the stream after the final one (cancelling it if iteration stops early).
+    """
+
+    def __init__(self, url: str, *, model_name: str = protocol.MODEL_NAME, verbose: bool = False) -> None:
+        self.url = url
+        self.model_name = model_name
+        self.request_id = ""
+        self.sent_s: float | None = None  # time.perf_counter() when the request was enqueued
+        self._client = grpcclient.InferenceServerClient(url=url, verbose=verbose)
+        self._queue: queue.Queue[Any] | None = None  # responses of the request in flight
+
+    @staticmethod
+    def _on_response(responses: queue.Queue[Any], result: grpcclient.InferResult | None = None,
+                     error: InferenceServerException | None = None) -> None:
+        # Runs on tritonclient's stream thread: hand everything over to the consumer.
+        responses.put((result, error, time.perf_counter()))
+
+    def send(self, inputs: list[grpcclient.InferInput], *, request_id: str = "",
+             parameters: dict[str, bool | int | float | str] | None = None) -> float:
+        """Open the stream and enqueue the request; returns the send time (time.perf_counter())."""
+        if self._queue is not None:
+            raise StreamError("a request is already in flight on this session; read or cancel it first")
+        responses: queue.Queue[Any] = queue.Queue()
+        self.request_id = request_id
+        try:
+            self._client.start_stream(callback=functools.partial(self._on_response, responses))
+            self._client.async_stream_infer(
+                self.model_name, inputs, request_id=request_id, parameters=parameters,
+                enable_empty_final_response=True,
+            )
+        except InferenceServerException as exc:
+            # The stream may have died before the request was enqueued (e.g. no server):
+            # its stream thread has then reported the actual cause through the callback.
+            self._client.stop_stream(cancel_requests=True)
+            try:
+                _, error, _ = responses.get_nowait()
+            except queue.Empty:
+                error = None
+            raise StreamError(self._describe(error or exc)) from exc
+        self._queue = responses
+        self.sent_s = time.perf_counter()
+        return self.sent_s
+
+    def responses(self, timeout: float | None = None) -> Iterator[BlockResponse]:
+        """Blocks of the request in flight as they arrive; `timeout` seconds from send() in all."""
+        if self._queue is None or self.sent_s is None:
+            raise StreamError("no request in flight; call send() first")
+        deadline = None if timeout is None else self.sent_s + timeout
+        finished = False
+        try:
+            while not finished:
+                wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                try:
+                    item = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    raise StreamTimeoutError(
+                        f"no final response from {self.model_name!r} within {timeout:g} s; request cancelled"
+                    ) from None
+                if item is _CANCELLED:
+                    raise StreamCancelledError(f"request {self.request_id!r} cancelled by the client")
+                result, error, arrival_s = item
+                if error is not None:
+                    raise StreamError(self._describe(error))
+                block, finished = parse_response(result, arrival_s)
+                if block is not None:
+                    yield block
+        finally:
+            self._queue = None
+            # After the final response the server has nothing left to send; otherwise cancel.
+            self._client.stop_stream(cancel_requests=not finished)
+
+    def _describe(self, error: InferenceServerException) -> str:
+        status = error.status()  # None for an error response from the model itself
+        if status is None:
+            return f"{self.model_name!r} failed request {self.request_id!r}: {error.message()}"
+        hint = f" (is Triton serving gRPC at {self.url}?)" if status == "StatusCode.UNAVAILABLE" else ""
+        return f"stream to {self.url} failed with {status}: {error.message()}{hint}"
+
+    def cancel(self) -> None:
+        """Thread-safe: make responses() raise StreamCancelledError and cancel the request."""
+        responses = self._queue
+        if responses is not None:
+            responses.put(_CANCELLED)
+
+    def close(self) -> None:
+        self._client.stop_stream(cancel_requests=True)
+        self._client.close()
+
+    def __enter__(self) -> StreamingSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    inputs: list[grpcclient.InferInput]
+    request_id: str = ""
+    parameters: dict[str, bool | int | float | str] | None = None
+
+
+@dataclass
+class SessionResult:
+    request_id: str
+    sent_s: float | None = None
+    blocks: list[BlockResponse] = field(default_factory=list)
+    error: Exception | None = None
+
+    @property
+    def time_to_first_block_s(self) -> float | None:
+        return None if not self.blocks or self.sent_s is None else self.blocks[0].arrival_s - self.sent_s
+
+    @property
+    def inter_block_s(self) -> list[float]:
+        return [b.arrival_s - a.arrival_s for a, b in zip(self.blocks, self.blocks[1:])]
+
+
+def run_sessions(
+    url: str,
+    requests: Sequence[SessionRequest],
+    *,
+    model_name: str = protocol.MODEL_NAME,
+    timeout: float | None = None,
+    keep_data: bool = True,
+) -> list[SessionResult]:
+    """Run the requests concurrently, one stream (and thread) each, all sent at once.
+
+    Errors are recorded per session instead of raised. With keep_data=False, frames and
+    latents are dropped on arrival (frames keep their [0, H, W, 3] shape) to bound memory.
+    """
+    results = [SessionResult(r.request_id) for r in requests]
+    sessions = [StreamingSession(url, model_name=model_name) for _ in requests]
+    go = threading.Event()
+
+    def run(session: StreamingSession, request: SessionRequest, result: SessionResult) -> None:
+        go.wait()
+        try:
+            result.sent_s = session.send(request.inputs, request_id=request.request_id, parameters=request.parameters)
+            for block in session.responses(timeout):
+                if not keep_data:
+                    block = replace(block, frames=block.frames[:0], latents=None)
+                result.blocks.append(block)
+        except Exception as exc:  # recorded for the caller, one failure must not stop the others
+            result.error = exc
+
+    threads = [threading.Thread(target=run, args=args, daemon=True) for args in zip(sessions, requests, results)]
+    try:
+        for thread in threads:
+            thread.start()
+        go.set()
+        for thread in threads:
+            thread.join()
+    finally:  # on an interrupt: cancel what is in flight, give threads a moment to finish
+        go.set()
+        for session in sessions:
+            session.cancel()
+        for thread, session in zip(threads, sessions):
+            thread.join(timeout=10.0)
+            if not thread.is_alive():
+                session.close()
+    return results
