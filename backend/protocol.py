@@ -22,7 +22,7 @@ OPTIONAL_INPUTS = (CAMERA_INTRINSICS,)
 # Outputs, one response per AR block; the last block's response carries the final flag.
 BLOCK_INDEX = "block_index"  # INT32 [1]
 NUM_BLOCKS = "num_blocks"  # INT32 [1]
-LATENTS = "latents"  # FP32 [C, block_frames, h, w]: the block's denoised latents (unnormalised VAE space)
+LATENTS = "latents"  # FP32 [C, block_frames, h, w]: the block's denoised latents (normalised model space)
 FRAMES = "frames"  # UINT8 [n, height, width, 3]: decoded RGB frames of this block (n = 0 without a VAE)
 TIMING_MS = "timing_ms"  # FP32 [3]: DiT compute of this block, VAE decode of this block, since request arrival
 
