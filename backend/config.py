@@ -5,7 +5,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from .errors import ConfigError
 
@@ -92,23 +92,27 @@ class EngineConfig:
     default_width: int = 832
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)
 
-    @classmethod
-    def from_parameters(cls, params: Mapping[str, str]) -> "EngineConfig":
-        """Build from string key/values (Triton config.pbtxt `parameters`); unknown keys are an error."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - set(fields))
-        if unknown:
-            raise ConfigError(f"unknown engine parameter(s) {unknown}; known: {sorted(fields)}")
-        values: dict[str, Any] = {}
-        for name, raw in params.items():
-            kind = fields[name].type
-            try:
-                values[name] = _parse(raw, kind)
-            except ValueError as exc:
-                raise ConfigError(f"parameter {name}={raw!r}: expected {kind}") from exc
-        if "checkpoint" not in values:
-            raise ConfigError("parameter 'checkpoint' (path of a diffusers-format model directory) is required")
+
+T = TypeVar("T")
+
+
+def from_parameters(cls: type[T], params: Mapping[str, str]) -> T:
+    """Build a config dataclass from string key/values (Triton config.pbtxt `parameters`)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} parameter(s) {unknown}; known: {sorted(fields)}")
+    values: dict[str, Any] = {}
+    for name, raw in params.items():
+        kind = fields[name].type
+        try:
+            values[name] = _parse(raw, kind)
+        except ValueError as exc:
+            raise ConfigError(f"parameter {name}={raw!r}: expected {kind}") from exc
+    try:
         return cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from exc
 
 
 def _parse(raw: str, kind: str) -> Any:
@@ -154,3 +158,25 @@ def read_checkpoint_configs(checkpoint: str) -> CheckpointConfigs:
         vae=VaeConfig.from_dict(read_json(root / "vae" / "config.json")),
         components=index,
     )
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Limits and group settings of the Triton model (config.pbtxt `parameters` beside the engine's)."""
+
+    max_frames: int = 321  # video frames per request
+    max_sessions: int = 4  # sessions generating at once (each holds a KV cache)
+    max_queue: int = 16  # sessions waiting for a slot; more are rejected
+    max_batch: int = 4  # sessions of one geometry run in one forward
+    rendezvous_host: str = "127.0.0.1"
+    rendezvous_port: int = 29650
+    init_timeout_s: float = 1800.0  # rendezvous and weight loading
+    collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
+    idle_poll_ms: float = 5.0
+
+
+def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, ServingConfig]:
+    serving_names = {f.name for f in dataclasses.fields(ServingConfig)}
+    serving = {k: v for k, v in params.items() if k in serving_names}
+    engine = {k: v for k, v in params.items() if k not in serving_names}
+    return from_parameters(EngineConfig, engine), from_parameters(ServingConfig, serving)

@@ -215,12 +215,12 @@ class WorldModelEngine:
         return self.vae.decode_block(output.latents.to(self.device), session.decode_state)
 
     def close_session(self, session: Session) -> None:
-        """Drop the session's caches now (they can be large); the object stays safe to hold."""
+        """Drop the session's KV caches now (they are large). Its decode state stays until the session
+        object goes, so blocks already queued for decoding still decode."""
         session.cache.keys.clear()
         session.cache.values.clear()
         session.text.keys.clear()
         session.text.values.clear()
-        session.decode_state = None
 
     def generate(self, request: SessionRequest) -> list[tuple[BlockOutput, np.ndarray]]:
         """Single-caller convenience: the whole rollout of one request, with decoded frames."""

@@ -3,9 +3,12 @@
     python -m backend.launcher --sp 2 --kind cpu --param KEY=VALUE --wait
     python -m backend.launcher --install-perf-analyzer
 
-See /work/shared/TRITON_ON_CPU.md for the recipe this module automates. The Python API
-(`prepare_backends`, `write_model_repository`, `TritonServer`) serves tests and benchmarks.
+The wheel holds the server, the Python backend and a backend stub per Python version; the server
+needs the wheel's bundled libraries on LD_LIBRARY_PATH, and the stub finds this venv's packages
+through the venv's bin/ first on PATH. The Python API (`prepare_backends`, `write_model_repository`,
+`TritonServer`, `install_perf_analyzer`) serves tests and benchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +24,11 @@ import sysconfig
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -36,6 +40,7 @@ DEFAULT_REPOSITORY_DIR = REPO_ROOT / "build" / "model_repository"
 DEFAULT_PERF_ANALYZER_DIR = REPO_ROOT / "tools" / "perf_analyzer"
 PERF_ANALYZER_WHEEL = "tritonclient==2.41.0"  # the last wheel that ships the perf_analyzer binary
 KINDS = ("KIND_CPU", "KIND_GPU")
+_LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
 
 
 # ---------------------------------------------------------------- the pytriton wheel
@@ -129,69 +134,60 @@ class _Field:
     is_list: bool
 
 
-def _skip_string(text: str, i: int) -> int:
-    """Index just past the string literal opening at text[i]."""
-    quote, i = text[i], i + 1
-    while i < len(text) and text[i] != quote:
-        i += 2 if text[i] == "\\" else 1
-    if i >= len(text):
-        raise ValueError("unterminated string in config.pbtxt")
-    return i + 1
-
-
-def _skip_comment(text: str, i: int) -> int:
-    end = text.find("\n", i)
-    return len(text) if end == -1 else end
+def _code_indices(text: str, start: int = 0, end: int | None = None) -> Iterator[int]:
+    """Indices of text[start:end] outside string literals and `#` comments."""
+    i, end = start, len(text) if end is None else end
+    while i < end:
+        ch = text[i]
+        if ch in "\"'":
+            quote, i = ch, i + 1
+            while i < len(text) and text[i] != quote:
+                i += 2 if text[i] == "\\" else 1
+            if i >= len(text):
+                raise ValueError("unterminated string in config.pbtxt")
+        elif ch == "#":
+            newline = text.find("\n", i)
+            i = len(text) if newline == -1 else newline
+            continue
+        else:
+            yield i
+        i += 1
 
 
 def _matching_close(text: str, open_at: int) -> int:
     """Index just past the bracket that closes text[open_at]."""
-    depth, i = 0, open_at
-    while i < len(text):
-        ch = text[i]
-        if ch in "\"'":
-            i = _skip_string(text, i)
-            continue
-        if ch == "#":
-            i = _skip_comment(text, i)
-            continue
-        if ch in "[{":
+    depth = 0
+    for i in _code_indices(text, open_at):
+        if text[i] in "[{":
             depth += 1
-        elif ch in "]}":
+        elif text[i] in "]}":
             depth -= 1
             if depth == 0:
                 return i + 1
-        i += 1
     raise ValueError(f"unbalanced bracket at offset {open_at} of config.pbtxt")
 
 
 def _top_level_fields(text: str) -> list[_Field]:
-    fields, i = [], 0
-    while i < len(text):
-        ch = text[i]
-        if ch in "\"'":
-            i = _skip_string(text, i)
-        elif ch == "#":
-            i = _skip_comment(text, i)
-        elif (match := _FIELD_HEAD.match(text, i)) and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
-            end = _matching_close(text, match.start(2))
-            fields.append(_Field(match.group(1), i, end, match.group(2) == "["))
-            i = end
-        else:
-            i += 1
+    fields: list[_Field] = []
+    for i in _code_indices(text):
+        if fields and i < fields[-1].end:
+            continue  # inside the previous field
+        if i > 0 and (text[i - 1].isalnum() or text[i - 1] == "_"):
+            continue  # not the start of a name
+        if match := _FIELD_HEAD.match(text, i):
+            fields.append(_Field(match.group(1), i, _matching_close(text, match.start(2)), match.group(2) == "["))
     return fields
 
 
 def _messages(text: str, field: _Field) -> list[tuple[int, int]]:
     """Spans of the message bodies of a field: one for `name {..}`, each element of `name [{..}, ..]`."""
-    open_at = text.index("[" if field.is_list else "{", field.start)
+    open_at = next(i for i in _code_indices(text, field.start) if text[i] in "[{")
     if not field.is_list:
         return [(open_at + 1, field.end - 1)]
-    spans, i = [], open_at + 1
-    while (i := text.find("{", i, field.end)) != -1:
-        close = _matching_close(text, i)
-        spans.append((i + 1, close - 1))
-        i = close
+    spans: list[tuple[int, int]] = []
+    for i in _code_indices(text, open_at + 1, field.end - 1):
+        if text[i] == "{" and not (spans and i < spans[-1][1]):
+            spans.append((i + 1, _matching_close(text, i) - 1))
     return spans
 
 
@@ -279,6 +275,20 @@ def write_model_repository(
 # ---------------------------------------------------------------- the server process
 
 
+def _libpython_dir() -> Path | None:
+    """The directory holding this interpreter's shared libpython (None for a static build)."""
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        return Path(libdir)
+    return None
+
+
+def _temp_log_path() -> Path:
+    fd, path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -315,7 +325,7 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
-        self.log_path = Path(log_path or tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -336,13 +346,16 @@ class TritonServer:
         return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH).
+        # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),
+        # and must embed this interpreter's own libpython: a different 3.11 patch release (the system
+        # one) fails on the venv's stdlib extensions (`import ssl`: undefined symbol _PyModule_Add).
         env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]))
+        libs = [str(_libpython_dir() or ""), str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
         return env
 
-    def start(self) -> TritonServer:
+    def start(self) -> Self:
         if self.process is not None:
             raise RuntimeError("this TritonServer was already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -352,21 +365,35 @@ class TritonServer:
             )
         return self
 
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
-        return "\n".join(text.splitlines()[-lines:])
+    @property
+    def pid(self) -> int:
+        return self._started().pid
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self.process is None:
+            raise RuntimeError("start() the server first")
+        return self.process
+
+    def wait(self) -> int:
+        """Block until the server exits; returns its exit code."""
+        return self._started().wait()
+
+    def log_excerpt(self, lines: int = 30) -> str:
+        """The log's error lines (`E...` records, `error: ...`), else its last lines."""
+        text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.is_file() else []
+        errors = [line for line in text if _LOG_ERROR.match(line)]
+        return "\n".join((errors or text)[-lines:])
 
     def wait_ready(self, model: str, timeout: float = 300.0) -> None:
         """Block until `model` is ready; raise with the log's tail if the server dies or time runs out."""
-        if self.process is None:
-            raise RuntimeError("start() the server before wait_ready()")
+        process = self._started()
         deadline = time.monotonic() + timeout
         with grpcclient.InferenceServerClient(self.grpc_url) as client:
             while time.monotonic() < deadline:
-                if (rc := self.process.poll()) is not None:
+                if (rc := process.poll()) is not None:
                     raise RuntimeError(
                         f"tritonserver exited with code {rc} before {model!r} was ready "
-                        f"(log {self.log_path}):\n{self.log_tail()}"
+                        f"(log {self.log_path}):\n{self.log_excerpt()}"
                     )
                 try:
                     if client.is_model_ready(model):
@@ -374,7 +401,7 @@ class TritonServer:
                 except InferenceServerException:
                     pass  # server not up yet
                 time.sleep(0.5)
-        raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_tail()}")
+        raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_excerpt()}")
 
     def stop(self) -> int | None:
         """SIGTERM the process group (server and stubs), SIGKILL if still up after the exit timeout.
@@ -400,7 +427,7 @@ class TritonServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> TritonServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(
@@ -432,7 +459,7 @@ def install_perf_analyzer(dest: Path = DEFAULT_PERF_ANALYZER_DIR, wheel: Pytrito
 def _extract_perf_analyzer(binary: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, PERF_ANALYZER_WHEEL]
-        if subprocess.run(download).returncode != 0:
+        if subprocess.run(download, check=False).returncode != 0:
             raise RuntimeError(f"`{' '.join(download)}` failed; is the package index reachable?")
         (wheel_file,) = Path(tmp).glob("tritonclient-*.whl")
         with zipfile.ZipFile(wheel_file) as archive:
@@ -453,7 +480,7 @@ def perf_analyzer_environment(dest: Path = DEFAULT_PERF_ANALYZER_DIR) -> dict[st
 def gpu_count() -> int:
     """GPUs that `nvidia-smi -L` lists (0 without the tool or a driver)."""
     try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        listing = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=30)
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return 0
     return sum(line.startswith("GPU ") for line in listing.stdout.splitlines()) if listing.returncode == 0 else 0
@@ -465,7 +492,7 @@ def resolve_placement(kind: str, instances: int) -> tuple[str, list[int] | None]
     if kind == "cpu" or (kind == "auto" and gpus == 0):
         return "KIND_CPU", None
     if gpus < instances:
-        raise SystemExit(f"--kind {kind} --sp {instances} needs {instances} GPUs; nvidia-smi -L lists {gpus}")
+        raise ValueError(f"--kind {kind} --sp {instances} needs {instances} GPUs; nvidia-smi -L lists {gpus}")
     return "KIND_GPU", list(range(instances))
 
 
@@ -479,19 +506,35 @@ def parse_param(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m backend.launcher", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sp", type=int, default=1, help="model instances (one per GPU with KIND_GPU)")
-    parser.add_argument("--kind", choices=("cpu", "gpu", "auto"), default="auto", help="auto: gpu if nvidia-smi lists GPUs")
-    parser.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
-                        help="set a config.pbtxt parameter (repeatable)")
+    parser.add_argument(
+        "--kind",
+        choices=("cpu", "gpu", "auto"),
+        default="auto",
+        help="auto (default): gpu if nvidia-smi lists GPUs, else cpu",
+    )
+    parser.add_argument(
+        "--param",
+        type=parse_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a config.pbtxt parameter (repeatable)",
+    )
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--template", type=Path, default=TEMPLATE_DIR, help="model template directory")
     parser.add_argument("--repository-out", type=Path, default=DEFAULT_REPOSITORY_DIR)
     parser.add_argument("--backends-out", type=Path, default=DEFAULT_BACKENDS_DIR)
     parser.add_argument("--log-file", type=Path, default=REPO_ROOT / "build" / "tritonserver.log")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--wait", action="store_true", help="block until the model is ready, then keep serving")
     parser.add_argument("--wait-timeout", type=float, default=600.0, help="seconds --wait allows (default 600)")
-    parser.add_argument("--install-perf-analyzer", action="store_true", help=f"install perf_analyzer into {DEFAULT_PERF_ANALYZER_DIR}")
+    parser.add_argument(
+        "--install-perf-analyzer",
+        action="store_true",
+        help=f"install perf_analyzer into {DEFAULT_PERF_ANALYZER_DIR}, print its path and exit",
+    )
     return parser
 
 
@@ -499,37 +542,47 @@ def serve(args: argparse.Namespace) -> int:
     kind, device_ids = resolve_placement(args.kind, args.sp)
     backends = prepare_backends(args.backends_out)
     repository = write_model_repository(
-        args.repository_out, instances=args.sp, kind=kind, device_ids=device_ids, parameters=dict(args.param)
+        args.repository_out,
+        instances=args.sp,
+        kind=kind,
+        device_ids=device_ids,
+        parameters=dict(args.param),
+        template_dir=args.template,
     )
     server = TritonServer(
-        repository, backends_dir=backends, grpc_port=args.grpc_port, http_port=args.http_port,
-        metrics_port=args.metrics_port, log_verbose=args.log_verbose, log_path=args.log_file,
+        repository,
+        backends_dir=backends,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        log_verbose=args.log_verbose,
+        log_path=args.log_file,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
     with server:
-        print(f"tritonserver pid {server.process.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)
+        print(f"tritonserver pid {server.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)
         try:
             if args.wait:
-                server.wait_ready(TEMPLATE_DIR.name, args.wait_timeout)
-                print(f"model {TEMPLATE_DIR.name} ready ({args.sp} x {kind})", flush=True)
-            rc = server.process.wait()
+                server.wait_ready(args.template.name, args.wait_timeout)
+                print(f"model {args.template.name} ready ({args.sp} x {kind})", flush=True)
+            rc = server.wait()
         except KeyboardInterrupt:
             return 130
     if rc == 0:
         return 0
-    print(f"tritonserver exited with code {rc}; log tail:\n{server.log_tail()}", file=sys.stderr)
+    print(f"tritonserver exited with code {rc}; from its log:\n{server.log_excerpt()}", file=sys.stderr)
     return rc if rc > 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.install_perf_analyzer:
+    try:
+        if not args.install_perf_analyzer:
+            return serve(args)
         path = install_perf_analyzer()
         print(f"run it with LD_LIBRARY_PATH={path.parent}", file=sys.stderr)
         print(path)
         return 0
-    try:
-        return serve(args)
     except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

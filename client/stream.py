@@ -225,7 +225,7 @@ class StreamingSession:
 
 
 @dataclass(frozen=True)
-class SessionRequest:
+class StreamRequest:
     inputs: list[grpcclient.InferInput]
     request_id: str = ""
     parameters: dict[str, bool | int | float | str] | None = None
@@ -249,7 +249,7 @@ class SessionResult:
 
 def run_sessions(
     url: str,
-    requests: Sequence[SessionRequest],
+    requests: Sequence[StreamRequest],
     *,
     model_name: str = protocol.MODEL_NAME,
     timeout: float | None = None,
@@ -264,7 +264,7 @@ def run_sessions(
     sessions = [StreamingSession(url, model_name=model_name) for _ in requests]
     go = threading.Event()
 
-    def run(session: StreamingSession, request: SessionRequest, result: SessionResult) -> None:
+    def run(session: StreamingSession, request: StreamRequest, result: SessionResult) -> None:
         go.wait()
         try:
             result.sent_s = session.send(request.inputs, request_id=request.request_id, parameters=request.parameters)

@@ -17,7 +17,7 @@ from backend import protocol
 from client.__main__ import main
 from client.camera import camera_preset, default_intrinsics
 from client.stream import (
-    SessionRequest,
+    StreamRequest,
     StreamCancelledError,
     StreamError,
     StreamingSession,
@@ -192,7 +192,7 @@ def test_unreachable_server_names_the_url() -> None:
 
 def test_run_sessions_concurrently(fake) -> None:
     fake, url = fake
-    requests = [SessionRequest(_inputs(seed), request_id=f"s{seed}") for seed in range(3)]
+    requests = [StreamRequest(_inputs(seed), request_id=f"s{seed}") for seed in range(3)]
     results = run_sessions(url, requests, timeout=10, keep_data=False)
     assert [r.request_id for r in results] == ["s0", "s1", "s2"]
     for result in results:

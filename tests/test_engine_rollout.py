@@ -91,12 +91,12 @@ def test_close_session_frees_caches(engine: WorldModelEngine) -> None:
 
 
 def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
-    from backend.config import EngineConfig
+    from backend.config import EngineConfig, from_parameters
     from backend.errors import ConfigError
 
-    config = EngineConfig.from_parameters({"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
+    config = from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
     assert dataclasses.astuple(config)[:2] == (tiny_checkpoint, 2) and config.decode_frames is False
-    with pytest.raises(ConfigError, match=r"unknown engine parameter\(s\) \['sp'\]"):
-        EngineConfig.from_parameters({"checkpoint": tiny_checkpoint, "sp": "2"})
+    with pytest.raises(ConfigError, match=r"unknown EngineConfig parameter\(s\) \['sp'\]"):
+        from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp": "2"})
     with pytest.raises(ConfigError, match=r"parameter sp_degree='two': expected int"):
-        EngineConfig.from_parameters({"checkpoint": tiny_checkpoint, "sp_degree": "two"})
+        from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp_degree": "two"})

@@ -1,0 +1,215 @@
+"""The group loop every rank runs: agree on one plan at each block boundary, run it together, answer.
+
+A rank that receives a request keeps its responder and sends the request to rank 0 at the next
+block boundary (gather); rank 0 plans (scheduler) and broadcasts; every rank opens, runs and closes
+the same sessions in the same order; the owning rank decodes and sends each block's response from
+a writer thread so the group does not wait for the VAE.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Protocol
+
+import numpy as np
+import torch.distributed as dist
+
+from .config import ServingConfig
+from .engine import BlockOutput, Session, WorldModelEngine
+from .errors import InputError
+from .request import SessionRequest
+from .scheduler import Plan, RankEvents, Scheduler, Submission
+
+log = logging.getLogger(__name__)
+
+
+class Responder(Protocol):
+    """One request's reply channel (a Triton response sender in production)."""
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None: ...
+
+    def send_error(self, message: str) -> None: ...
+
+    def finish(self) -> None: ...  # close the stream without data (after a cancellation)
+
+    def is_cancelled(self) -> bool: ...
+
+
+class ResponseWriter:
+    """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
+
+    def __init__(self, engine: WorldModelEngine) -> None:
+        self.engine = engine
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
+        self._thread.start()
+
+    def block(self, responder: Responder, session: Session, output: BlockOutput, final: bool) -> None:
+        def send() -> None:
+            start = time.perf_counter()
+            frames = self.engine.decode(session, output)
+            responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
+
+        self._queue.put(send)
+
+    def error(self, responder: Responder, message: str) -> None:
+        self._queue.put(lambda: responder.send_error(message))
+
+    def finish(self, responder: Responder) -> None:
+        self._queue.put(responder.finish)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (task := self._queue.get()) is not None:
+            try:
+                task()
+            except Exception:  # one client's broken stream must not stop the others
+                log.exception("sending a response failed")
+
+
+class GroupCoordinator:
+    def __init__(
+        self,
+        engine: WorldModelEngine,
+        limits: ServingConfig,
+        control_group: dist.ProcessGroup | None,
+        on_failure: Callable[[BaseException], None],
+    ) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.rank = engine.sp.rank
+        self.world = engine.sp.degree
+        self.control_group = control_group
+        self.on_failure = on_failure
+        self.scheduler = Scheduler(limits) if self.rank == 0 else None
+        self.writer = ResponseWriter(engine)
+        self.sessions: dict[str, Session] = {}
+        self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
+        self.failure: BaseException | None = None
+        self._inbox: queue.SimpleQueue[tuple[Submission, Responder]] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lingbot-group-loop", daemon=True)
+        self._thread.start()
+
+    # -- called from Triton's execute thread -------------------------------------------------------
+
+    def submit(self, request: SessionRequest, responder: Responder) -> None:
+        if self.failure is not None:
+            responder.send_error(self._failure_message())
+            return
+        try:
+            self.engine.validate(request)
+        except InputError as exc:
+            responder.send_error(str(exc))
+            return
+        sid = f"r{self.rank}-{next(self._ids)}"
+        self._inbox.put((Submission(sid, self.rank, request, (request.height, request.width)), responder))
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self.writer.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                plan = self._exchange(self._collect())
+                if plan.stop:
+                    self._fail_local("the model is being unloaded")
+                    return
+                self._apply(plan)
+                if plan.idle:
+                    time.sleep(self.limits.idle_poll_ms / 1000.0)
+        except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
+            log.exception("sequence-parallel group loop failed on rank %d", self.rank)
+            self.failure = exc
+            self._fail_local(self._failure_message())
+            self.writer.close()
+            self.on_failure(exc)
+
+    def _collect(self) -> RankEvents:
+        events = RankEvents(stop=self._stop.is_set())
+        while True:
+            try:
+                sub, responder = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.responders[sub.session_id] = responder
+            events.submissions.append(sub)
+        events.cancelled = [sid for sid, r in self.responders.items() if r.is_cancelled()]
+        return events
+
+    def _exchange(self, events: RankEvents) -> Plan:
+        """Gather every rank's events on rank 0, which plans; broadcast the plan to all."""
+        if self.world == 1:
+            return self.scheduler.plan([events])
+        gathered: list[RankEvents] | None = [RankEvents()] * self.world if self.rank == 0 else None
+        dist.gather_object(events, gathered, dst=0, group=self.control_group)
+        box = [self.scheduler.plan(gathered) if self.scheduler else None]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def _apply(self, plan: Plan) -> None:
+        for sid, message in plan.rejects:
+            if (responder := self.responders.pop(sid, None)) is not None:
+                self.writer.error(responder, message)
+        for sid in plan.cancels:
+            self._end(sid)
+            if (responder := self.responders.pop(sid, None)) is not None:
+                self.writer.finish(responder)
+        for sub in plan.opens:
+            try:
+                self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
+            except InputError as exc:  # same inputs on every rank: every rank fails alike
+                self._end(sub.session_id)
+                if (responder := self.responders.pop(sub.session_id, None)) is not None:
+                    self.writer.error(responder, str(exc))
+        if not plan.batch:
+            return
+        for output in self.engine.run_block([self.sessions[sid] for sid in plan.batch]):
+            sid = output.session_id
+            session = self.sessions[sid]
+            responder = self.responders.get(sid)
+            if responder is not None:
+                self.writer.block(responder, session, output, final=session.done)
+            if session.done:
+                self.responders.pop(sid, None)
+                self._end(sid)
+
+    def _end(self, sid: str) -> None:
+        """Free a session's caches on this rank and its slot on rank 0."""
+        if (session := self.sessions.pop(sid, None)) is not None:
+            self.engine.close_session(session)
+        if self.scheduler is not None:
+            self.scheduler.finished(sid)
+
+    def _fail_local(self, message: str) -> None:
+        while True:
+            try:
+                sub, responder = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.responders[sub.session_id] = responder
+        for sid in list(self.responders):
+            self.writer.error(self.responders.pop(sid), message)
+        for sid in list(self.sessions):
+            self._end(sid)
+
+    def _failure_message(self) -> str:
+        return (
+            f"the sequence-parallel group failed on rank {self.rank} ({self.failure!r}); "
+            f"this model is no longer ready, restart the server or reload the model"
+        )

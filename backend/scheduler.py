@@ -1,0 +1,97 @@
+"""Rank 0's decisions for the whole group: admission, limits, fair round-robin batches of sessions.
+
+Pure logic on plain data, so every rank can apply the same `Plan` in the same order.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from .config import ServingConfig
+from .request import SessionRequest
+
+
+@dataclass
+class Submission:
+    """A request as it travels from the rank that received it to rank 0 and back to every rank."""
+
+    session_id: str  # "r{owner}-{n}": unique in the group
+    owner: int  # the rank that holds the response sender
+    request: SessionRequest
+    geometry_key: tuple[int, int]  # sessions that share it can share a forward
+
+
+@dataclass
+class RankEvents:
+    """What one rank tells rank 0 at a block boundary."""
+
+    submissions: list[Submission] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    stop: bool = False
+
+
+@dataclass
+class Plan:
+    """What every rank does next, in this order."""
+
+    rejects: list[tuple[str, str]] = field(default_factory=list)  # (session id, message)
+    cancels: list[str] = field(default_factory=list)
+    opens: list[Submission] = field(default_factory=list)
+    batch: list[str] = field(default_factory=list)  # sessions that run their next block together
+    stop: bool = False
+
+    @property
+    def idle(self) -> bool:
+        return not (self.opens or self.batch)
+
+
+class Scheduler:
+    def __init__(self, limits: ServingConfig) -> None:
+        self.limits = limits
+        self.pending: deque[Submission] = deque()
+        self.active: OrderedDict[str, tuple[int, int]] = OrderedDict()  # round-robin order
+
+    def plan(self, events: list[RankEvents]) -> Plan:
+        plan = Plan(stop=any(e.stop for e in events))
+        if plan.stop:
+            return plan
+        cancelled = {sid for e in events for sid in e.cancelled}
+        for sub in [s for e in events for s in e.submissions]:
+            if sub.session_id in cancelled:
+                plan.cancels.append(sub.session_id)
+            elif len(self.pending) >= self.limits.max_queue:
+                plan.rejects.append((sub.session_id, self._queue_full()))
+            else:
+                self.pending.append(sub)
+        for sid in cancelled:
+            if sid in self.active:
+                del self.active[sid]
+                plan.cancels.append(sid)
+            elif any(p.session_id == sid for p in self.pending):
+                self.pending = deque(p for p in self.pending if p.session_id != sid)
+                plan.cancels.append(sid)
+        plan.batch = self._next_batch()  # only sessions opened in earlier rounds
+        while self.pending and len(self.active) < self.limits.max_sessions:
+            sub = self.pending.popleft()
+            self.active[sub.session_id] = sub.geometry_key
+            plan.opens.append(sub)
+        return plan
+
+    def finished(self, session_id: str) -> None:
+        """A session ended (last block, failed open): free its slot."""
+        self.active.pop(session_id, None)
+
+    def _next_batch(self) -> list[str]:
+        if not self.active:
+            return []
+        key = next(iter(self.active.values()))  # the longest-waiting session picks the geometry
+        batch = [sid for sid, k in self.active.items() if k == key][: self.limits.max_batch]
+        for sid in batch:  # served sessions go to the back: fair round robin
+            self.active.move_to_end(sid)
+        return batch
+
+    def _queue_full(self) -> str:
+        return (
+            f"server busy: {len(self.pending)} sessions already wait for a slot (max_queue={self.limits.max_queue}, "
+            f"max_sessions={self.limits.max_sessions}); retry later"
+        )

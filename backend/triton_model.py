@@ -1,0 +1,144 @@
+"""Triton Python-backend adapter: one instance per device joins the SP group and serves through it."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import re
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import triton_python_backend_utils as pb_utils
+
+from .config import read_checkpoint_configs, split_parameters
+from .coordinator import GroupCoordinator
+from .engine import BlockOutput, WorldModelEngine
+from .errors import ConfigError, InputError
+from .parallel import SequenceParallel, init_process_group
+from .triton_io import block_outputs, parse_request
+from .validation import validate_engine
+
+log = logging.getLogger("lingbot_world")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def instance_rank(args: dict, model_config: dict) -> tuple[int, int]:
+    """(rank, world size) of this instance among all instances of the model."""
+    groups = model_config.get("instance_group", [])
+    if args["model_instance_kind"] == "GPU":
+        devices = sorted(int(d) for g in groups for d in g.get("gpus", []) for _ in range(int(g.get("count", 1))))
+        device = int(args["model_instance_device_id"])
+        if len(set(devices)) != len(devices):
+            raise ConfigError(f"instance_group must place one instance per GPU; got GPUs {devices}")
+        return devices.index(device), len(devices)
+    world = sum(int(g.get("count", 1)) for g in groups)
+    match = re.search(r"_(\d+)$", args["model_instance_name"])
+    if match is None:
+        raise ConfigError(f"cannot derive a rank from instance name {args['model_instance_name']!r}")
+    return int(match.group(1)), world
+
+
+class TritonResponder:
+    """Replies of one request through its decoupled response sender; nothing is sent after the final flag."""
+
+    def __init__(self, sender: "pb_utils.InferenceResponseSender", return_latents: bool) -> None:
+        self.sender = sender
+        self.return_latents = return_latents
+        self.arrival = time.perf_counter()
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        since_arrival_ms = (time.perf_counter() - self.arrival) * 1000.0
+        latents = output.latents[0].numpy() if self.return_latents else None
+        tensors = block_outputs(
+            output.block_index, output.num_blocks, latents, frames, (output.dit_ms, decode_ms, since_arrival_ms)
+        )
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+        self._send(response, FINAL if final else 0)
+
+    def send_error(self, message: str) -> None:
+        self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
+
+    def finish(self) -> None:
+        self._send(None, FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def _send(self, response: "pb_utils.InferenceResponse | None", flags: int) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = bool(flags & FINAL)
+            if response is None:
+                self.sender.send(flags=flags)
+            else:
+                self.sender.send(response, flags=flags)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        model_config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        engine_config, limits = split_parameters(params)
+        rank, world = instance_rank(args, model_config)
+        on_gpu = args["model_instance_kind"] == "GPU"
+        device = f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu"
+        engine_config = dataclasses.replace(engine_config, device=device)
+        if engine_config.sp_degree != world:
+            raise ConfigError(
+                f"sp_degree={engine_config.sp_degree} must equal the number of model instances ({world})"
+            )
+        # Fail fast, alone, before waiting for peers or reading weights.
+        validate_engine(engine_config, read_checkpoint_configs(engine_config.checkpoint), world)
+        if on_gpu:
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        control = data = None
+        if world > 1:
+            backend = "nccl" if on_gpu else "gloo"
+            init_process_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, backend,
+                               limits.init_timeout_s)
+            # Block-time collectives get the short timeout: a dead or hung peer is detected in bounded time.
+            timeout = datetime.timedelta(seconds=limits.collective_timeout_s)
+            data = dist.new_group(backend=backend, timeout=timeout)
+            control = dist.new_group(backend="gloo", timeout=timeout)
+        log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
+        self.engine = WorldModelEngine(engine_config, SequenceParallel(data), max_frames=limits.max_frames)
+        if world > 1:
+            dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
+        self.coordinator = GroupCoordinator(self.engine, limits, control, on_failure=self._on_group_failure)
+        log.info("rank %d/%d ready (attention: %s)", rank, world, self.engine.attention_name)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                session_request = parse_request(lambda name: _input(request, name), request.parameters())
+            except InputError as exc:
+                TritonResponder(sender, return_latents=False).send_error(str(exc))
+                continue
+            self.coordinator.submit(session_request, TritonResponder(sender, session_request.return_latents))
+        return None
+
+    def finalize(self) -> None:
+        self.coordinator.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _on_group_failure(self, exc: BaseException) -> None:
+        """In-flight streams already got their error. Exit the stub so Triton reports the model not ready."""
+        log.error("rank %d: sequence-parallel group failed (%r); stopping this instance", self.rank, exc)
+        os._exit(1)
+
+
+def _input(request: "pb_utils.InferenceRequest", name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()

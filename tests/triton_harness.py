@@ -1,0 +1,66 @@
+"""Start a real tritonserver on the tiny checkpoint and talk to it over gRPC (shared by tests)."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from backend.launcher import TritonServer, prepare_backends, write_model_repository
+from backend.local_group import free_port
+from backend.request import SessionRequest
+from client.stream import StreamingSession, build_inputs
+from factories import TINY_SIZE
+
+
+def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str]:
+    params = {
+        "checkpoint": checkpoint,
+        "sp_degree": str(sp),
+        "dtype": "float32",
+        "window_frames": "9",
+        "sink_frames": "3",
+        "text_len": "16",
+        "default_height": str(TINY_SIZE),
+        "default_width": str(TINY_SIZE),
+        "rendezvous_port": str(free_port()),
+        "collective_timeout_s": "20",
+        "max_frames": "129",
+    }
+    params.update(overrides)
+    return params
+
+
+@contextlib.contextmanager
+def running_server(tmp: Path, checkpoint: str, sp: int = 1, **overrides: str) -> Iterator[TritonServer]:
+    repo = write_model_repository(
+        tmp / f"repo_sp{sp}", instances=sp, kind="KIND_CPU", parameters=tiny_parameters(checkpoint, sp, **overrides)
+    )
+    server = TritonServer(repo, backends_dir=prepare_backends(), log_path=tmp / f"tritonserver_sp{sp}.log")
+    with server:
+        server.wait_ready("lingbot_world", timeout=240)
+        yield server
+
+
+def inputs_for(request: SessionRequest) -> list:
+    return build_inputs(
+        request.image,
+        request.prompt,
+        request.poses,
+        request.intrinsics,
+        num_frames=request.num_frames,
+        seed=request.seed,
+        height=request.height,
+        width=request.width,
+    )
+
+
+def stream(url: str, request: SessionRequest, timeout: float = 120) -> list:
+    with StreamingSession(url) as session:
+        session.send(inputs_for(request), parameters={"decode": request.decode, "return_latents": True})
+        return list(session.responses(timeout))
+
+
+def latents_of(blocks: list) -> np.ndarray:
+    return np.concatenate([b.latents for b in blocks], axis=1)
