@@ -168,6 +168,7 @@ class ServingConfig:
     max_sessions: int = 4  # sessions generating at once (each holds a KV cache)
     max_queue: int = 16  # sessions waiting for a slot; more are rejected
     max_batch: int = 4  # sessions of one geometry run in one forward
+    max_blocks_ahead: int = 2  # blocks a session may be computed ahead of what its client was sent
     rendezvous_host: str = "127.0.0.1"
     rendezvous_port: int = 29650
     init_timeout_s: float = 1800.0  # rendezvous and weight loading

@@ -43,6 +43,7 @@ class ResponseWriter:
 
     def __init__(self, engine: WorldModelEngine) -> None:
         self.engine = engine
+        self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
         self._thread.start()
@@ -52,6 +53,7 @@ class ResponseWriter:
             start = time.perf_counter()
             frames = self.engine.decode(session, output)
             responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
+            self.delivered[session.id] = output.block_index + 1
 
         self._queue.put(send)
 
@@ -150,6 +152,10 @@ class GroupCoordinator:
             self.responders[sub.session_id] = responder
             events.submissions.append(sub)
         events.cancelled = [sid for sid, r in self.responders.items() if r.is_cancelled()]
+        delivered = self.writer.delivered
+        for sid in [s for s in list(delivered) if s not in self.responders]:  # streams that ended
+            delivered.pop(sid, None)
+        events.delivered = {sid: delivered.get(sid, 0) for sid in self.responders}
         return events
 
     def _exchange(self, events: RankEvents) -> Plan:
@@ -167,14 +173,14 @@ class GroupCoordinator:
             if (responder := self.responders.pop(sid, None)) is not None:
                 self.writer.error(responder, message)
         for sid in plan.cancels:
-            self._end(sid)
+            self._end(sid, "cancelled")
             if (responder := self.responders.pop(sid, None)) is not None:
                 self.writer.finish(responder)
         for sub in plan.opens:
             try:
                 self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
             except InputError as exc:  # same inputs on every rank: every rank fails alike
-                self._end(sub.session_id)
+                self._end(sub.session_id, "rejected")
                 if (responder := self.responders.pop(sub.session_id, None)) is not None:
                     self.writer.error(responder, str(exc))
         if not plan.batch:
@@ -187,12 +193,18 @@ class GroupCoordinator:
                 self.writer.block(responder, session, output, final=session.done)
             if session.done:
                 self.responders.pop(sid, None)
-                self._end(sid)
+                self._end(sid, "finished")
 
-    def _end(self, sid: str) -> None:
+    def _end(self, sid: str, reason: str) -> None:
         """Free a session's caches on this rank and its slot on rank 0."""
         if (session := self.sessions.pop(sid, None)) is not None:
+            held = session.cache_bytes()
             self.engine.close_session(session)
+            log.info(
+                "rank %d: session %s %s after %d/%d blocks; freed %d cache bytes (left: %d); open sessions: %d",
+                self.rank, sid, reason, session.block_index, session.geometry.num_blocks, held,
+                session.cache_bytes(), len(self.sessions),
+            )
         if self.scheduler is not None:
             self.scheduler.finished(sid)
 
@@ -206,7 +218,7 @@ class GroupCoordinator:
         for sid in list(self.responders):
             self.writer.error(self.responders.pop(sid), message)
         for sid in list(self.sessions):
-            self._end(sid)
+            self._end(sid, "aborted")
 
     def _failure_message(self) -> str:
         return (

@@ -96,12 +96,12 @@ class WorldModelEngine:
 
     def validate(self, request: SessionRequest) -> VideoGeometry:
         """All request checks; raises InputError naming the bad input. Cheap: no model work."""
-        check_request(request, self.max_frames)
+        if not 1 <= request.num_frames <= self.max_frames:
+            raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
-        if geometry.num_blocks < 1:
-            raise InputError(f"num_frames={request.num_frames} makes no complete block")
+        check_request(request)
         return geometry
 
     @torch.no_grad()

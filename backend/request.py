@@ -36,15 +36,13 @@ class SessionRequest:
         return self.intrinsics
 
 
-def check_request(request: SessionRequest, max_frames: int) -> None:
-    """Checks that need no model geometry; the engine adds the size checks. Raises InputError."""
+def check_request(request: SessionRequest) -> None:
+    """Checks of the inputs' types, shapes and values (the engine checks sizes first). Raises InputError."""
     image = request.image
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
         raise InputError(f"image must be UINT8 [H, W, 3]; got {image.dtype} {list(image.shape)}")
     if not request.prompt.strip():
         raise InputError("prompt is empty")
-    if not 1 <= request.num_frames <= max_frames:
-        raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={max_frames}")
     frames = request.num_frames
     poses = request.poses
     if poses.dtype != np.float32 or poses.shape != (frames, 4, 4):

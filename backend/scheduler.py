@@ -27,6 +27,7 @@ class RankEvents:
 
     submissions: list[Submission] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
     stop: bool = False
 
 
@@ -50,12 +51,16 @@ class Scheduler:
         self.limits = limits
         self.pending: deque[Submission] = deque()
         self.active: OrderedDict[str, tuple[int, int]] = OrderedDict()  # round-robin order
+        self.computed: dict[str, int] = {}  # blocks run, per active session
+        self.delivered: dict[str, int] = {}  # blocks sent, as the owners last reported
 
     def plan(self, events: list[RankEvents]) -> Plan:
         plan = Plan(stop=any(e.stop for e in events))
         if plan.stop:
             return plan
         cancelled = {sid for e in events for sid in e.cancelled}
+        for e in events:
+            self.delivered.update(e.delivered)
         for sub in [s for e in events for s in e.submissions]:
             if sub.session_id in cancelled:
                 plan.cancels.append(sub.session_id)
@@ -65,7 +70,7 @@ class Scheduler:
                 self.pending.append(sub)
         for sid in cancelled:
             if sid in self.active:
-                del self.active[sid]
+                self.finished(sid)
                 plan.cancels.append(sid)
             elif any(p.session_id == sid for p in self.pending):
                 self.pending = deque(p for p in self.pending if p.session_id != sid)
@@ -74,20 +79,29 @@ class Scheduler:
         while self.pending and len(self.active) < self.limits.max_sessions:
             sub = self.pending.popleft()
             self.active[sub.session_id] = sub.geometry_key
+            self.computed[sub.session_id] = 0
             plan.opens.append(sub)
         return plan
 
     def finished(self, session_id: str) -> None:
-        """A session ended (last block, failed open): free its slot."""
+        """A session ended (last block, failed open, cancelled): free its slot."""
         self.active.pop(session_id, None)
+        self.computed.pop(session_id, None)
+        self.delivered.pop(session_id, None)
 
     def _next_batch(self) -> list[str]:
-        if not self.active:
+        # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its writer.
+        ready = [
+            (sid, key) for sid, key in self.active.items()
+            if self.computed[sid] - self.delivered.get(sid, 0) < self.limits.max_blocks_ahead
+        ]
+        if not ready:
             return []
-        key = next(iter(self.active.values()))  # the longest-waiting session picks the geometry
-        batch = [sid for sid, k in self.active.items() if k == key][: self.limits.max_batch]
+        key = ready[0][1]  # the longest-waiting ready session picks the geometry
+        batch = [sid for sid, k in ready if k == key][: self.limits.max_batch]
         for sid in batch:  # served sessions go to the back: fair round robin
             self.active.move_to_end(sid)
+            self.computed[sid] += 1
         return batch
 
     def _queue_full(self) -> str:

@@ -23,8 +23,21 @@ from .parallel import SequenceParallel, init_process_group
 from .triton_io import block_outputs, parse_request
 from .validation import validate_engine
 
-log = logging.getLogger("lingbot_world")
+log = logging.getLogger("backend")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonLogHandler(logging.Handler):
+    """Route the package's logging into the server log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = f"lingbot_world: {self.format(record)}"
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(message)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(message)
+        else:
+            pb_utils.Logger.log_info(message)
 
 
 def instance_rank(args: dict, model_config: dict) -> tuple[int, int]:
@@ -84,6 +97,9 @@ class TritonResponder:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        if not log.handlers:
+            log.addHandler(TritonLogHandler())
+            log.setLevel(logging.INFO)
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         engine_config, limits = split_parameters(params)

@@ -1,0 +1,180 @@
+"""The decoupled model behind a real tritonserver, over real gRPC, on the tiny checkpoint."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend import protocol
+from backend.engine import WorldModelEngine
+from client.stream import StreamError, StreamingSession, StreamRequest, run_sessions
+from factories import forward_poses, tiny_config, tiny_request
+from triton_harness import inputs_for, latents_of, running_server, stream
+
+MODEL = protocol.MODEL_NAME
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
+    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: str) -> WorldModelEngine:
+    return WorldModelEngine(tiny_config(tiny_checkpoint))
+
+
+def assert_ready(server) -> None:
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        assert client.is_model_ready(MODEL)
+
+
+def test_stream_matches_engine_bit_for_bit(server, engine: WorldModelEngine) -> None:
+    request = tiny_request()
+    blocks = stream(server.grpc_url, request)
+    direct = engine.generate(request)
+    assert [b.block_index for b in blocks] == list(range(5)) and all(b.num_blocks == 5 for b in blocks)
+    for block, (out, frames) in zip(blocks, direct):
+        assert np.array_equal(block.frames, frames)
+        assert np.array_equal(block.latents, out.latents[0].numpy())
+        dit_ms, decode_ms, since_arrival_ms = block.timing_ms
+        assert dit_ms > 0 and decode_ms > 0 and since_arrival_ms >= dit_ms
+
+
+def test_blocks_arrive_as_they_are_ready(server) -> None:
+    blocks = stream(server.grpc_url, tiny_request())
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(blocks, blocks[1:])]
+    # Streamed, not buffered: every block arrives a block's compute after the one before it.
+    assert min(gaps) > 0.01, gaps
+
+
+def test_concurrent_streams_all_complete_correctly(server, engine: WorldModelEngine) -> None:
+    requests = [tiny_request(num_frames=33, seed=s, poses=forward_poses(33, 0.02 * s)) for s in range(4)]
+    results = run_sessions(server.grpc_url, [StreamRequest(inputs_for(r), request_id=f"c{i}") for i, r in
+                                             enumerate(requests)], timeout=180)
+    for request, result in zip(requests, results):
+        assert result.error is None, result.error
+        assert [b.block_index for b in result.blocks] == [0, 1, 2]
+        direct = engine.generate(request)
+        expected = np.concatenate([out.latents[0].numpy() for out, _ in direct], axis=1)
+        # Sessions may share a forward (batched): the same arithmetic per sample, up to reduction order.
+        assert np.abs(latents_of(result.blocks) - expected).max() < 1e-5
+        frames = np.concatenate([b.frames for b in result.blocks]).astype(int)
+        assert np.abs(frames - np.concatenate([f for _, f in direct]).astype(int)).max() <= 1
+    assert_ready(server)
+
+
+def test_cancel_mid_stream_frees_the_session(server, engine: WorldModelEngine) -> None:
+    log = Path(server.log_path)
+    for attempt in range(3):
+        with StreamingSession(server.grpc_url) as session:
+            session.send(inputs_for(tiny_request(num_frames=129)))
+            blocks = session.responses(timeout=120)
+            first = next(blocks)
+            assert first.block_index == 0 and first.num_blocks == 11
+            blocks.close()  # stops the stream with cancel_requests=True
+        deadline = time.monotonic() + 30
+        pattern = re.compile(r"session (r0-\d+) cancelled after (\d+)/11 blocks; freed (\d+) cache bytes \(left: 0\)")
+        while time.monotonic() < deadline and len(pattern.findall(log.read_text())) <= attempt:
+            time.sleep(0.2)
+        found = pattern.findall(log.read_text())
+        assert len(found) == attempt + 1, "the cancelled session was not ended"
+        assert int(found[-1][1]) < 11 and int(found[-1][2]) > 0
+    # The group still serves, with the same result as before.
+    request = tiny_request(num_frames=21)
+    assert np.array_equal(latents_of(stream(server.grpc_url, request)),
+                          np.concatenate([o.latents[0].numpy() for o, _ in engine.generate(request)], axis=1))
+
+
+def _raw_stream_error(url: str, inputs: list, parameters: dict | None = None) -> str:
+    with StreamingSession(url) as session:
+        session.send(inputs, parameters=parameters)
+        with pytest.raises(StreamError) as info:
+            list(session.responses(timeout=60))
+    return str(info.value)
+
+
+def _inputs(**changes) -> list:
+    """Valid inputs with some replaced (value None drops the input)."""
+    request = tiny_request(num_frames=9)
+    inputs = {i.name(): i for i in inputs_for(request)}
+    for name, value in changes.items():
+        if value is None:
+            inputs.pop(name)
+        else:
+            array = np.asarray(value)
+            dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
+            inputs[name] = grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array)
+    return list(inputs.values())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({protocol.PROMPT: None}, r"prompt"),
+        ({protocol.SEED: np.array([1.5], np.float32)}, r"seed"),
+        ({protocol.IMAGE: np.zeros((64, 64, 3), np.float32)}, r"image"),
+        ({protocol.CAMERA_POSES: np.zeros((9, 3, 4), np.float32)}, r"camera_poses"),
+        ({protocol.NUM_FRAMES: np.array([11], np.int32)}, r"num_frames=11 must be 1 \+ 4 x k"),
+        ({protocol.NUM_FRAMES: np.array([13], np.int32), protocol.CAMERA_POSES: forward_poses(13)},
+         r"not a multiple of block_frames=3"),
+        ({protocol.PROMPT: np.array([b""], dtype=object)}, r"prompt is empty"),
+        ({protocol.PROMPT: np.array([b"\xff\xfe bad"], dtype=object)}, r"not valid UTF-8"),
+        ({protocol.CAMERA_POSES: forward_poses(9) * np.float32(np.nan)}, r"NaN or Inf"),
+        ({protocol.CAMERA_POSES: forward_poses(5)}, r"camera_poses must be FP32 \[9, 4, 4\]"),
+        ({protocol.HEIGHT: np.array([72], np.int32)}, r"height x width = 72 x 64"),
+        ({protocol.NUM_FRAMES: np.array([100001], np.int32)}, r"max_frames=129"),
+    ],
+    ids=["missing", "dtype", "image_dtype", "pose_shape", "frames", "blocks", "empty_prompt", "utf8", "nan",
+         "pose_count", "size", "too_long"],
+)
+def test_bad_inputs_get_clear_errors(server, changes: dict, message: str) -> None:
+    assert re.search(message, _raw_stream_error(server.grpc_url, _inputs(**changes)))
+    assert_ready(server)
+
+
+def test_bad_request_parameter(server) -> None:
+    error = _raw_stream_error(server.grpc_url, _inputs(), {"decode": "maybe"})
+    assert "request parameter 'decode' must be a bool" in error
+
+
+def test_queue_limit_rejects_clearly(server) -> None:
+    # max_sessions=3 run, max_queue=4 wait: of 9 long sessions sent at once, 2 are turned away.
+    requests = [StreamRequest(inputs_for(tiny_request(num_frames=57, seed=s)), request_id=f"q{s}") for s in range(9)]
+    results = run_sessions(server.grpc_url, requests, timeout=300, keep_data=False)
+    errors = [str(r.error) for r in results if r.error is not None]
+    assert len(errors) == 2, errors
+    assert all("server busy" in e and "max_queue=4" in e for e in errors)
+    assert all(len(r.blocks) == 5 for r in results if r.error is None)
+    assert_ready(server)
+
+
+def test_no_decode_parameter(server) -> None:
+    with StreamingSession(server.grpc_url) as session:
+        session.send(inputs_for(tiny_request(num_frames=9)), parameters={"decode": False, "return_latents": False})
+        (block,) = list(session.responses(timeout=60))
+    assert block.frames.shape[0] == 0 and block.latents is None
+
+
+def test_sp2_through_triton_matches_sp1(tmp_path: Path, tiny_checkpoint: str, server) -> None:
+    request = tiny_request()
+    single = latents_of(stream(server.grpc_url, request))
+    with running_server(tmp_path, tiny_checkpoint, sp=2) as sp2:
+        results: dict[int, np.ndarray] = {}
+
+        def one(i: int) -> None:  # two clients at once: requests reach both instances
+            results[i] = latents_of(stream(sp2.grpc_url, request))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for latents in results.values():
+        assert np.array_equal(latents, single)
