@@ -342,8 +342,15 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             # On SIGTERM the server waits this long for open requests (a dead stub's never finish).
             f"--exit-timeout-secs={self.exit_timeout_s}",
+            # Explicit control, so a model whose group failed can unload itself and read not-ready.
+            "--model-control-mode=explicit",
+            *(f"--load-model={name}" for name in self.models()),
         ]
         return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args
+
+    def models(self) -> list[str]:
+        """The models of the repository (each loaded at start)."""
+        return sorted(p.name for p in self.model_repository.iterdir() if (p / "config.pbtxt").is_file())
 
     def environment(self) -> dict[str, str]:
         # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),

@@ -60,14 +60,7 @@ class Scheduler:
             return plan
         cancelled = {sid for e in events for sid in e.cancelled}
         for e in events:
-            self.delivered.update(e.delivered)
-        for sub in [s for e in events for s in e.submissions]:
-            if sub.session_id in cancelled:
-                plan.cancels.append(sub.session_id)
-            elif len(self.pending) >= self.limits.max_queue:
-                plan.rejects.append((sub.session_id, self._queue_full()))
-            else:
-                self.pending.append(sub)
+            self.delivered.update({sid: n for sid, n in e.delivered.items() if sid in self.active})
         for sid in cancelled:
             if sid in self.active:
                 self.finished(sid)
@@ -76,12 +69,26 @@ class Scheduler:
                 self.pending = deque(p for p in self.pending if p.session_id != sid)
                 plan.cancels.append(sid)
         plan.batch = self._next_batch()  # only sessions opened in earlier rounds
-        while self.pending and len(self.active) < self.limits.max_sessions:
-            sub = self.pending.popleft()
-            self.active[sub.session_id] = sub.geometry_key
-            self.computed[sub.session_id] = 0
-            plan.opens.append(sub)
+        while self.pending and self._has_slot():
+            plan.opens.append(self._open(self.pending.popleft()))
+        for sub in [s for e in events for s in e.submissions]:
+            if sub.session_id in cancelled:
+                plan.cancels.append(sub.session_id)
+            elif self._has_slot():
+                plan.opens.append(self._open(sub))
+            elif len(self.pending) < self.limits.max_queue:
+                self.pending.append(sub)
+            else:
+                plan.rejects.append((sub.session_id, self._queue_full()))
         return plan
+
+    def _has_slot(self) -> bool:
+        return len(self.active) < self.limits.max_sessions
+
+    def _open(self, sub: Submission) -> Submission:
+        self.active[sub.session_id] = sub.geometry_key
+        self.computed[sub.session_id] = 0
+        return sub
 
     def finished(self, session_id: str) -> None:
         """A session ended (last block, failed open, cancelled): free its slot."""

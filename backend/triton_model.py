@@ -101,6 +101,7 @@ class TritonPythonModel:
             log.addHandler(TritonLogHandler())
             log.setLevel(logging.INFO)
         model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         engine_config, limits = split_parameters(params)
         rank, world = instance_rank(args, model_config)
@@ -117,6 +118,7 @@ class TritonPythonModel:
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        self.rank = rank
         control = data = None
         if world > 1:
             backend = "nccl" if on_gpu else "gloo"
@@ -150,9 +152,15 @@ class TritonPythonModel:
             dist.destroy_process_group()
 
     def _on_group_failure(self, exc: BaseException) -> None:
-        """In-flight streams already got their error. Exit the stub so Triton reports the model not ready."""
-        log.error("rank %d: sequence-parallel group failed (%r); stopping this instance", self.rank, exc)
-        os._exit(1)
+        """In-flight streams already got their error; unload the model so Triton reports it not ready."""
+        log.error("rank %d: sequence-parallel group failed (%r); unloading %s", self.rank, exc, self.model_name)
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as unload_error:  # noqa: BLE001 - only explicit model control allows it
+            log.error(
+                "cannot unload %s (%s); without --model-control-mode=explicit the model keeps reading ready "
+                "and refuses every request until the server restarts", self.model_name, unload_error,
+            )
 
 
 def _input(request: "pb_utils.InferenceRequest", name: str) -> np.ndarray | None:

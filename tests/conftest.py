@@ -11,3 +11,12 @@ from backend.tiny_checkpoint import write_checkpoint
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random tiny checkpoint in the diffusers directory format, written once per test run."""
     return str(write_checkpoint(Path(tmp_path_factory.mktemp("ckpt")) / "tiny", "tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def sp1_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
+    """One real tritonserver (one CPU instance) on the tiny checkpoint for the whole run."""
+    from triton_harness import running_server
+
+    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4") as s:
+        yield s

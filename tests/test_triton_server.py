@@ -20,9 +20,8 @@ MODEL = protocol.MODEL_NAME
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
-    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4") as s:
-        yield s
+def server(sp1_server):
+    return sp1_server
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,254 @@
+"""Shared by the benchmarks: workloads, checkpoints, the per-rank rollout, a CUDA process group, tables."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import queue
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from backend.config import EngineConfig
+from backend.engine import WorldModelEngine
+from backend.local_group import free_port
+from backend.parallel import SequenceParallel, init_process_group
+from backend.protocol import video_frames_for
+from backend.request import SessionRequest
+from backend.tiny_checkpoint import PRESETS, write_checkpoint
+from client.camera import camera_preset
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = REPO_ROOT / "build"
+PROMPT = "a car driving forward on a road in the city at sunset"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request's size plus the engine settings that shape its cost."""
+
+    height: int
+    width: int
+    blocks: int  # AR blocks of EngineConfig.block_frames latent frames
+    dtype: str
+    window_frames: int
+    sink_frames: int
+    text_len: int
+    seed: int = 42
+    camera: str = "forward"
+
+    @property
+    def num_frames(self) -> int:
+        return video_frames_for(self.blocks * EngineConfig.block_frames)
+
+
+# The test suite's tiny-model settings (5 blocks: the 9-frame window fills, then slides past the sink).
+TINY = Workload(height=64, width=64, blocks=5, dtype="float32", window_frames=9, sink_frames=3, text_len=16)
+# The real LingBot-World workload: 480x832, 81 frames (7 blocks), the serving defaults of EngineConfig.
+GPU = Workload(height=480, width=832, blocks=7, dtype="bfloat16", window_frames=18, sink_frames=3, text_len=512)
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser, preset: str) -> None:
+    parser.add_argument("--checkpoint", type=Path, help="diffusers-format checkpoint directory "
+                        "(default: a random --preset checkpoint in build/checkpoints/PRESET, written if absent)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=preset, help="random checkpoint size")
+
+
+def add_workload_args(parser: argparse.ArgumentParser, default: Workload, preset: str) -> None:
+    add_checkpoint_args(parser, preset)
+    g = parser.add_argument_group("workload")
+    g.add_argument("--height", type=int, default=default.height)
+    g.add_argument("--width", type=int, default=default.width)
+    g.add_argument("--blocks", type=int, default=default.blocks,
+                   help=f"AR blocks per request ({default.blocks} = {default.num_frames} frames)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=default.dtype)
+    g.add_argument("--window-frames", type=int, default=default.window_frames, help="latent frames in the KV window")
+    g.add_argument("--sink-frames", type=int, default=default.sink_frames)
+    g.add_argument("--text-len", type=int, default=default.text_len)
+    g.add_argument("--seed", type=int, default=default.seed)
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    names = [f.name for f in dataclasses.fields(Workload) if f.name != "camera"]
+    return Workload(**{n: getattr(args, n) for n in names})
+
+
+def ensure_checkpoint(path: Path | None, preset: str) -> Path:
+    """`path` as given, or the random `preset` checkpoint under build/checkpoints (written on first use)."""
+    if path is not None:
+        if not (path / "model_index.json").is_file():
+            raise SystemExit(f"error: {path} is not a diffusers-format checkpoint (no model_index.json)")
+        return path
+    root = BUILD_DIR / "checkpoints" / preset
+    if not (root / "model_index.json").is_file():
+        print(f"writing a random {preset!r} checkpoint to {root}", flush=True)
+        write_checkpoint(root, preset)
+    return root
+
+
+def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu") -> EngineConfig:
+    return EngineConfig(
+        checkpoint=str(checkpoint), sp_degree=sp, dtype=w.dtype, device=device, window_frames=w.window_frames,
+        sink_frames=w.sink_frames, text_len=w.text_len, default_height=w.height, default_width=w.width,
+    )
+
+
+def server_parameters(config: EngineConfig, **serving: str) -> dict[str, str]:
+    """config.pbtxt parameters serving exactly `config` (device and tp_degree come from the instance group)."""
+    params = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)
+              if f.name not in ("device", "tp_degree")}
+    return params | {"rendezvous_port": str(free_port())} | serving
+
+
+def make_request(w: Workload, decode: bool = True) -> SessionRequest:
+    image = np.random.default_rng(w.seed).integers(0, 256, (w.height, w.width, 3), dtype=np.uint8)
+    return SessionRequest(image=image, prompt=PROMPT, poses=camera_preset(w.camera, w.num_frames),
+                          num_frames=w.num_frames, seed=w.seed, height=w.height, width=w.width, decode=decode)
+
+
+# ---------------------------------------------------------------- the rollout every rank runs
+
+
+@dataclass
+class RankResult:
+    attention: str
+    block_ms: list[float]  # run_block wall time (DiT forwards + all-to-all) per block
+    a2a_bytes: list[int]  # bytes this rank sent by all-to-all, per block
+    request_s: float  # open_session .. last block decoded (rank 0 decodes, as the serving rank does)
+    peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
+
+
+def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
+    """One warm-up session of `warmup_blocks`, then one timed full request. Importable for spawned ranks."""
+    if config.device == "cuda":
+        config = dataclasses.replace(config, device=f"cuda:{torch.cuda.current_device()}")
+    engine = WorldModelEngine(config, sp)
+    warm = engine.open_session(request)
+    for _ in range(min(warmup_blocks, warm.geometry.num_blocks)):
+        engine.run_block([warm])
+    engine.close_session(warm)
+    start = time.perf_counter()
+    session = engine.open_session(request)
+    outputs = []
+    while not session.done:
+        (out,) = engine.run_block([session])
+        if sp.rank == 0:  # the others wait for it in the next block's first all-to-all, not in this one
+            engine.decode(session, out)
+        outputs.append(out)
+    engine.close_session(session)
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+    return RankResult(
+        attention=engine.attention_name,
+        block_ms=[o.dit_ms for o in outputs],
+        a2a_bytes=[o.all_to_all_bytes for o in outputs],
+        request_s=time.perf_counter() - start,
+        peak_cuda_bytes=torch.cuda.max_memory_allocated(engine.device) if cuda else None,
+    )
+
+
+# ---------------------------------------------------------------- NCCL group, one process per GPU
+
+
+def _cuda_rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    try:
+        torch.cuda.set_device(rank)
+        if world > 1:
+            init_process_group(rank, world, "127.0.0.1", port, "nccl", timeout_s=600)
+        sp = SequenceParallel(dist.group.WORLD if world > 1 else None)
+        results.put((rank, fn(sp, *args), None))
+    except BaseException:  # report every failure to the parent instead of hanging it
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def cuda_device_count() -> int:
+    """Visible GPUs; exits with a clear message where CUDA is absent."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: CUDA is not available (torch {torch.__version__}, no GPU or a CPU-only build); "
+                         "this benchmark needs NVIDIA GPUs; on CPU run python -m bench.engine")
+    return torch.cuda.device_count()
+
+
+def run_cuda_group(world: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 900) -> list:
+    """fn(sp, *args) on `world` spawned processes, rank r on cuda:r, joined by NCCL; results in rank order."""
+    if cuda_device_count() < world:
+        raise SystemExit(f"error: SP{world} needs {world} GPUs, {torch.cuda.device_count()} visible")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_cuda_rank_main, args=(r, world, port, fn, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            try:
+                rank, value, error = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no result from some rank within {timeout_s} s") from None
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------- tables
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """A markdown table, columns padded: the first `left` ones left-aligned, the rest right-aligned."""
+    cells = [list(header), *[list(r) for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) if i < left else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(cells[0]), rule, *map(line, cells[1:])])
+
+
+def sp_table(results: dict[int, list[RankResult]]) -> str:
+    """Per-block ms (rank 0), mean, request s, speedups vs the first SP degree, a2a bytes, peak CUDA memory."""
+    degrees = sorted(results)
+    lead = {sp: results[sp][0] for sp in degrees}
+    base_mean = statistics.fmean(lead[degrees[0]].block_ms)
+    base_request = lead[degrees[0]].request_s
+    rows = [[f"block {i} (ms)", *[f"{lead[sp].block_ms[i]:.1f}" for sp in degrees]]
+            for i in range(len(lead[degrees[0]].block_ms))]
+    rows.append(["mean block (ms)", *[f"{statistics.fmean(lead[sp].block_ms):.1f}" for sp in degrees]])
+    rows.append([f"speedup vs SP{degrees[0]} (mean block)",
+                 *[f"{base_mean / statistics.fmean(lead[sp].block_ms):.2f}x" for sp in degrees]])
+    rows.append(["whole request (s)", *[f"{lead[sp].request_s:.2f}" for sp in degrees]])
+    rows.append([f"speedup vs SP{degrees[0]} (request)", *[f"{base_request / lead[sp].request_s:.2f}x" for sp in degrees]])
+    rows.append(["all-to-all sent per rank per block", *[_a2a_cell(results[sp]) for sp in degrees]])
+    if lead[degrees[0]].peak_cuda_bytes is not None:
+        rows.append(["peak CUDA MiB per rank", *["/".join(f"{(r.peak_cuda_bytes or 0) / 2**20:.0f}" for r in results[sp])
+                                                 for sp in degrees]])
+    return format_table(["", *[f"SP{sp}" for sp in degrees]], rows)
+
+
+def _a2a_cell(ranks: list[RankResult]) -> str:
+    sent = {b for r in ranks for b in r.a2a_bytes}
+    if len(sent) == 1:
+        return f"{sent.pop():,} B (constant)"
+    return f"{min(sent):,}..{max(sent):,} B (VARIES)"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")

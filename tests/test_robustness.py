@@ -1,0 +1,136 @@
+"""Failure handling and long-run behaviour of the served model: dead or hung ranks, memory, fuzzed inputs."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend import protocol
+from client.stream import StreamError, StreamingSession
+from factories import forward_poses, sample_image, tiny_request
+from triton_harness import inputs_for, running_server, stream
+
+MODEL = protocol.MODEL_NAME
+
+
+def stub_pids(server_pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
+    return sorted(int(p) for p in children if "triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_text())
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
+
+
+def wait_not_ready(url: str, timeout: float) -> float:
+    start = time.monotonic()
+    with grpcclient.InferenceServerClient(url) as client:
+        while time.monotonic() - start < timeout:
+            if not client.is_model_ready(MODEL):
+                return time.monotonic() - start
+            time.sleep(0.25)
+    raise AssertionError(f"the model still reads ready {timeout} s after a rank failed")
+
+
+@pytest.mark.parametrize("failure", [signal.SIGKILL, signal.SIGSTOP], ids=["rank_dies", "rank_hangs"])
+def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint: str, failure: int) -> None:
+    timeout_s = 5
+    with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
+        errors: list[str] = []
+
+        def one(seed: int) -> None:  # two streams: with two instances, one lands on each
+            try:
+                stream(server.grpc_url, tiny_request(num_frames=129, seed=seed), timeout=timeout_s + 10)
+            except StreamError as exc:
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)  # both streams are running
+        victim = stub_pids(server.pid)[-1]
+        os.kill(victim, failure)
+        try:
+            assert wait_not_ready(server.grpc_url, timeout_s + 15) < timeout_s + 15
+            for t in threads:
+                t.join()
+            # The surviving rank errors the streams it owns; a killed process's own streams are lost
+            # with it (Triton neither fails nor restarts them), so its clients see their timeout.
+            assert any("sequence-parallel group failed" in e for e in errors), errors
+            with pytest.raises(StreamError, match="unknown model|not ready|no available versions"):
+                stream(server.grpc_url, tiny_request(num_frames=9), timeout=20)
+        finally:
+            if failure == signal.SIGSTOP:
+                os.kill(victim, signal.SIGCONT)
+
+
+def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
+    (stub,) = stub_pids(sp1_server.pid)
+    request = tiny_request(num_frames=21)
+    for _ in range(10):  # warm-up: allocator pools, first-call caches
+        stream(sp1_server.grpc_url, request)
+    before = rss_kib(stub)
+    for i in range(50):
+        blocks = stream(sp1_server.grpc_url, tiny_request(num_frames=21, seed=i))
+        assert len(blocks) == 2
+    growth_mib = (rss_kib(stub) - before) / 1024
+    print(f"stub RSS growth over 50 sessions: {growth_mib:.1f} MiB")
+    assert growth_mib < 64
+    log = Path(sp1_server.log_path).read_text()
+    ended = re.findall(r"session \S+ finished after 2/2 blocks; freed \d+ cache bytes \(left: (\d+)\)", log)
+    assert len(ended) >= 60 and set(ended) == {"0"}
+
+
+def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
+    """Valid inputs with one or two inputs replaced by random shapes, dtypes or values."""
+    inputs = {i.name(): i for i in inputs_for(tiny_request(num_frames=9))}
+    dtypes = [np.uint8, np.int32, np.int64, np.float32, np.float64, np.float16, np.bool_]
+    for name in rng.choice(list(inputs), size=rng.integers(1, 3), replace=False):
+        kind = rng.integers(0, 6)
+        if kind == 0:
+            array = rng.standard_normal(rng.integers(1, 5, size=rng.integers(1, 4))).astype(rng.choice(dtypes))
+        elif kind == 1 and name == protocol.CAMERA_POSES:
+            array = forward_poses(9)
+            array[rng.integers(0, 9), rng.integers(0, 3), rng.integers(0, 4)] = rng.choice([np.nan, np.inf, -np.inf])
+        elif kind == 2 and name in (protocol.NUM_FRAMES, protocol.HEIGHT, protocol.WIDTH):
+            array = np.array([rng.choice([0, -1, 2**31 - 1, 1 << 20, 10**6 + 1])], dtype=np.int32)
+        elif kind == 3 and name == protocol.PROMPT:
+            array = np.array([rng.bytes(int(rng.integers(1, 64)))], dtype=object)
+        elif kind == 4 and name == protocol.IMAGE:
+            array = sample_image(int(rng.integers(1, 300)))[:, : int(rng.integers(1, 300))]
+        else:
+            inputs.pop(name)
+            continue
+        dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
+        inputs[name] = grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array)
+    return list(inputs.values())
+
+
+def test_fuzzed_requests_never_break_the_group(sp1_server) -> None:
+    rng = np.random.default_rng(1234)
+    outcomes = {"error": 0, "stream": 0}
+    for case in range(40):
+        with StreamingSession(sp1_server.grpc_url) as session:
+            try:
+                session.send(fuzz_case(rng))
+                blocks = list(session.responses(timeout=60))
+            except StreamError as exc:
+                assert "timeout" not in str(exc).lower(), f"case {case}: {exc}"
+                outcomes["error"] += 1
+            else:
+                assert blocks and blocks[-1].block_index == blocks[-1].num_blocks - 1
+                outcomes["stream"] += 1
+    print(f"fuzz outcomes: {outcomes}")
+    assert outcomes["error"] > 20
+    with grpcclient.InferenceServerClient(sp1_server.grpc_url) as client:
+        assert client.is_model_ready(MODEL)
+    assert len(stream(sp1_server.grpc_url, tiny_request(num_frames=9))) == 1
