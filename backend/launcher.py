@@ -28,7 +28,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -362,7 +361,7 @@ class TritonServer:
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
         return env
 
-    def start(self) -> Self:
+    def start(self) -> TritonServer:
         if self.process is not None:
             raise RuntimeError("this TritonServer was already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,7 +433,7 @@ class TritonServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(
@@ -538,6 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wait", action="store_true", help="block until the model is ready, then keep serving")
     parser.add_argument("--wait-timeout", type=float, default=600.0, help="seconds --wait allows (default 600)")
     parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="write the model repository, print its path and exit (for a server started elsewhere, e.g. NGC)",
+    )
+    parser.add_argument(
         "--install-perf-analyzer",
         action="store_true",
         help=f"install perf_analyzer into {DEFAULT_PERF_ANALYZER_DIR}, print its path and exit",
@@ -545,17 +549,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
+def render(args: argparse.Namespace) -> tuple[Path, str]:
     kind, device_ids = resolve_placement(args.kind, args.sp)
-    backends = prepare_backends(args.backends_out)
+    parameters = {"sp_degree": str(args.sp), **dict(args.param)}  # one SP rank per instance
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,
         kind=kind,
         device_ids=device_ids,
-        parameters=dict(args.param),
+        parameters=parameters,
         template_dir=args.template,
     )
+    return repository, kind
+
+
+def serve(args: argparse.Namespace) -> int:
+    repository, kind = render(args)
+    backends = prepare_backends(args.backends_out)
     server = TritonServer(
         repository,
         backends_dir=backends,
@@ -584,6 +594,9 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.render_only:
+            print(render(args)[0])
+            return 0
         if not args.install_perf_analyzer:
             return serve(args)
         path = install_perf_analyzer()

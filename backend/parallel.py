@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +28,8 @@ def init_process_group(
     backend: str,
     timeout_s: float,
 ) -> None:
-    """Join the default process group through a TCP store that rank 0 hosts (or MPI's env:// under mpirun)."""
+    """Join the default process group through a TCP store that rank 0 hosts at host:port."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get("OMPI_COMM_WORLD_SIZE") and os.environ.get("MASTER_ADDR"):
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        return
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 

@@ -6,7 +6,6 @@ import datetime
 import json
 import logging
 import os
-import re
 import threading
 import time
 
@@ -20,7 +19,7 @@ from .coordinator import GroupCoordinator
 from .engine import BlockOutput, WorldModelEngine
 from .errors import ConfigError, InputError
 from .parallel import SequenceParallel, init_process_group
-from .triton_io import block_outputs, parse_request
+from .triton_io import block_outputs, instance_rank, parse_request
 from .validation import validate_engine
 
 log = logging.getLogger("backend")
@@ -38,22 +37,6 @@ class TritonLogHandler(logging.Handler):
             pb_utils.Logger.log_warn(message)
         else:
             pb_utils.Logger.log_info(message)
-
-
-def instance_rank(args: dict, model_config: dict) -> tuple[int, int]:
-    """(rank, world size) of this instance among all instances of the model."""
-    groups = model_config.get("instance_group", [])
-    if args["model_instance_kind"] == "GPU":
-        devices = sorted(int(d) for g in groups for d in g.get("gpus", []) for _ in range(int(g.get("count", 1))))
-        device = int(args["model_instance_device_id"])
-        if len(set(devices)) != len(devices):
-            raise ConfigError(f"instance_group must place one instance per GPU; got GPUs {devices}")
-        return devices.index(device), len(devices)
-    world = sum(int(g.get("count", 1)) for g in groups)
-    match = re.search(r"_(\d+)$", args["model_instance_name"])
-    if match is None:
-        raise ConfigError(f"cannot derive a rank from instance name {args['model_instance_name']!r}")
-    return int(match.group(1)), world
 
 
 class TritonResponder:

@@ -7,9 +7,10 @@ import queue
 import statistics
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 
 from backend.config import EngineConfig
 from backend.engine import WorldModelEngine
+from backend.launcher import REPO_ROOT
 from backend.local_group import free_port
 from backend.parallel import SequenceParallel, init_process_group
 from backend.protocol import video_frames_for
@@ -25,7 +27,6 @@ from backend.request import SessionRequest
 from backend.tiny_checkpoint import PRESETS, write_checkpoint
 from client.camera import camera_preset
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO_ROOT / "build"
 PROMPT = "a car driving forward on a road in the city at sunset"
 
@@ -165,7 +166,7 @@ def _cuda_rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple,
             init_process_group(rank, world, "127.0.0.1", port, "nccl", timeout_s=600)
         sp = SequenceParallel(dist.group.WORLD if world > 1 else None)
         results.put((rank, fn(sp, *args), None))
-    except BaseException:  # report every failure to the parent instead of hanging it
+    except BaseException:  # noqa: BLE001  # report every failure to the parent instead of hanging it
         results.put((rank, None, traceback.format_exc()))
     finally:
         if dist.is_initialized():

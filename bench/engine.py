@@ -12,8 +12,17 @@ import argparse
 import os
 
 from backend.local_group import run_group
-from bench.common import TINY, RankResult, add_workload_args, engine_config, ensure_checkpoint, make_request, \
-    rollout, sp_table, workload_from_args
+from bench.common import (
+    TINY,
+    RankResult,
+    add_workload_args,
+    engine_config,
+    ensure_checkpoint,
+    make_request,
+    rollout,
+    sp_table,
+    workload_from_args,
+)
 
 
 def main() -> None:

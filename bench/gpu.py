@@ -14,8 +14,19 @@ import importlib.util
 
 import torch
 
-from bench.common import GPU, RankResult, add_workload_args, cuda_device_count, engine_config, ensure_checkpoint, \
-    make_request, rollout, run_cuda_group, sp_table, workload_from_args
+from bench.common import (
+    GPU,
+    RankResult,
+    add_workload_args,
+    cuda_device_count,
+    engine_config,
+    ensure_checkpoint,
+    make_request,
+    rollout,
+    run_cuda_group,
+    sp_table,
+    workload_from_args,
+)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python -m bench.streaming [--sp 1 2] [--concurrency 1 2 4] [--rounds 1] [--url HOST:PORT]
 
 For each SP degree it starts a real tritonserver (KIND_CPU, one instance per rank, the engine parameters of
-the direct run), warms it with one stream, then sends 1..N sessions at once per concurrency level
+the direct run), warms it with one stream per rank, then sends 1..N sessions at once per concurrency level
 (client.stream.run_sessions). Peak RSS per rank is VmHWM of the server's backend stub processes, reset
 (/proc/PID/clear_refs) before each level. Before the servers it times the same request through an in-process
 WorldModelEngine.generate, to compare with one stream through the SP1 server.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -26,8 +25,19 @@ from backend.engine import WorldModelEngine
 from backend.launcher import TritonServer, prepare_backends, write_model_repository
 from backend.protocol import MODEL_NAME
 from backend.request import SessionRequest
-from bench.common import BUILD_DIR, TINY, Workload, add_workload_args, engine_config, ensure_checkpoint, \
-    format_table, make_request, percentile, server_parameters, workload_from_args
+from bench.common import (
+    BUILD_DIR,
+    TINY,
+    Workload,
+    add_workload_args,
+    engine_config,
+    ensure_checkpoint,
+    format_table,
+    make_request,
+    percentile,
+    server_parameters,
+    workload_from_args,
+)
 from client.stream import SessionResult, StreamRequest, build_inputs, run_sessions
 
 
@@ -82,7 +92,7 @@ def stub_pids(server_pid: int) -> dict[int, int]:
             continue
         if ppid == server_pid and argv[0].endswith(b"triton_python_backend_stub"):
             instance = next(a.decode() for a in argv if a.startswith(MODEL_NAME.encode()))
-            stubs[int(re.search(r"_(\d+)$", instance).group(1))] = int(proc.name)
+            stubs[int(instance.rsplit("_", 1)[1])] = int(proc.name)
     return dict(sorted(stubs.items()))
 
 
@@ -101,7 +111,7 @@ def peak_rss_mib(pids: list[int]) -> list[float] | None:
         status = [Path(f"/proc/{pid}/status").read_text() for pid in pids]
     except OSError:
         return None
-    return [int(re.search(r"VmHWM:\s+(\d+) kB", s).group(1)) / 1024 for s in status]
+    return [next(int(line.split()[1]) for line in s.splitlines() if line.startswith("VmHWM:")) / 1024 for s in status]
 
 
 @contextlib.contextmanager

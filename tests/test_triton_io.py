@@ -1,0 +1,78 @@
+"""Triton tensors to engine requests and back, and instance placement, without a server."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend import protocol as p
+from backend.errors import ConfigError, InputError
+from backend.triton_io import block_outputs, instance_rank, parse_request
+from factories import forward_poses, sample_image
+
+
+def valid_inputs() -> dict[str, np.ndarray]:
+    return {
+        p.IMAGE: sample_image(),
+        p.PROMPT: np.array([b"a castle"], dtype=object),
+        p.CAMERA_POSES: forward_poses(9),
+        p.NUM_FRAMES: np.array([9], np.int32),
+        p.SEED: np.array([-3], np.int64),
+        p.HEIGHT: np.array([64], np.int32),
+        p.WIDTH: np.array([64], np.int32),
+    }
+
+
+def test_parse_valid_request() -> None:
+    request = parse_request(valid_inputs().get, json.dumps({p.PARAM_DECODE: False}))
+    assert (request.prompt, request.num_frames, request.seed, request.height) == ("a castle", 9, -3, 64)
+    assert request.intrinsics is None and request.decode is False and request.return_latents is True
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({p.CAMERA_POSES: None}, r"missing input 'camera_poses'"),
+        ({p.SEED: np.array([1], np.int32)}, r"input 'seed' must be int64; got int32"),
+        ({p.NUM_FRAMES: np.array([9, 9], np.int32)}, r"'num_frames' must hold exactly one value"),
+        ({p.PROMPT: np.array([b"\xc3\x28"], dtype=object)}, r"not valid UTF-8"),
+        ({p.PROMPT: np.array([b"a", b"b"], dtype=object)}, r"exactly one string"),
+    ],
+)
+def test_parse_errors(change: dict, message: str) -> None:
+    inputs = valid_inputs()
+    inputs.update(change)
+    with pytest.raises(InputError, match=message):
+        parse_request(lambda name: inputs.get(name), "{}")
+
+
+def test_parameter_errors() -> None:
+    with pytest.raises(InputError, match="not valid JSON"):
+        parse_request(valid_inputs().get, "{")
+    with pytest.raises(InputError, match="'return_latents' must be a bool; got 3"):
+        parse_request(valid_inputs().get, json.dumps({p.PARAM_RETURN_LATENTS: 3}))
+
+
+def test_block_outputs() -> None:
+    out = block_outputs(2, 7, None, np.zeros((12, 8, 8, 3), np.uint8), (1.0, 2.0, 3.0))
+    assert set(out) == {p.BLOCK_INDEX, p.NUM_BLOCKS, p.FRAMES, p.TIMING_MS}
+    assert out[p.BLOCK_INDEX].dtype == np.int32 and out[p.TIMING_MS].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_instance_rank_cpu_groups_and_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    cpu = {"instance_group": [{"name": "m_0", "count": 2, "kind": "KIND_CPU"}, {"count": 3, "kind": "KIND_CPU"}]}
+    ranks = [
+        instance_rank({"model_instance_kind": "CPU", "model_instance_name": n, "model_name": "m"}, cpu)
+        for n in ("m_0_0", "m_0_1", "m_1_0", "m_1_2")
+    ]
+    assert ranks == [(0, 5), (1, 5), (2, 5), (4, 5)]
+    gpu = {"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [g]} for g in (2, 3, 0, 1)]}
+    args = {"model_instance_kind": "GPU", "model_instance_device_id": "3", "model_name": "m"}
+    assert instance_rank(args, gpu) == (3, 4)
+    with pytest.raises(ConfigError, match="one instance per GPU"):
+        instance_rank(args, {"instance_group": [{"count": 2, "kind": "KIND_GPU", "gpus": [3]}]})
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
+    assert instance_rank(args, gpu) == (5, 8)
