@@ -208,7 +208,7 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2], help="SP degrees, one server each, in order")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4], help="sessions sent at once")
-    parser.add_argument("--rounds", type=int, default=1, help="batches of sessions per concurrency level")
+    parser.add_argument("--rounds", type=int, default=3, help="batches of sessions per concurrency level")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of the Triton vs direct comparison")
     parser.add_argument("--no-decode", action="store_true", help="skip VAE decoding (latent blocks only)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per stream")
@@ -219,17 +219,18 @@ def main() -> None:
     checkpoint = ensure_checkpoint(args.checkpoint, args.preset)
     request = make_request(w, decode=not args.no_decode)
     print(f"{w.height}x{w.width}, {w.num_frames} frames = {w.blocks} blocks, {w.dtype}, decode {request.decode}, "
-          f"checkpoint {checkpoint}; {os.cpu_count()} CPU cores", flush=True)
+          f"{'server ' + args.url if args.url else f'checkpoint {checkpoint}'}; {os.cpu_count()} CPU cores", flush=True)
     stats: dict[str, dict[int, LevelStats]] = {}
-    if args.url:
-        stats["server"] = {c: run_level(args.url, request, c, args.rounds, args.timeout, []) for c in args.concurrency}
-        print(level_table(stats))
-        return
-    threads = os.cpu_count() or 1  # what the SP1 server instance sets: cpu_count // sp
-    torch.set_num_threads(threads)
-    direct = direct_engine_s(checkpoint, w, request, args.repeats) if 1 in args.sp else []
+    direct: list[float] = []
     single: list[float] = []
-    for sp in args.sp:
+    threads = os.cpu_count() or 1  # what the SP1 server instance sets: cpu_count // sp
+    if args.url:
+        triton_single_s(args.url, request, 1, args.timeout)  # warm-up
+        stats["server"] = {c: run_level(args.url, request, c, args.rounds, args.timeout, []) for c in args.concurrency}
+    elif 1 in args.sp:
+        torch.set_num_threads(threads)
+        direct = direct_engine_s(checkpoint, w, request, args.repeats)
+    for sp in [] if args.url else args.sp:
         with sp_server(checkpoint, w, sp) as server:
             pids = list(stub_pids(server.pid).values())
             if len(pids) != sp:
@@ -248,7 +249,7 @@ def main() -> None:
             for error in level.errors:
                 print(f"{name} error: {error}")
     if any(level.rss_mib is None for levels in stats.values() for level in levels.values()):
-        print("peak RSS n/a: stub processes not found or /proc/PID/clear_refs not writable")
+        print("peak RSS n/a: --url (no server pid), stub processes not found or /proc/PID/clear_refs not writable")
     if direct and single:
         rows = [[f"in-process WorldModelEngine.generate ({threads} torch threads)", f"{statistics.median(direct):.3f}"],
                 ["one stream through the SP1 server (send .. final block)", f"{statistics.median(single):.3f}"],

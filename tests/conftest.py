@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import client  # noqa: F401  (first: it sets gRPC's fork handling before tritonclient loads)
+
 from backend.tiny_checkpoint import write_checkpoint
 
 
