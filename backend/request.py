@@ -8,13 +8,16 @@ import numpy as np
 
 from .errors import InputError
 
-DEFAULT_HORIZONTAL_FOV_DEG = 60.0
+DEFAULT_HFOV_DEG = 60.0
 
 
-def default_intrinsics(num_frames: int, height: int, width: int) -> np.ndarray:
-    """[num_frames, 4] fx, fy, cx, cy for a pinhole camera with a 60 degree horizontal field of view."""
-    focal = 0.5 * width / math.tan(math.radians(DEFAULT_HORIZONTAL_FOV_DEG) / 2)
-    return np.tile(np.array([focal, focal, width / 2, height / 2], dtype=np.float32), (num_frames, 1))
+def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float = DEFAULT_HFOV_DEG) -> np.ndarray:
+    """Intrinsics [num_frames, 4] float32 (fx, fy, cx, cy) of a centred pinhole with square pixels."""
+    if not 0.0 < hfov_deg < 180.0:
+        raise ValueError(f"horizontal FOV must be in (0, 180) degrees, got {hfov_deg}")
+    focal = 0.5 * width / math.tan(math.radians(hfov_deg) / 2.0)
+    row = np.array([focal, focal, width / 2.0, height / 2.0], dtype=np.float32)
+    return np.tile(row, (num_frames, 1))
 
 
 @dataclass
@@ -26,7 +29,7 @@ class SessionRequest:
     seed: int
     height: int
     width: int
-    intrinsics: np.ndarray | None = None  # float32 [num_frames, 4]; default: 60 degree horizontal FOV
+    intrinsics: np.ndarray | None = None  # float32 [num_frames, 4]; default: DEFAULT_HFOV_DEG pinhole
     decode: bool = True
     return_latents: bool = True
 

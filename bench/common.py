@@ -57,8 +57,8 @@ GPU = Workload(height=480, width=832, blocks=7, dtype="bfloat16", window_frames=
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, preset: str) -> None:
-    parser.add_argument("--checkpoint", type=Path, help="diffusers-format checkpoint directory "
-                        "(default: a random --preset checkpoint in build/checkpoints/PRESET, written if absent)")
+    parser.add_argument("--checkpoint", type=Path, help="diffusers-format checkpoint directory; if omitted, "
+                        "a random --preset checkpoint in build/checkpoints/PRESET, written if absent")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=preset, help="random checkpoint size")
 
 

@@ -39,10 +39,10 @@ def run(binary: Path, url: str, args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--url", help="a running server's gRPC HOST:PORT (default: start a tiny-model server)")
+    parser.add_argument("--url", help="a running server's gRPC HOST:PORT; if omitted, start a tiny-model server")
     parser.add_argument("--sp", type=int, default=1, help="SP degree of the server started here")
     parser.add_argument("--input-data", type=Path, default=WORKLOADS["tiny"][1],
-                        help="perf_analyzer input JSON (the tiny one is written if absent)")
+                        help="perf_analyzer input JSON (the default one is written if absent)")
     parser.add_argument("--measurement-interval", type=int, default=5000, help="ms per measurement window")
     parser.add_argument("--concurrency-range", default="1:2", help="START:END[:STEP] concurrent streams")
     parser.add_argument("extra", nargs="*", help="after `--`: more perf_analyzer arguments")

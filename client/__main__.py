@@ -16,8 +16,9 @@ from typing import TextIO
 import numpy as np
 
 from backend import protocol
+from backend.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
-from client.camera import DEFAULT_HFOV_DEG, PRESETS, camera_preset, default_intrinsics
+from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
 from client.stream import BlockResponse, StreamError, StreamingSession, build_inputs
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer

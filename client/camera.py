@@ -1,4 +1,4 @@
-"""Camera scripts: preset trajectories and pinhole intrinsics (numpy only).
+"""Camera scripts: preset trajectories and intrinsics rescaling (numpy only).
 
 Poses are camera-to-world 4x4 matrices in OpenCV axes (x right, y down, z forward),
 starting at the identity; intrinsics are rows of fx, fy, cx, cy in pixels.
@@ -12,7 +12,6 @@ PRESETS = ("forward", "backward", "left", "right", "strafe_left", "strafe_right"
 DEFAULT_STEP = 0.05  # translation per frame, in scene units (about 4 units over 81 frames)
 DEFAULT_YAW_DEG = 1.0  # rotation per frame for turning and orbiting (80 degrees over 81 frames)
 DEFAULT_ORBIT_RADIUS = 2.0  # distance to the orbited point straight ahead of the first camera
-DEFAULT_HFOV_DEG = 60.0
 
 
 def _rot_y(angle_rad: np.ndarray) -> np.ndarray:
@@ -67,15 +66,6 @@ def camera_preset(
     poses[:, :3, :3] = _rot_y(yaw)
     poses[:, :3, 3] = pos
     return poses.astype(np.float32)
-
-
-def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float = DEFAULT_HFOV_DEG) -> np.ndarray:
-    """Intrinsics [num_frames, 4] float32 (fx, fy, cx, cy) of a centred pinhole with square pixels."""
-    if not 0.0 < hfov_deg < 180.0:
-        raise ValueError(f"horizontal FOV must be in (0, 180) degrees, got {hfov_deg}")
-    focal = 0.5 * width / np.tan(np.deg2rad(hfov_deg) / 2.0)
-    row = np.array([focal, focal, width / 2.0, height / 2.0], dtype=np.float32)
-    return np.tile(row, (num_frames, 1))
 
 
 def scale_intrinsics(intrinsics: np.ndarray, src_hw: tuple[int, int], dst_hw: tuple[int, int]) -> np.ndarray:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from client.action import ActionDirError, load_action_dir
-from client.camera import PRESETS, camera_preset, default_intrinsics, scale_intrinsics
+from backend.request import default_intrinsics
+from client.camera import PRESETS, camera_preset, scale_intrinsics
 
 N = 17
 

@@ -15,7 +15,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from backend import protocol
 from client.__main__ import main
-from client.camera import camera_preset, default_intrinsics
+from backend.request import default_intrinsics
+from client.camera import camera_preset
 from client.stream import (
     StreamRequest,
     StreamCancelledError,
