@@ -27,10 +27,11 @@ def weight_files(directory: Path) -> list[Path]:
     raise ConfigError(f"{directory} holds neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
 
 
-def load_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+def load_state_dict(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    """Tensors straight onto `device` (no host copy of the whole model per rank)."""
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(str(path)))
+        state.update(load_file(str(path), device=str(device)))
     return state
 
 
@@ -40,7 +41,7 @@ def load_transformer(
     """Build the DiT from its config and load its weights strictly (missing or extra keys are an error)."""
     with torch.device("meta"):
         model = CausalWanTransformer(config)
-    state = load_state_dict(weight_files(directory))
+    state = load_state_dict(weight_files(directory), device)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -49,17 +50,21 @@ def load_transformer(
             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    return model.to(device).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def load_vae(directory: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan.from_pretrained(str(directory), torch_dtype=dtype).to(device).eval()
+    vae = AutoencoderKLWan.from_pretrained(str(directory), torch_dtype=dtype, low_cpu_mem_usage=False)
+    return vae.to(device).eval()
 
 
 def load_text_encoder(root: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, object]:
     from transformers import AutoTokenizer, UMT5EncoderModel
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # no progress bars in the server log
 
     tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
     encoder = UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=dtype)

@@ -142,15 +142,19 @@ class GroupCoordinator:
             self.writer.close()
             self.on_failure(exc)
 
-    def _collect(self) -> RankEvents:
-        events = RankEvents(stop=self._stop.is_set())
+    def _take_inbox(self) -> list[Submission]:
+        """New local requests: their responders are kept here, the submissions go to rank 0."""
+        taken = []
         while True:
             try:
                 sub, responder = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return taken
             self.responders[sub.session_id] = responder
-            events.submissions.append(sub)
+            taken.append(sub)
+
+    def _collect(self) -> RankEvents:
+        events = RankEvents(submissions=self._take_inbox(), stop=self._stop.is_set())
         events.cancelled = [sid for sid, r in self.responders.items() if r.is_cancelled()]
         delivered = self.writer.delivered
         for sid in [s for s in list(delivered) if s not in self.responders]:  # streams that ended
@@ -209,12 +213,7 @@ class GroupCoordinator:
             self.scheduler.finished(sid)
 
     def _fail_local(self, message: str) -> None:
-        while True:
-            try:
-                sub, responder = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            self.responders[sub.session_id] = responder
+        self._take_inbox()
         for sid in list(self.responders):
             self.writer.error(self.responders.pop(sid), message)
         for sid in list(self.sessions):
