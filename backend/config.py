@@ -165,6 +165,7 @@ class ServingConfig:
     """Limits and group settings of the Triton model (config.pbtxt `parameters` beside the engine's)."""
 
     max_frames: int = 321  # video frames per request
+    max_pixels: int = 1280 * 1280  # height x width per request
     max_sessions: int = 4  # sessions generating at once (each holds a KV cache)
     max_queue: int = 16  # sessions waiting for a slot; more are rejected
     max_batch: int = 4  # sessions of one geometry run in one forward

@@ -70,10 +70,17 @@ class BlockOutput:
 
 
 class WorldModelEngine:
-    def __init__(self, config: EngineConfig, sp: SequenceParallel | None = None, max_frames: int = 1024) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        sp: SequenceParallel | None = None,
+        max_frames: int = 1024,
+        max_pixels: int = 1280 * 1280,
+    ) -> None:
         self.config = config
         self.sp = sp or SequenceParallel()
         self.max_frames = max_frames
+        self.max_pixels = max_pixels
         self.ckpt = read_checkpoint_configs(config.checkpoint)
         validate_engine(config, self.ckpt, self.sp.degree)  # before any weight is read
         self.device = torch.device(config.device)
@@ -98,6 +105,10 @@ class WorldModelEngine:
         """All request checks; raises InputError naming the bad input. Cheap: no model work."""
         if not 1 <= request.num_frames <= self.max_frames:
             raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
+        if request.height * request.width > self.max_pixels:
+            raise InputError(
+                f"height x width = {request.height} x {request.width} is more than max_pixels={self.max_pixels}"
+            )
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )

@@ -1,4 +1,4 @@
-"""Run a function on N local processes forming one gloo group (tests and CPU benchmarks)."""
+"""Run a function on N local processes forming one group: gloo on CPU, NCCL with one GPU per rank."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -19,10 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, threads: int, results: mp.Queue) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, threads: int, results: mp.Queue
+) -> None:
     try:
         torch.set_num_threads(threads)
-        init_process_group(rank, world, "127.0.0.1", port, "gloo", timeout_s=300)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        init_process_group(rank, world, "127.0.0.1", port, backend, timeout_s=600)
         sp = SequenceParallel(dist.group.WORLD if world > 1 else None)
         results.put((rank, fn(sp, *args), None))
     except BaseException:  # report every failure to the parent instead of hanging it
@@ -32,12 +36,25 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, thre
             dist.destroy_process_group()
 
 
-def run_group(world: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = 600, threads: int = 1) -> list:
-    """fn(sp, *args) on every rank (fn must be importable); returns the per-rank results in rank order."""
+def run_group(
+    world: int,
+    fn: Callable[..., Any],
+    args: tuple = (),
+    timeout_s: float = 600,
+    threads: int = 1,
+    backend: str = "gloo",
+) -> list:
+    """fn(sp, *args) on every rank (fn must be importable); returns the per-rank results in rank order.
+
+    With backend "nccl", rank r runs on cuda:r.
+    """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, threads, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, backend, fn, args, threads, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

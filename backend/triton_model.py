@@ -112,7 +112,9 @@ class TritonPythonModel:
             data = dist.new_group(backend=backend, timeout=timeout)
             control = dist.new_group(backend="gloo", timeout=timeout)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
-        self.engine = WorldModelEngine(engine_config, SequenceParallel(data), max_frames=limits.max_frames)
+        self.engine = WorldModelEngine(
+            engine_config, SequenceParallel(data), max_frames=limits.max_frames, max_pixels=limits.max_pixels
+        )
         if world > 1:
             dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
         self.coordinator = GroupCoordinator(self.engine, limits, control, on_failure=self._on_group_failure)

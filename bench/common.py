@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import queue
 import statistics
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,14 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from backend.config import EngineConfig
 from backend.engine import WorldModelEngine
 from backend.launcher import REPO_ROOT
-from backend.local_group import free_port
-from backend.parallel import SequenceParallel, init_process_group
+from backend.local_group import free_port, run_group
+from backend.parallel import SequenceParallel
 from backend.protocol import video_frames_for
 from backend.request import SessionRequest
 from backend.tiny_checkpoint import PRESETS, write_checkpoint
@@ -101,11 +97,12 @@ def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu") -
     )
 
 
-def server_parameters(config: EngineConfig, **serving: str) -> dict[str, str]:
-    """config.pbtxt parameters serving exactly `config` (device and tp_degree come from the instance group)."""
+def server_parameters(config: EngineConfig) -> dict[str, str]:
+    """config.pbtxt parameters serving exactly `config`, on a free rendezvous port (the instance group sets the
+    device; tp_degree is no template parameter: it must stay 1)."""
     params = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)
               if f.name not in ("device", "tp_degree")}
-    return params | {"rendezvous_port": str(free_port())} | serving
+    return params | {"rendezvous_port": str(free_port())}
 
 
 def make_request(w: Workload, decode: bool = True) -> SessionRequest:
@@ -159,20 +156,6 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
 # ---------------------------------------------------------------- NCCL group, one process per GPU
 
 
-def _cuda_rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    try:
-        torch.cuda.set_device(rank)
-        if world > 1:
-            init_process_group(rank, world, "127.0.0.1", port, "nccl", timeout_s=600)
-        sp = SequenceParallel(dist.group.WORLD if world > 1 else None)
-        results.put((rank, fn(sp, *args), None))
-    except BaseException:  # noqa: BLE001  # report every failure to the parent instead of hanging it
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def cuda_device_count() -> int:
     """Visible GPUs; exits with a clear message where CUDA is absent."""
     if not torch.cuda.is_available():
@@ -185,28 +168,7 @@ def run_cuda_group(world: int, fn: Callable[..., Any], args: tuple = (), timeout
     """fn(sp, *args) on `world` spawned processes, rank r on cuda:r, joined by NCCL; results in rank order."""
     if cuda_device_count() < world:
         raise SystemExit(f"error: SP{world} needs {world} GPUs, {torch.cuda.device_count()} visible")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_cuda_rank_main, args=(r, world, port, fn, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            try:
-                rank, value, error = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(f"no result from some rank within {timeout_s} s") from None
-            if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
+    return run_group(world, fn, args, timeout_s=timeout_s, backend="nccl")
 
 
 # ---------------------------------------------------------------- tables

@@ -106,6 +106,7 @@ def bad_poses(kind: str) -> np.ndarray:
         ({"num_frames": 13, "poses": forward_poses(13)}, r"gives 4 latent frames, not a multiple of block_frames=3"),
         ({"num_frames": 2000, "poses": forward_poses(2000)}, r"num_frames=2000 must be between 1 and max_frames"),
         ({"height": 40}, r"height x width = 40 x 64 must be positive multiples"),
+        ({"height": 1 << 20}, r"height x width = 1048576 x 64 is more than max_pixels=1638400"),
         ({"prompt": "   "}, r"prompt is empty"),
         ({"image": np.zeros((64, 64), np.uint8)}, r"image must be UINT8 \[H, W, 3\]"),
         ({"image": np.zeros((64, 64, 3), np.float32)}, r"image must be UINT8"),

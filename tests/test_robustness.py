@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from backend import protocol
 from client.stream import StreamError, StreamingSession
 from factories import forward_poses, sample_image, tiny_request
-from triton_harness import inputs_for, running_server, stream
+from triton_harness import inputs_with, running_server, stream
 
 MODEL = protocol.MODEL_NAME
 
@@ -91,10 +91,12 @@ def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
 
 
 def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
-    """Valid inputs with one or two inputs replaced by random shapes, dtypes or values."""
-    inputs = {i.name(): i for i in inputs_for(tiny_request(num_frames=9))}
+    """Valid inputs with one or two replaced by random shapes, dtypes or values, or dropped."""
+    names = [protocol.IMAGE, protocol.PROMPT, protocol.CAMERA_POSES, protocol.NUM_FRAMES, protocol.SEED,
+             protocol.HEIGHT, protocol.WIDTH]
     dtypes = [np.uint8, np.int32, np.int64, np.float32, np.float64, np.float16, np.bool_]
-    for name in rng.choice(list(inputs), size=rng.integers(1, 3), replace=False):
+    changes: dict[str, np.ndarray | None] = {}
+    for name in rng.choice(names, size=rng.integers(1, 3), replace=False):
         kind = rng.integers(0, 6)
         if kind == 0:
             array = rng.standard_normal(rng.integers(1, 5, size=rng.integers(1, 4))).astype(rng.choice(dtypes))
@@ -102,17 +104,38 @@ def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
             array = forward_poses(9)
             array[rng.integers(0, 9), rng.integers(0, 3), rng.integers(0, 4)] = rng.choice([np.nan, np.inf, -np.inf])
         elif kind == 2 and name in (protocol.NUM_FRAMES, protocol.HEIGHT, protocol.WIDTH):
-            array = np.array([rng.choice([0, -1, 2**31 - 1, 1 << 20, 10**6 + 1])], dtype=np.int32)
+            array = np.array([rng.choice([0, -1, 2**31 - 1, 1 << 20, 1 << 16, 10**6 + 1])], dtype=np.int32)
         elif kind == 3 and name == protocol.PROMPT:
             array = np.array([rng.bytes(int(rng.integers(1, 64)))], dtype=object)
         elif kind == 4 and name == protocol.IMAGE:
             array = sample_image(int(rng.integers(1, 300)))[:, : int(rng.integers(1, 300))]
         else:
-            inputs.pop(name)
-            continue
-        dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
-        inputs[name] = grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array)
-    return list(inputs.values())
+            array = None
+        changes[str(name)] = array
+    return inputs_with(**changes)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {protocol.HEIGHT: np.array([1 << 16], np.int32), protocol.WIDTH: np.array([1 << 16], np.int32)},
+        {protocol.NUM_FRAMES: np.array([2**31 - 1], np.int32)},
+        {protocol.IMAGE: np.zeros((1, 1, 3), np.uint8)},
+        {protocol.CAMERA_INTRINSICS: np.full((9, 4), np.inf, np.float32)},
+        {protocol.SEED: np.array([-(2**63)], np.int64)},
+    ],
+    ids=["huge_size", "huge_frames", "one_pixel_image", "inf_intrinsics", "min_seed"],
+)
+def test_extreme_inputs(sp1_server, changes: dict) -> None:
+    with StreamingSession(sp1_server.grpc_url) as session:
+        session.send(inputs_with(**changes))
+        try:
+            blocks = list(session.responses(timeout=60))
+        except StreamError as exc:
+            assert re.search(r"max_pixels|max_frames|camera_intrinsics", str(exc)), exc
+        else:
+            assert len(blocks) == 1
+    assert len(stream(sp1_server.grpc_url, tiny_request(num_frames=9))) == 1
 
 
 def test_fuzzed_requests_never_break_the_group(sp1_server) -> None:

@@ -14,7 +14,7 @@ from backend import protocol
 from backend.engine import WorldModelEngine
 from client.stream import StreamError, StreamingSession, StreamRequest, run_sessions
 from factories import forward_poses, tiny_config, tiny_request
-from triton_harness import inputs_for, latents_of, running_server, stream
+from triton_harness import inputs_for, inputs_with, latents_of, running_server, stream
 
 MODEL = protocol.MODEL_NAME
 
@@ -99,20 +99,6 @@ def _raw_stream_error(url: str, inputs: list, parameters: dict | None = None) ->
     return str(info.value)
 
 
-def _inputs(**changes) -> list:
-    """Valid inputs with some replaced (value None drops the input)."""
-    request = tiny_request(num_frames=9)
-    inputs = {i.name(): i for i in inputs_for(request)}
-    for name, value in changes.items():
-        if value is None:
-            inputs.pop(name)
-        else:
-            array = np.asarray(value)
-            dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
-            inputs[name] = grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array)
-    return list(inputs.values())
-
-
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -134,12 +120,12 @@ def _inputs(**changes) -> list:
          "pose_count", "size", "too_long"],
 )
 def test_bad_inputs_get_clear_errors(server, changes: dict, message: str) -> None:
-    assert re.search(message, _raw_stream_error(server.grpc_url, _inputs(**changes)))
+    assert re.search(message, _raw_stream_error(server.grpc_url, inputs_with(**changes)))
     assert_ready(server)
 
 
 def test_bad_request_parameter(server) -> None:
-    error = _raw_stream_error(server.grpc_url, _inputs(), {"decode": "maybe"})
+    error = _raw_stream_error(server.grpc_url, inputs_with(), {"decode": "maybe"})
     assert "request parameter 'decode' must be a bool" in error
 
 

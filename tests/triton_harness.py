@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 
 from backend.launcher import TritonServer, prepare_backends, write_model_repository
 from backend.local_group import free_port
 from backend.request import SessionRequest
 from client.stream import StreamingSession, build_inputs
-from factories import TINY_SIZE
+from factories import TINY_SIZE, tiny_request
 
 
 def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str]:
@@ -64,3 +65,17 @@ def stream(url: str, request: SessionRequest, timeout: float = 120) -> list:
 
 def latents_of(blocks: list) -> np.ndarray:
     return np.concatenate([b.latents for b in blocks], axis=1)
+
+
+def inputs_with(**changes) -> list:
+    """Valid inputs with some replaced (value None drops the input)."""
+    request = tiny_request(num_frames=9)
+    inputs = {i.name(): i for i in inputs_for(request)}
+    for name, value in changes.items():
+        if value is None:
+            inputs.pop(name)
+        else:
+            array = np.asarray(value)
+            dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
+            inputs[name] = grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array)
+    return list(inputs.values())
