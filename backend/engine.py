@@ -223,7 +223,7 @@ class WorldModelEngine:
         if session.decode_state is None:
             g = session.geometry
             return np.zeros((0, g.height, g.width, 3), dtype=np.uint8)
-        return self.vae.decode_block(output.latents.to(self.device), session.decode_state)
+        return self.vae.decode_block(output.latents, session.decode_state)
 
     def close_session(self, session: Session) -> None:
         """Drop the session's KV caches now (they are large). Its decode state stays until the session

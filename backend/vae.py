@@ -1,6 +1,7 @@
 """Wan VAE use: encode the first frame once, decode each AR block causally as it is produced."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,8 @@ class StreamingVae:
         self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
         self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
         self._conv_count = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        # Decoding runs on the response writer's thread: a side stream lets it overlap the DiT on GPU.
+        self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -42,18 +45,20 @@ class StreamingVae:
     @torch.no_grad()
     def decode_block(self, latents: torch.Tensor, state: DecodeState) -> np.ndarray:
         """Normalised latents [1, z, F, h, w] of the next block -> uint8 frames [n, H, W, 3]."""
-        x = self.vae.post_quant_conv((latents.float() * self.std + self.mean).to(self.dtype))
-        outs = []
-        for i in range(x.shape[2]):
-            outs.append(
-                self.vae.decoder(
-                    x[:, :, i : i + 1],
-                    feat_cache=state.feature_cache,
-                    feat_idx=[0],
-                    first_chunk=state.decoded_latent_frames == 0,
+        side = torch.cuda.stream(self._decode_stream) if self._decode_stream else contextlib.nullcontext()
+        with side:
+            x = self.vae.post_quant_conv((latents.to(self.device).float() * self.std + self.mean).to(self.dtype))
+            outs = []
+            for i in range(x.shape[2]):
+                outs.append(
+                    self.vae.decoder(
+                        x[:, :, i : i + 1],
+                        feat_cache=state.feature_cache,
+                        feat_idx=[0],
+                        first_chunk=state.decoded_latent_frames == 0,
+                    )
                 )
-            )
-            state.decoded_latent_frames += 1
-        video = torch.cat(outs, dim=2).clamp(-1.0, 1.0)[0]  # [3, n, H, W]
-        frames = ((video.float() + 1.0) * 127.5).round().to(torch.uint8)
-        return frames.permute(1, 2, 3, 0).cpu().numpy()
+                state.decoded_latent_frames += 1
+            video = torch.cat(outs, dim=2).clamp(-1.0, 1.0)[0]  # [3, n, H, W]
+            frames = ((video.float() + 1.0) * 127.5).round().to(torch.uint8)
+            return frames.permute(1, 2, 3, 0).cpu().numpy()  # .cpu() waits for the side stream
