@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

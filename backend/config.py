@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Mapping
 
 from .errors import ConfigError
 
@@ -39,7 +40,7 @@ class TransformerConfig:
         return self.num_attention_heads * self.attention_head_dim
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "TransformerConfig":
+    def from_dict(cls, raw: Mapping[str, Any]) -> TransformerConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in names}
         if "patch_size" in values:
@@ -61,7 +62,7 @@ class VaeConfig:
     temporal_factor: int
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "VaeConfig":
+    def from_dict(cls, raw: Mapping[str, Any]) -> VaeConfig:
         downsample = raw.get("temperal_downsample", [False, True, True])
         dim_mult = raw.get("dim_mult", [1, 2, 4, 4])
         return cls(
@@ -141,7 +142,6 @@ def read_json(path: Path) -> dict[str, Any]:
 class CheckpointConfigs:
     transformer: TransformerConfig
     vae: VaeConfig
-    components: dict[str, Any] = field(default_factory=dict)
 
 
 def read_checkpoint_configs(checkpoint: str) -> CheckpointConfigs:
@@ -156,7 +156,6 @@ def read_checkpoint_configs(checkpoint: str) -> CheckpointConfigs:
     return CheckpointConfigs(
         transformer=TransformerConfig.from_dict(read_json(root / "transformer" / "config.json")),
         vae=VaeConfig.from_dict(read_json(root / "vae" / "config.json")),
-        components=index,
     )
 
 

@@ -12,7 +12,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 import torch.distributed as dist
@@ -112,16 +113,12 @@ class GroupCoordinator:
             responder.send_error(str(exc))
             return
         sid = f"r{self.rank}-{next(self._ids)}"
-        self._inbox.put((Submission(sid, self.rank, request, (request.height, request.width)), responder))
+        self._inbox.put((Submission(sid, request, (request.height, request.width)), responder))
 
     def stop(self, timeout_s: float = 120.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
         self.writer.close()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
 
     # -- the loop ----------------------------------------------------------------------------------
 

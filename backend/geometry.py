@@ -28,10 +28,6 @@ class VideoGeometry:
         return self.block_frames * self.tokens_per_frame
 
     @property
-    def local_block_tokens(self) -> int:
-        return self.block_tokens // self.sp_degree
-
-    @property
     def num_blocks(self) -> int:
         return self.latent_frames // self.block_frames
 
@@ -43,7 +39,7 @@ class VideoGeometry:
         width: int,
         num_frames: int | None,
         error: type[ValueError] = ConfigError,
-    ) -> "VideoGeometry":
+    ) -> VideoGeometry:
         """Check a resolution (and clip length) against VAE, patch, block and SP factors; raise `error` if off."""
         _, patch_h, patch_w = ckpt.transformer.patch_size
         factor_h = ckpt.vae.spatial_factor * patch_h

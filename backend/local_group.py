@@ -5,7 +5,8 @@ import multiprocessing as mp
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -10,14 +10,12 @@ import torch.distributed as dist
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent through collectives since the last reset (the engine resets it per block)."""
+    """Bytes this rank sent through all-to-all since the last reset (the engine resets it per block)."""
 
     all_to_all_bytes: int = 0
-    all_gather_bytes: int = 0
 
     def reset(self) -> None:
         self.all_to_all_bytes = 0
-        self.all_gather_bytes = 0
 
 
 def init_process_group(
@@ -81,7 +79,6 @@ class SequenceParallel:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.degree)]
         dist.all_gather(parts, x, group=self.group)
-        self.stats.all_gather_bytes += x.numel() * x.element_size() * (self.degree - 1)
         return torch.cat(parts, dim=dim)
 
     def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,5 @@ PARAM_RETURN_LATENTS = "return_latents"  # bool, default true: send the latents 
 VAE_TEMPORAL_FACTOR = 4
 
 
-def latent_frames_for(num_frames: int) -> int:
-    """Latent frames of a `num_frames` video under the causal VAE (first frame alone, then groups of 4)."""
-    return 1 + (num_frames - 1) // VAE_TEMPORAL_FACTOR
-
-
 def video_frames_for(latent_frames: int) -> int:
     return 1 + VAE_TEMPORAL_FACTOR * (latent_frames - 1)

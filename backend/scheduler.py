@@ -15,8 +15,7 @@ from .request import SessionRequest
 class Submission:
     """A request as it travels from the rank that received it to rank 0 and back to every rank."""
 
-    session_id: str  # "r{owner}-{n}": unique in the group
-    owner: int  # the rank that holds the response sender
+    session_id: str  # "r{rank that holds the response sender}-{n}": unique in the group
     request: SessionRequest
     geometry_key: tuple[int, int]  # sessions that share it can share a forward
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ class TritonLogHandler(logging.Handler):
 class TritonResponder:
     """Replies of one request through its decoupled response sender; nothing is sent after the final flag."""
 
-    def __init__(self, sender: "pb_utils.InferenceResponseSender", return_latents: bool) -> None:
+    def __init__(self, sender: pb_utils.InferenceResponseSender, return_latents: bool) -> None:
         self.sender = sender
         self.return_latents = return_latents
         self.arrival = time.perf_counter()
@@ -67,7 +68,7 @@ class TritonResponder:
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
 
-    def _send(self, response: "pb_utils.InferenceResponse | None", flags: int) -> None:
+    def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> None:
         with self._lock:
             if self.closed:
                 return
@@ -124,7 +125,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                session_request = parse_request(lambda name: _input(request, name), request.parameters())
+                session_request = parse_request(functools.partial(_input, request), request.parameters())
             except InputError as exc:
                 TritonResponder(sender, return_latents=False).send_error(str(exc))
                 continue
@@ -148,6 +149,6 @@ class TritonPythonModel:
             )
 
 
-def _input(request: "pb_utils.InferenceRequest", name: str) -> np.ndarray | None:
+def _input(request: pb_utils.InferenceRequest, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()

@@ -1,7 +1,14 @@
 """Start-up validation: everything checkable from configs alone, before any weight is read."""
 from __future__ import annotations
 
-from .config import KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, ATTENTION_BACKENDS, DTYPES, CheckpointConfigs, EngineConfig
+from .config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KNOWN_UNSUPPORTED_SP_MODES,
+    SUPPORTED_SP_MODES,
+    CheckpointConfigs,
+    EngineConfig,
+)
 from .errors import ConfigError
 from .geometry import VideoGeometry
 

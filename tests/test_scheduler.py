@@ -7,7 +7,7 @@ from factories import tiny_request
 
 
 def sub(sid: str, size: int = 64) -> Submission:
-    return Submission(sid, 0, tiny_request(num_frames=9), (size, size))
+    return Submission(sid, tiny_request(num_frames=9), (size, size))
 
 
 def deliver_all(scheduler: Scheduler) -> RankEvents:
