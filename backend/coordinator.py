@@ -95,6 +95,7 @@ class GroupCoordinator:
         self.sessions: dict[str, Session] = {}
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
         self.failure: BaseException | None = None
+        self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
         self._inbox: queue.SimpleQueue[tuple[Submission, Responder]] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -104,9 +105,6 @@ class GroupCoordinator:
     # -- called from Triton's execute thread -------------------------------------------------------
 
     def submit(self, request: SessionRequest, responder: Responder) -> None:
-        if self.failure is not None:
-            responder.send_error(self._failure_message())
-            return
         try:
             self.engine.validate(request)
         except InputError as exc:
@@ -114,11 +112,12 @@ class GroupCoordinator:
             return
         sid = f"r{self.rank}-{next(self._ids)}"
         self._inbox.put((Submission(sid, request, (request.height, request.width)), responder))
+        if self._closed_reason is not None:  # the loop is gone: nobody else will take it
+            self._refuse_inbox(self._closed_reason)
 
     def stop(self, timeout_s: float = 120.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-        self.writer.close()
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -127,7 +126,7 @@ class GroupCoordinator:
             while True:
                 plan = self._exchange(self._collect())
                 if plan.stop:
-                    self._fail_local("the model is being unloaded")
+                    self._close("the model is being unloaded")
                     return
                 self._apply(plan)
                 if plan.idle:
@@ -135,9 +134,27 @@ class GroupCoordinator:
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
             self.failure = exc
-            self._fail_local(self._failure_message())
-            self.writer.close()
+            self._close(self._failure_message())
             self.on_failure(exc)
+
+    def _close(self, reason: str) -> None:
+        """The loop ends: error every local stream, then answer late arrivals directly."""
+        self._closed_reason = reason
+        self._take_inbox()
+        for sid in list(self.responders):
+            self.writer.error(self.responders.pop(sid), reason)
+        for sid in list(self.sessions):
+            self._end(sid, "aborted")
+        self.writer.close()
+        self._refuse_inbox(reason)
+
+    def _refuse_inbox(self, reason: str) -> None:
+        while True:
+            try:
+                _, responder = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            responder.send_error(reason)
 
     def _take_inbox(self) -> list[Submission]:
         """New local requests: their responders are kept here, the submissions go to rank 0."""
@@ -208,13 +225,6 @@ class GroupCoordinator:
             )
         if self.scheduler is not None:
             self.scheduler.finished(sid)
-
-    def _fail_local(self, message: str) -> None:
-        self._take_inbox()
-        for sid in list(self.responders):
-            self.writer.error(self.responders.pop(sid), message)
-        for sid in list(self.sessions):
-            self._end(sid, "aborted")
 
     def _failure_message(self) -> str:
         return (
