@@ -163,3 +163,18 @@ def test_sp2_through_triton_matches_sp1(tmp_path: Path, tiny_checkpoint: str, se
             t.join()
     for latents in results.values():
         assert np.array_equal(latents, single)
+
+
+def test_cli_against_the_real_server(server, tmp_path: Path, capsys) -> None:
+    import imageio.v3 as iio
+
+    from client.__main__ import main
+
+    out, sheet = tmp_path / "session.mp4", tmp_path / "sheet.png"
+    code = main(["--url", server.grpc_url, "--prompt", "a castle", "--camera", "orbit", "--num-frames", "33",
+                 "--height", "64", "--width", "64", "--out", str(out), "--contact-sheet", str(sheet), "--timeout", "120"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "time to first block" in printed and "inter-block latency" in printed
+    assert len(list(iio.imiter(out, plugin="FFMPEG"))) == 33
+    assert sheet.stat().st_size > 0
