@@ -21,6 +21,7 @@ from .engine import BlockOutput, WorldModelEngine
 from .errors import ConfigError, InputError
 from .parallel import SequenceParallel, init_process_group
 from .triton_io import block_outputs, instance_rank, parse_request
+from .triton_metrics import StreamMetrics
 from .validation import validate_engine
 
 log = logging.getLogger("backend")
@@ -43,24 +44,39 @@ class TritonLogHandler(logging.Handler):
 class TritonResponder:
     """Replies of one request through its decoupled response sender; nothing is sent after the final flag."""
 
-    def __init__(self, sender: pb_utils.InferenceResponseSender, return_latents: bool) -> None:
+    def __init__(
+        self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics
+    ) -> None:
         self.sender = sender
         self.return_latents = return_latents
+        self.metrics = metrics
         self.arrival = time.perf_counter()
+        self.last_block: float | None = None
         self.closed = False
         self._lock = threading.Lock()
+        metrics.streams_open.increment(1)
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
-        since_arrival_ms = (time.perf_counter() - self.arrival) * 1000.0
+        now = time.perf_counter()
+        since_arrival_ms = (now - self.arrival) * 1000.0
         latents = output.latents[0].numpy() if self.return_latents else None
         tensors = block_outputs(
             output.block_index, output.num_blocks, latents, frames, (output.dit_ms, decode_ms, since_arrival_ms)
         )
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
-        self._send(response, FINAL if final else 0)
+        if self._send(response, FINAL if final else 0):
+            m = self.metrics
+            m.blocks.increment(1)
+            m.block_dit.observe(output.dit_ms / 1000.0)
+            if self.last_block is None:
+                m.time_to_first_block.observe(now - self.arrival)
+            else:
+                m.inter_block.observe(now - self.last_block)
+            self.last_block = now
 
     def send_error(self, message: str) -> None:
-        self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
+        if self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL):
+            self.metrics.errors.increment(1)
 
     def finish(self) -> None:
         self._send(None, FINAL)
@@ -68,15 +84,19 @@ class TritonResponder:
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
 
-    def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> None:
+    def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> bool:
+        """Send unless the stream is closed; returns whether it was sent."""
         with self._lock:
             if self.closed:
-                return
+                return False
             self.closed = bool(flags & FINAL)
             if response is None:
                 self.sender.send(flags=flags)
             else:
                 self.sender.send(response, flags=flags)
+            if self.closed:
+                self.metrics.streams_open.increment(-1)
+            return True
 
 
 class TritonPythonModel:
@@ -103,6 +123,7 @@ class TritonPythonModel:
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         self.rank = rank
+        self.metrics = StreamMetrics(self.model_name, rank)
         control = data = None
         if world > 1:
             backend = "nccl" if on_gpu else "gloo"
@@ -127,9 +148,10 @@ class TritonPythonModel:
             try:
                 session_request = parse_request(functools.partial(_input, request), request.parameters())
             except InputError as exc:
-                TritonResponder(sender, return_latents=False).send_error(str(exc))
+                TritonResponder(sender, False, self.metrics).send_error(str(exc))
                 continue
-            self.coordinator.submit(session_request, TritonResponder(sender, session_request.return_latents))
+            responder = TritonResponder(sender, session_request.return_latents, self.metrics)
+            self.coordinator.submit(session_request, responder)
         return None
 
     def finalize(self) -> None:

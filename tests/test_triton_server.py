@@ -178,3 +178,34 @@ def test_cli_against_the_real_server(server, tmp_path: Path, capsys) -> None:
     assert "time to first block" in printed and "inter-block latency" in printed
     assert len(list(iio.imiter(out, plugin="FFMPEG"))) == 33
     assert sheet.stat().st_size > 0
+
+
+def _metrics(server) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("lingbot_world_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = float(value)
+    return values
+
+
+def test_prometheus_metrics_count_streams(server) -> None:
+    before = _metrics(server)
+    stream(server.grpc_url, tiny_request(num_frames=33))
+    with pytest.raises(StreamError):
+        stream(server.grpc_url, tiny_request(num_frames=13))  # not a whole number of blocks
+    time.sleep(1.0)  # Triton refreshes the exposition periodically
+    after = _metrics(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("lingbot_world_blocks_total") == 3
+    assert delta("lingbot_world_time_to_first_block_seconds_count") == 1
+    assert delta("lingbot_world_inter_block_seconds_count") == 2
+    assert delta("lingbot_world_block_dit_seconds_count") == 3
+    assert delta("lingbot_world_stream_errors_total") == 1
+    assert after["lingbot_world_streams_open"] == 0

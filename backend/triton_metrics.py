@@ -1,0 +1,29 @@
+"""Prometheus metrics of the served streams, on Triton's metrics endpoint (one label set per rank)."""
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+LATENCY_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0]
+
+
+class StreamMetrics:
+    """Families are kept on the object: Triton drops a family's metrics when it is garbage-collected."""
+
+    def __init__(self, model_name: str, rank: int) -> None:
+        labels = {"model": model_name, "rank": str(rank)}
+        family = pb_utils.MetricFamily
+        self._families = [
+            family("lingbot_world_blocks_total", "AR blocks sent to clients", family.COUNTER),
+            family("lingbot_world_stream_errors_total", "streams ended by an error response", family.COUNTER),
+            family("lingbot_world_streams_open", "streams this instance is answering", family.GAUGE),
+            family("lingbot_world_time_to_first_block_seconds", "request arrival to first block sent", family.HISTOGRAM),
+            family("lingbot_world_inter_block_seconds", "between two blocks of one stream", family.HISTOGRAM),
+            family("lingbot_world_block_dit_seconds", "DiT time of a block (all its forwards)", family.HISTOGRAM),
+        ]
+        blocks, errors, streams, first, inter, dit = self._families
+        self.blocks = blocks.Metric(labels=labels)
+        self.errors = errors.Metric(labels=labels)
+        self.streams_open = streams.Metric(labels=labels)
+        self.time_to_first_block = first.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
+        self.inter_block = inter.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
+        self.block_dit = dit.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
