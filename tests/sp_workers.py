@@ -23,10 +23,10 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest)
         "latents": np.concatenate(latents, axis=2),
         "a2a_bytes": a2a,
         "evicted_tokens": session.cache.evicted_tokens,
-        "self_k": [k[:, :n].numpy() for k in session.cache.keys],
-        "self_v": [v[:, :n].numpy() for v in session.cache.values],
-        "text_k": [k.numpy() for k in session.text.keys],
-        "text_v": [v.numpy() for v in session.text.values],
+        "self_k": [k[:, :n].float().numpy() for k in session.cache.keys],
+        "self_v": [v[:, :n].float().numpy() for v in session.cache.values],
+        "text_k": [k.float().numpy() for k in session.text.keys],
+        "text_v": [v.float().numpy() for v in session.text.values],
     }
     engine.close_session(session)
     return result

@@ -58,3 +58,13 @@ def test_all_to_all_bytes_do_not_grow_with_history(rollouts: dict[int, list[dict
     block_tokens, dim, layers, forwards = 48, 64, 2, 5
     expected = forwards * layers * 6 * (block_tokens // sp) * dim * 4 * (sp - 1) // sp
     assert per_block[0] == expected
+
+
+def test_bfloat16_sp2_matches_sp1(tiny_checkpoint: str) -> None:
+    config = tiny_config(tiny_checkpoint, dtype="bfloat16", decode_frames=False)
+    request = tiny_request(num_frames=33)
+    single = run_group(1, rollout, (config, request))[0]["latents"]
+    double = run_group(2, rollout, (dataclasses.replace(config, sp_degree=2), request))[0]["latents"]
+    assert np.isfinite(single).all()
+    print(f"bf16 SP1 vs SP2: max abs diff {np.abs(single - double).max():.3g}")
+    assert np.array_equal(single, double)
