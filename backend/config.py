@@ -92,6 +92,7 @@ class EngineConfig:
     default_height: int = 480  # the resolution checked at start-up; requests may ask for others
     default_width: int = 832
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)
+    compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical
 
 
 T = TypeVar("T")

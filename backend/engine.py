@@ -90,6 +90,9 @@ class WorldModelEngine:
         self.transformer: CausalWanTransformer = load_transformer(
             root / "transformer", self.ckpt.transformer, self.dtype, self.device
         )
+        if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
+            for block in self.transformer.blocks:
+                block.compile(dynamic=True)
         encoder, tokenizer = load_text_encoder(root, self.dtype, self.device)
         self.prompts = PromptEncoder(encoder, tokenizer, config.text_len, self.device)
         # The VAE always encodes the first frame; decoding blocks is skipped per request or by config.

@@ -100,3 +100,11 @@ def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
         from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp": "2"})
     with pytest.raises(ConfigError, match=r"parameter sp_degree='two': expected int"):
         from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp_degree": "two"})
+
+
+def test_compiled_blocks_stay_close_to_eager(tiny_checkpoint: str, engine: WorldModelEngine) -> None:
+    request = tiny_request(num_frames=33)
+    compiled = WorldModelEngine(tiny_config(tiny_checkpoint, compile=True))
+    for (eager_out, eager_frames), (out, frames) in zip(engine.generate(request), compiled.generate(request)):
+        assert np.abs(out.latents.numpy() - eager_out.latents.numpy()).max() < 1e-4
+        assert np.abs(frames.astype(int) - eager_frames.astype(int)).max() <= 2
