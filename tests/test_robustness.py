@@ -47,13 +47,13 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
         errors: list[str] = []
 
-        def one(seed: int) -> None:  # two streams: with two instances, one lands on each
+        def one(seed: int) -> None:  # Triton alternates streams between the two instances
             try:
                 stream(server.grpc_url, tiny_request(num_frames=129, seed=seed), timeout=timeout_s + 10)
             except StreamError as exc:
                 errors.append(str(exc))
 
-        threads = [threading.Thread(target=one, args=(s,)) for s in range(2)]
+        threads = [threading.Thread(target=one, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
         time.sleep(2.0)  # both streams are running
@@ -84,10 +84,13 @@ def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
         assert len(blocks) == 2
     growth_mib = (rss_kib(stub) - before) / 1024
     print(f"stub RSS growth over 50 sessions: {growth_mib:.1f} MiB")
-    assert growth_mib < 64
+    # glibc arenas make RSS step by tens of MiB without a trend (seen: +27, +54, -27 MiB per 20
+    # sessions); a leaked session would also leave its cache behind, which the log check catches exactly.
+    assert growth_mib < 128
     log = Path(sp1_server.log_path).read_text()
-    ended = re.findall(r"session \S+ finished after 2/2 blocks; freed \d+ cache bytes \(left: (\d+)\)", log)
-    assert len(ended) >= 60 and set(ended) == {"0"}
+    ended = re.findall(r"session \S+ finished after 2/2 blocks; freed \d+ cache bytes \(left: (\d+)\); open sessions: (\d+)", log)
+    assert len(ended) >= 60 and {left for left, _ in ended} == {"0"}
+    assert ended[-1][1] == "0"
 
 
 def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
