@@ -15,7 +15,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import WorldModelEngine
-from backend.launcher import REPO_ROOT
+from backend.paths import REPO_ROOT
 from backend.local_group import free_port, run_group
 from backend.parallel import SequenceParallel
 from backend.protocol import video_frames_for

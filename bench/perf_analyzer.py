@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backend.launcher import REPO_ROOT, perf_analyzer_environment
+from backend.paths import REPO_ROOT
+from backend.perf_analyzer_tool import perf_analyzer_environment
 from backend.protocol import MODEL_NAME
 from bench.common import TINY, add_checkpoint_args, ensure_checkpoint
 from bench.make_perf_inputs import WORKLOADS, write_perf_inputs

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from backend.engine import WorldModelEngine
-from backend.launcher import TritonServer, prepare_backends, write_model_repository
+from backend.model_config import write_model_repository
+from backend.pytriton_wheel import prepare_backends
+from backend.triton_server import TritonServer
 from backend.protocol import MODEL_NAME
 from backend.request import SessionRequest
 from bench.common import (

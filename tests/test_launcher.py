@@ -8,7 +8,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from backend.launcher import parse_param, render_config
+from backend.launcher import parse_param
+from backend.model_config import render_config
 
 TEMPLATE = """\
 name: "lingbot_world"

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonServer, prepare_backends, write_model_repository
+from backend.model_config import write_model_repository
+from backend.pytriton_wheel import prepare_backends
+from backend.triton_server import TritonServer
 from backend.local_group import free_port
 from backend.request import SessionRequest
 from client.stream import StreamingSession, build_inputs

@@ -1,0 +1,191 @@
+"""A tritonserver child process (from the pytriton wheel) with its log, ports and readiness wait."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from .paths import DEFAULT_BACKENDS_DIR
+from .pytriton_wheel import PytritonWheel, find_pytriton_wheel
+
+_LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
+
+
+def _libpython_dir() -> Path | None:
+    """The directory holding this interpreter's shared libpython (None for a static build)."""
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        return Path(libdir)
+    return None
+
+
+def _temp_log_path() -> Path:
+    fd, path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TritonServer:
+    """A tritonserver child process in its own process group, logging to `log_path`.
+
+    Ports left as None are picked free; `extra_args` go to tritonserver as they are.
+    Use as a context manager, or start()/stop().
+    """
+
+    def __init__(
+        self,
+        model_repository: Path,
+        *,
+        backends_dir: Path = DEFAULT_BACKENDS_DIR,
+        grpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        log_verbose: int = 0,
+        exit_timeout_s: int = 10,
+        log_path: Path | None = None,
+        extra_args: Sequence[str] = (),
+        wheel: PytritonWheel | None = None,
+    ) -> None:
+        self.wheel = wheel or find_pytriton_wheel()
+        self.model_repository = Path(model_repository)
+        self.backends_dir = Path(backends_dir)
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_path) if log_path else _temp_log_path()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(self.wheel.binary),
+            f"--model-repository={self.model_repository.resolve()}",
+            f"--backend-directory={self.backends_dir.resolve()}",
+            f"--grpc-port={self.grpc_port}",
+            f"--http-port={self.http_port}",
+            f"--metrics-port={self.metrics_port}",
+            # On SIGTERM the server waits this long for open requests (a dead stub's never finish).
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            # Explicit control, so a model whose group failed can unload itself and read not-ready.
+            "--model-control-mode=explicit",
+            *(f"--load-model={name}" for name in self.models()),
+        ]
+        return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args
+
+    def models(self) -> list[str]:
+        """The models of the repository (each loaded at start)."""
+        return sorted(p.name for p in self.model_repository.iterdir() if (p / "config.pbtxt").is_file())
+
+    def environment(self) -> dict[str, str]:
+        # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),
+        # and must embed this interpreter's own libpython: a different 3.11 patch release (the system
+        # one) fails on the venv's stdlib extensions (`import ssl`: undefined symbol _PyModule_Add).
+        env = dict(os.environ)
+        libs = [str(_libpython_dir() or ""), str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
+        env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
+        return env
+
+    def start(self) -> TritonServer:
+        if self.process is not None:
+            raise RuntimeError("this TritonServer was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self._started().pid
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self.process is None:
+            raise RuntimeError("start() the server first")
+        return self.process
+
+    def wait(self) -> int:
+        """Block until the server exits; returns its exit code."""
+        return self._started().wait()
+
+    def log_excerpt(self, lines: int = 30) -> str:
+        """The log's error lines (`E...` records, `error: ...`), else its last lines."""
+        text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.is_file() else []
+        errors = [line for line in text if _LOG_ERROR.match(line)]
+        return "\n".join((errors or text)[-lines:])
+
+    def wait_ready(self, model: str, timeout: float = 300.0) -> None:
+        """Block until `model` is ready; raise with the log's tail if the server dies or time runs out."""
+        process = self._started()
+        deadline = time.monotonic() + timeout
+        with grpcclient.InferenceServerClient(self.grpc_url) as client:
+            while time.monotonic() < deadline:
+                if (rc := process.poll()) is not None:
+                    raise RuntimeError(
+                        f"tritonserver exited with code {rc} before {model!r} was ready "
+                        f"(log {self.log_path}):\n{self.log_excerpt()}"
+                    )
+                try:
+                    if client.is_model_ready(model):
+                        return
+                except InferenceServerException:
+                    pass  # server not up yet
+                time.sleep(0.5)
+        raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_excerpt()}")
+
+    def stop(self) -> int | None:
+        """SIGTERM the process group (server and stubs), SIGKILL if still up after the exit timeout.
+
+        Returns the server's exit code (None if it was never started).
+        """
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(self.exit_timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.process.wait()
+        self._signal_group(signal.SIGKILL)  # stubs that outlived the server
+        return self.process.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
