@@ -156,6 +156,34 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
 # ---------------------------------------------------------------- NCCL group, one process per GPU
 
 
+def sp_parser(doc: str, default: Workload, preset: str) -> argparse.ArgumentParser:
+    """The command line shared by the SP sweeps (bench.engine on CPU, bench.gpu on GPUs)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP degrees, the first is the baseline")
+    parser.add_argument("--warmup-blocks", type=int, default=1, help="blocks of a throw-away session first")
+    add_workload_args(parser, default, preset=preset)
+    return parser
+
+
+def sweep_sp(
+    degrees: Sequence[int],
+    run: Callable[..., list],
+    checkpoint: Path,
+    w: Workload,
+    warmup_blocks: int,
+    device: str = "cpu",
+) -> dict[int, list[RankResult]]:
+    """The same request at each SP degree, one group after another; `run` is run_group or run_cuda_group."""
+    request = make_request(w)
+    results: dict[int, list[RankResult]] = {}
+    for sp in degrees:
+        results[sp] = run(sp, rollout, (engine_config(checkpoint, w, sp, device), request, warmup_blocks))
+        print(f"SP{sp} done: {results[sp][0].request_s:.2f} s, attention {results[sp][0].attention}", flush=True)
+    print()
+    return results
+
+
 def cuda_device_count() -> int:
     """Visible GPUs; exits with a clear message where CUDA is absent."""
     if not torch.cuda.is_available():

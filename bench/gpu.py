@@ -9,33 +9,24 @@ real 40-head geometry at reduced depth and width) to build/checkpoints/PRESET.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 
 import torch
 
 from bench.common import (
     GPU,
-    RankResult,
-    add_workload_args,
     cuda_device_count,
-    engine_config,
     ensure_checkpoint,
-    make_request,
-    rollout,
     run_cuda_group,
+    sp_parser,
     sp_table,
+    sweep_sp,
     workload_from_args,
 )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP degrees, the first is the baseline")
-    parser.add_argument("--warmup-blocks", type=int, default=1, help="blocks of a throw-away session first")
-    add_workload_args(parser, GPU, preset="mid")
-    args = parser.parse_args()
+    args = sp_parser(__doc__, GPU, preset="mid").parse_args()
     gpus = cuda_device_count()  # exits first where CUDA is absent
     degrees = [sp for sp in args.sp if sp <= gpus]
     if skipped := [sp for sp in args.sp if sp > gpus]:
@@ -44,17 +35,11 @@ def main() -> None:
         raise SystemExit("error: no SP degree fits the visible GPUs")
     w = workload_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint, args.preset)
-    request = make_request(w)
     flash = importlib.util.find_spec("flash_attn") is not None
     print(f"checkpoint {checkpoint}, {w.height}x{w.width}, {w.num_frames} frames = {w.blocks} blocks, {w.dtype}, "
           f"window {w.window_frames}, text_len {w.text_len}; {gpus} x {torch.cuda.get_device_name(0)}, "
           f"flash-attn {'installed' if flash else 'not installed'}", flush=True)
-    results: dict[int, list[RankResult]] = {}
-    for sp in degrees:
-        results[sp] = run_cuda_group(sp, rollout, (engine_config(checkpoint, w, sp, "cuda"), request, args.warmup_blocks))
-        print(f"SP{sp} done: {results[sp][0].request_s:.2f} s, attention {results[sp][0].attention}", flush=True)
-    print()
-    print(sp_table(results))
+    print(sp_table(sweep_sp(degrees, run_cuda_group, checkpoint, w, args.warmup_blocks, "cuda")))
 
 
 if __name__ == "__main__":
