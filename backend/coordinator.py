@@ -106,12 +106,12 @@ class GroupCoordinator:
 
     def submit(self, request: SessionRequest, responder: Responder) -> None:
         try:
-            self.engine.validate(request)
+            geometry = self.engine.validate(request)
         except InputError as exc:
             responder.send_error(str(exc))
             return
         sid = f"r{self.rank}-{next(self._ids)}"
-        self._inbox.put((Submission(sid, request, (request.height, request.width)), responder))
+        self._inbox.put((Submission(sid, request, geometry.block_shape), responder))
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
             self._refuse_inbox(self._closed_reason)
 

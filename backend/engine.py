@@ -174,8 +174,8 @@ class WorldModelEngine:
     def run_block(self, sessions: list[Session]) -> list[BlockOutput]:
         """Denoise the next block of each session (batched: same geometry), then commit its clean K/V."""
         geometry = sessions[0].geometry
-        if any(s.geometry != geometry or s.done for s in sessions):
-            raise ValueError("run_block: sessions must share one geometry and have blocks left")
+        if any(s.geometry.block_shape != geometry.block_shape or s.done for s in sessions):
+            raise ValueError("run_block: sessions must share one block shape and have blocks left")
         start = time.perf_counter()
         self.sp.stats.reset()
         bf = self.config.block_frames

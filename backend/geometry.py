@@ -28,6 +28,11 @@ class VideoGeometry:
         return self.block_frames * self.tokens_per_frame
 
     @property
+    def block_shape(self) -> tuple[int, int]:
+        """What sessions must share to run their blocks in one forward (clip lengths may differ)."""
+        return (self.height, self.width)
+
+    @property
     def num_blocks(self) -> int:
         return self.latent_frames // self.block_frames
 

@@ -17,7 +17,7 @@ class Submission:
 
     session_id: str  # "r{rank that holds the response sender}-{n}": unique in the group
     request: SessionRequest
-    geometry_key: tuple[int, int]  # sessions that share it can share a forward
+    geometry_key: tuple[int, int]  # VideoGeometry.block_shape: sessions that share it can share a forward
 
 
 @dataclass

@@ -54,12 +54,13 @@ def test_blocks_arrive_as_they_are_ready(server) -> None:
 
 
 def test_concurrent_streams_all_complete_correctly(server, engine: WorldModelEngine) -> None:
-    requests = [tiny_request(num_frames=33, seed=s, poses=forward_poses(33, 0.02 * s)) for s in range(4)]
+    lengths = (33, 21, 45, 33)  # different clip lengths share forwards
+    requests = [tiny_request(num_frames=n, seed=s, poses=forward_poses(n, 0.02 * s)) for s, n in enumerate(lengths)]
     results = run_sessions(server.grpc_url, [StreamRequest(inputs_for(r), request_id=f"c{i}") for i, r in
                                              enumerate(requests)], timeout=180)
     for request, result in zip(requests, results):
         assert result.error is None, result.error
-        assert [b.block_index for b in result.blocks] == [0, 1, 2]
+        assert [b.block_index for b in result.blocks] == list(range((1 + (request.num_frames - 1) // 4) // 3))
         direct = engine.generate(request)
         expected = np.concatenate([out.latents[0].numpy() for out, _ in direct], axis=1)
         # Sessions may share a forward (batched): the same arithmetic per sample, up to reduction order.
