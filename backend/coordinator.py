@@ -36,7 +36,7 @@ class Responder(Protocol):
 
     def finish(self) -> None: ...  # close the stream without data (after a cancellation)
 
-    def is_cancelled(self) -> bool: ...
+    def is_cancelled(self) -> bool: ...  # the client went away, or an error response closed the stream
 
 
 class ResponseWriter:
@@ -45,7 +45,7 @@ class ResponseWriter:
     def __init__(self, engine: WorldModelEngine) -> None:
         self.engine = engine
         self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Responder, Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
         self._thread.start()
 
@@ -56,24 +56,29 @@ class ResponseWriter:
             responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
             self.delivered[session.id] = output.block_index + 1
 
-        self._queue.put(send)
+        self._queue.put((responder, send))
 
     def error(self, responder: Responder, message: str) -> None:
-        self._queue.put(lambda: responder.send_error(message))
+        self._queue.put((responder, lambda: responder.send_error(message)))
 
     def finish(self, responder: Responder) -> None:
-        self._queue.put(responder.finish)
+        self._queue.put((responder, responder.finish))
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while (task := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            responder, task = item
             try:
                 task()
-            except Exception:  # one client's broken stream must not stop the others
-                log.exception("sending a response failed")
+            except Exception as exc:  # one stream's failure must not stop the others
+                log.exception("decoding or sending a response failed")
+                try:  # the stream ends with the error; the loop then sees it closed and drops the session
+                    responder.send_error(f"decoding or sending this block failed: {exc!r}")
+                except Exception:
+                    log.exception("sending the error response failed too")
 
 
 class GroupCoordinator:
@@ -194,13 +199,8 @@ class GroupCoordinator:
             self._end(sid, "cancelled")
             if (responder := self.responders.pop(sid, None)) is not None:
                 self.writer.finish(responder)
-        for sub in plan.opens:
-            try:
-                self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
-            except InputError as exc:  # same inputs on every rank: every rank fails alike
-                self._end(sub.session_id, "rejected")
-                if (responder := self.responders.pop(sub.session_id, None)) is not None:
-                    self.writer.error(responder, str(exc))
+        if plan.opens:
+            self._open_all(plan.opens)
         if not plan.batch:
             return
         for output in self.engine.run_block([self.sessions[sid] for sid in plan.batch]):
@@ -212,6 +212,27 @@ class GroupCoordinator:
             if session.done:
                 self.responders.pop(sid, None)
                 self._end(sid, "finished")
+
+    def _open_all(self, subs: list[Submission]) -> None:
+        failed: dict[str, str] = {}
+        for sub in subs:
+            try:
+                self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
+            except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
+                log.warning("rank %d: opening session %s failed: %r", self.rank, sub.session_id, exc)
+                failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else f"opening the session failed: {exc!r}"
+        for sid, message in self._agree(failed).items():  # a session failed on any rank is dropped on all
+            self._end(sid, "rejected")
+            if (responder := self.responders.pop(sid, None)) is not None:
+                self.writer.error(responder, message)
+
+    def _agree(self, failed: dict[str, str]) -> dict[str, str]:
+        """The union of every rank's failures (a collective: every rank calls it for the same opens)."""
+        if self.world == 1:
+            return failed
+        everyone: list[dict[str, str]] = [{}] * self.world
+        dist.all_gather_object(everyone, failed, group=self.control_group)
+        return {sid: msg for per_rank in everyone for sid, msg in per_rank.items()}
 
     def _end(self, sid: str, reason: str) -> None:
         """Free a session's caches on this rank and its slot on rank 0."""

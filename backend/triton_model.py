@@ -82,7 +82,7 @@ class TritonResponder:
         self._send(None, FINAL)
 
     def is_cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        return self.closed or self.sender.is_cancelled()
 
     def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> bool:
         """Send unless the stream is closed; returns whether it was sent."""
