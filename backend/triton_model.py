@@ -120,6 +120,9 @@ class TritonPythonModel:
         validate_engine(engine_config, read_checkpoint_configs(engine_config.checkpoint), world)
         if on_gpu:
             torch.cuda.set_device(device)
+            # On an NCCL timeout abort the communicators but keep the process, so the loop's next
+            # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         self.rank = rank
