@@ -40,7 +40,7 @@ from bench.common import (
     server_parameters,
     workload_from_args,
 )
-from client.stream import SessionResult, StreamRequest, build_inputs, run_sessions
+from client.stream import SessionResult, StreamRequest, request_inputs, run_sessions
 
 
 @dataclass
@@ -81,23 +81,6 @@ class LevelStats:
 # ---------------------------------------------------------------- the server's stub processes
 
 
-def stub_pids(server_pid: int) -> dict[int, int]:
-    """rank -> pid of the server's Python-backend stubs (children; the instance name's last number is the rank)."""
-    stubs: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == server_pid and argv[0].endswith(b"triton_python_backend_stub"):
-            instance = next(a.decode() for a in argv if a.startswith(MODEL_NAME.encode()))
-            stubs[int(instance.rsplit("_", 1)[1])] = int(proc.name)
-    return dict(sorted(stubs.items()))
-
-
 def reset_peak_rss(pids: list[int]) -> bool:
     """Reset VmHWM to the current RSS (Linux clear_refs 5); False if not permitted."""
     try:
@@ -130,9 +113,7 @@ def sp_server(checkpoint: Path, w: Workload, sp: int) -> Iterator[TritonServer]:
 
 
 def stream_request(request: SessionRequest, request_id: str) -> StreamRequest:
-    inputs = build_inputs(request.image, request.prompt, request.poses, request.intrinsics,
-                          num_frames=request.num_frames, seed=request.seed, height=request.height, width=request.width)
-    return StreamRequest(inputs, request_id, {"decode": request.decode, "return_latents": False})
+    return StreamRequest(request_inputs(request), request_id, {"decode": request.decode, "return_latents": False})
 
 
 def run_level(url: str, request: SessionRequest, sessions: int, rounds: int, timeout: float,
@@ -234,7 +215,7 @@ def main() -> None:
         direct = direct_engine_s(checkpoint, w, request, args.repeats)
     for sp in [] if args.url else args.sp:
         with sp_server(checkpoint, w, sp) as server:
-            pids = list(stub_pids(server.pid).values())
+            pids = list(server.stub_pids().values())
             if len(pids) != sp:
                 print(f"SP{sp}: found {len(pids)} stub processes under pid {server.pid}; peak RSS unavailable")
                 pids = []

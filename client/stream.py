@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from backend import protocol
+from backend.request import SessionRequest
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
@@ -93,6 +94,12 @@ def build_inputs(
             raise ValueError(f"camera intrinsics must be [{num_frames}, 4] (fx, fy, cx, cy), got {list(intrinsics.shape)}")
         inputs.append(_tensor_input(protocol.CAMERA_INTRINSICS, intrinsics))
     return inputs
+
+
+def request_inputs(request: SessionRequest) -> list[grpcclient.InferInput]:
+    """The inputs of a `backend.request.SessionRequest` (the engine's own request type)."""
+    return build_inputs(request.image, request.prompt, request.poses, request.intrinsics, num_frames=request.num_frames,
+                        seed=request.seed, height=request.height, width=request.width)
 
 
 def _first_int(result: grpcclient.InferResult, name: str) -> int:

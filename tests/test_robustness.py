@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,11 +18,6 @@ from factories import forward_poses, sample_image, tiny_request
 from triton_harness import inputs_with, running_server, stream
 
 MODEL = protocol.MODEL_NAME
-
-
-def stub_pids(server_pid: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
-    return sorted(int(p) for p in children if "triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_text())
 
 
 def rss_kib(pid: int) -> int:
@@ -57,7 +51,7 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
         for t in threads:
             t.start()
         time.sleep(2.0)  # both streams are running
-        victim = stub_pids(server.pid)[-1]
+        victim = server.stub_pids()[1]
         os.kill(victim, failure)
         try:
             assert wait_not_ready(server.grpc_url, timeout_s + 15) < timeout_s + 15
@@ -74,7 +68,7 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
 
 
 def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
-    (stub,) = stub_pids(sp1_server.pid)
+    (stub,) = sp1_server.stub_pids().values()
     request = tiny_request(num_frames=21)
     for _ in range(10):  # warm-up: allocator pools, first-call caches
         stream(sp1_server.grpc_url, request)

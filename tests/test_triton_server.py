@@ -12,9 +12,9 @@ import tritonclient.grpc as grpcclient
 
 from backend import protocol
 from backend.engine import WorldModelEngine
-from client.stream import StreamError, StreamingSession, StreamRequest, run_sessions
+from client.stream import StreamError, StreamingSession, StreamRequest, request_inputs, run_sessions
 from factories import forward_poses, tiny_config, tiny_request
-from triton_harness import inputs_for, inputs_with, latents_of, running_server, stream
+from triton_harness import inputs_with, latents_of, running_server, stream
 
 MODEL = protocol.MODEL_NAME
 
@@ -56,7 +56,7 @@ def test_blocks_arrive_as_they_are_ready(server) -> None:
 def test_concurrent_streams_all_complete_correctly(server, engine: WorldModelEngine) -> None:
     lengths = (33, 21, 45, 33)  # different clip lengths share forwards
     requests = [tiny_request(num_frames=n, seed=s, poses=forward_poses(n, 0.02 * s)) for s, n in enumerate(lengths)]
-    results = run_sessions(server.grpc_url, [StreamRequest(inputs_for(r), request_id=f"c{i}") for i, r in
+    results = run_sessions(server.grpc_url, [StreamRequest(request_inputs(r), request_id=f"c{i}") for i, r in
                                              enumerate(requests)], timeout=180)
     for request, result in zip(requests, results):
         assert result.error is None, result.error
@@ -74,7 +74,7 @@ def test_cancel_mid_stream_frees_the_session(server, engine: WorldModelEngine) -
     log = Path(server.log_path)
     for attempt in range(3):
         with StreamingSession(server.grpc_url) as session:
-            session.send(inputs_for(tiny_request(num_frames=129)))
+            session.send(request_inputs(tiny_request(num_frames=129)))
             blocks = session.responses(timeout=120)
             first = next(blocks)
             assert first.block_index == 0 and first.num_blocks == 11
@@ -132,7 +132,7 @@ def test_bad_request_parameter(server) -> None:
 
 def test_queue_limit_rejects_clearly(server) -> None:
     # max_sessions=3 run, max_queue=4 wait: of 9 long sessions sent at once, 2 are turned away.
-    requests = [StreamRequest(inputs_for(tiny_request(num_frames=57, seed=s)), request_id=f"q{s}") for s in range(9)]
+    requests = [StreamRequest(request_inputs(tiny_request(num_frames=57, seed=s)), request_id=f"q{s}") for s in range(9)]
     results = run_sessions(server.grpc_url, requests, timeout=300, keep_data=False)
     errors = [str(r.error) for r in results if r.error is not None]
     assert len(errors) == 2, errors
@@ -143,7 +143,7 @@ def test_queue_limit_rejects_clearly(server) -> None:
 
 def test_no_decode_parameter(server) -> None:
     with StreamingSession(server.grpc_url) as session:
-        session.send(inputs_for(tiny_request(num_frames=9)), parameters={"decode": False, "return_latents": False})
+        session.send(request_inputs(tiny_request(num_frames=9)), parameters={"decode": False, "return_latents": False})
         (block,) = list(session.responses(timeout=60))
     assert block.frames.shape[0] == 0 and block.latents is None
 

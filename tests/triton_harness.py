@@ -13,7 +13,7 @@ from backend.pytriton_wheel import prepare_backends
 from backend.triton_server import TritonServer
 from backend.local_group import free_port
 from backend.request import SessionRequest
-from client.stream import StreamingSession, build_inputs
+from client.stream import StreamingSession, request_inputs
 from factories import TINY_SIZE, tiny_request
 
 
@@ -46,22 +46,9 @@ def running_server(tmp: Path, checkpoint: str, sp: int = 1, **overrides: str) ->
         yield server
 
 
-def inputs_for(request: SessionRequest) -> list:
-    return build_inputs(
-        request.image,
-        request.prompt,
-        request.poses,
-        request.intrinsics,
-        num_frames=request.num_frames,
-        seed=request.seed,
-        height=request.height,
-        width=request.width,
-    )
-
-
 def stream(url: str, request: SessionRequest, timeout: float = 120) -> list:
     with StreamingSession(url) as session:
-        session.send(inputs_for(request), parameters={"decode": request.decode, "return_latents": True})
+        session.send(request_inputs(request), parameters={"decode": request.decode, "return_latents": True})
         return list(session.responses(timeout))
 
 
@@ -72,7 +59,7 @@ def latents_of(blocks: list) -> np.ndarray:
 def inputs_with(**changes) -> list:
     """Valid inputs with some replaced (value None drops the input)."""
     request = tiny_request(num_frames=9)
-    inputs = {i.name(): i for i in inputs_for(request)}
+    inputs = {i.name(): i for i in request_inputs(request)}
     for name, value in changes.items():
         if value is None:
             inputs.pop(name)
