@@ -13,7 +13,7 @@ $PY -m backend.launcher --sp "$SP" --kind cpu --grpc-port 8001 --http-port 8000 
   --param checkpoint="$CKPT" --param dtype=float32 --param default_height=128 --param default_width=128 \
   --param text_len=64 --wait --wait-timeout 300 >build/launcher.out 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
   grep -q "ready" build/launcher.out && break
   kill -0 $SERVER 2>/dev/null || { cat build/launcher.out; exit 1; }
