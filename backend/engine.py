@@ -148,7 +148,8 @@ class WorldModelEngine:
         )
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
-            window_tokens=cfg.window_frames * geometry.tokens_per_frame,
+            # A clip shorter than the window never needs the whole window.
+            window_tokens=min(cfg.window_frames, frames) * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
             sink_tokens=cfg.sink_frames * geometry.tokens_per_frame,
             local_heads=local_heads,
