@@ -99,7 +99,6 @@ class GroupCoordinator:
         self.writer = ResponseWriter(engine)
         self.sessions: dict[str, Session] = {}
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
-        self.failure: BaseException | None = None
         self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
         self._inbox: queue.SimpleQueue[tuple[Submission, Responder]] = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -138,8 +137,7 @@ class GroupCoordinator:
                     time.sleep(self.limits.idle_poll_ms / 1000.0)
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
-            self.failure = exc
-            self._close(self._failure_message())
+            self._close(self._failure_message(exc))
             self.on_failure(exc)
 
     def _close(self, reason: str) -> None:
@@ -247,8 +245,8 @@ class GroupCoordinator:
         if self.scheduler is not None:
             self.scheduler.finished(sid)
 
-    def _failure_message(self) -> str:
+    def _failure_message(self, exc: BaseException) -> str:
         return (
-            f"the sequence-parallel group failed on rank {self.rank} ({self.failure!r}); "
+            f"the sequence-parallel group failed on rank {self.rank} ({exc!r}); "
             f"this model is no longer ready, restart the server or reload the model"
         )

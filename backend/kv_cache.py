@@ -9,8 +9,8 @@ class SelfAttentionCache:
 
     Buffers are [1, capacity, local_heads, head_dim] with capacity = window tokens, so attention reads a
     contiguous prefix without copying. Size per rank: window tokens x layers x 2 x dim x bytes / sp, e.g.
-    18 x 1,560 tokens x 40 x 2 x 5,120 x 2 B = 23 GB per session at SP1 and 5.7 GB at SP4 for the 14B model. Tokens [0, sink) are never evicted; on overflow the oldest
-    tokens after the sink are dropped.
+    18 x 1,560 tokens x 40 x 2 x 5,120 x 2 B = 23 GB per session at SP1 and 5.7 GB at SP4 for the 14B model.
+    Tokens [0, sink) are never evicted; on overflow the oldest tokens after the sink are dropped.
     """
 
     def __init__(

@@ -17,7 +17,7 @@ class Submission:
 
     session_id: str  # "r{rank that holds the response sender}-{n}": unique in the group
     request: SessionRequest
-    geometry_key: tuple[int, int]  # VideoGeometry.block_shape: sessions that share it can share a forward
+    block_shape: tuple[int, int]  # VideoGeometry.block_shape: sessions that share it can share a forward
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Scheduler:
         return len(self.active) < self.limits.max_sessions
 
     def _open(self, sub: Submission) -> Submission:
-        self.active[sub.session_id] = sub.geometry_key
+        self.active[sub.session_id] = sub.block_shape
         self.computed[sub.session_id] = 0
         return sub
 
