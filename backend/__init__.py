@@ -1,4 +1,8 @@
-"""Serving engine for a LingBot-World-style causal AR-diffusion video DiT with Ulysses sequence parallelism.
+"""Serving a LingBot-World-style causal AR-diffusion video DiT on Triton with Ulysses sequence parallelism.
 
-Kept free of heavy imports: `backend.protocol` is used by the client without torch.
+Rooms, each importing only from the rooms listed before it:
+`api` (torch-free wire contract, request checks, errors, settings parsing; shared with the client),
+`parallel` (process group bootstrap, sequence-parallel exchanges), `model` (the DiT, VAE, text encoder,
+checkpoint loading), `engine` (the AR rollout), `serving` (scheduler, group loop, response writer),
+then `adapter` (the Triton Python-backend model) and `launch` (config rendering, tritonserver process).
 """

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from backend.config import EngineConfig
-from backend.engine import WorldModelEngine
-from backend.paths import REPO_ROOT
-from backend.local_group import free_port, run_group
-from backend.parallel import SequenceParallel
-from backend.protocol import video_frames_for
-from backend.request import SessionRequest
-from backend.tiny_checkpoint import PRESETS, write_checkpoint
+from backend.engine.config import EngineConfig
+from backend.engine.rollout import WorldModelEngine
+from backend.launch.paths import REPO_ROOT
+from backend.parallel.local import free_port, run_group
+from backend.parallel.sequence import SequenceParallel
+from backend.api.contract import video_frames_for
+from backend.api.request import SessionRequest
+from backend.model.tiny_checkpoint import PRESETS, write_checkpoint
 from client.camera import camera_preset
 
 BUILD_DIR = REPO_ROOT / "build"
@@ -127,20 +127,14 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
     """One warm-up session of `warmup_blocks`, then one timed full request. Importable for spawned ranks."""
     if config.device == "cuda":
         config = dataclasses.replace(config, device=f"cuda:{torch.cuda.current_device()}")
-    engine = WorldModelEngine(config, sp)
-    warm = engine.open_session(request)
-    for _ in range(min(warmup_blocks, warm.geometry.num_blocks)):
-        engine.run_block([warm])
-    engine.close_session(warm)
+    engine = WorldModelEngine.load(config, sp)
+    with engine.session(request) as warm:
+        for _ in zip(range(warmup_blocks), engine.blocks(warm, decode=False)):
+            pass
     start = time.perf_counter()
-    session = engine.open_session(request)
-    outputs = []
-    while not session.done:
-        (out,) = engine.run_block([session])
-        if sp.rank == 0:  # the others wait for it in the next block's first all-to-all, not in this one
-            engine.decode(session, out)
-        outputs.append(out)
-    engine.close_session(session)
+    with engine.session(request) as session:
+        # Rank 0 decodes, as the serving rank does; the others wait for it in the next block's first all-to-all.
+        outputs = [out for out, _ in engine.blocks(session, decode=sp.rank == 0)]
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)

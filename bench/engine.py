@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from backend.local_group import run_group
+from backend.parallel.local import run_group
 from bench.common import TINY, ensure_checkpoint, sp_parser, sp_table, sweep_sp, workload_from_args
 
 

@@ -9,8 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
-from backend import protocol as p
-from backend.request import SessionRequest
+from backend.api import contract as p
+from backend.api.request import SessionRequest
 from bench.common import GPU, TINY, make_request
 
 PERF_INPUTS_DIR = Path(__file__).resolve().parent / "perf_inputs"

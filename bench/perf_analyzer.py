@@ -2,7 +2,7 @@
 
     python -m bench.perf_analyzer [--url HOST:PORT] [--sp 1] [--concurrency-range 1:2] [-- EXTRA_ARGS...]
 
-Installs the binary with `python -m backend.launcher --install-perf-analyzer` (idempotent), writes
+Installs the binary with `python -m backend.launch --install-perf-analyzer` (idempotent), writes
 bench/perf_inputs/tiny.json if absent, starts a tiny-model server like bench/streaming.py does (unless
 --url), and runs perf_analyzer with the launcher's LD_LIBRARY_PATH. Arguments after `--` go to perf_analyzer.
 """
@@ -14,16 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backend.paths import REPO_ROOT
-from backend.perf_analyzer_tool import perf_analyzer_environment
-from backend.protocol import MODEL_NAME
+from backend.launch.paths import REPO_ROOT
+from backend.launch.perf_analyzer import perf_analyzer_environment
+from backend.api.contract import MODEL_NAME
 from bench.common import TINY, add_checkpoint_args, ensure_checkpoint
 from bench.make_perf_inputs import WORKLOADS, write_perf_inputs
 from bench.streaming import sp_server
 
 
 def install() -> Path:
-    done = subprocess.run([sys.executable, "-m", "backend.launcher", "--install-perf-analyzer"], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "backend.launch", "--install-perf-analyzer"], cwd=REPO_ROOT,
                           check=True, stdout=subprocess.PIPE, text=True)
     return Path(done.stdout.strip().splitlines()[-1])
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from backend.engine import WorldModelEngine
-from backend.model_config import write_model_repository
-from backend.pytriton_wheel import prepare_backends
-from backend.triton_server import TritonServer
-from backend.protocol import MODEL_NAME
-from backend.request import SessionRequest
+from backend.engine.rollout import WorldModelEngine
+from backend.launch.model_repository import write_model_repository
+from backend.launch.wheel import prepare_backends
+from backend.launch.server import TritonServer
+from backend.api.contract import MODEL_NAME
+from backend.api.request import SessionRequest
 from bench.common import (
     BUILD_DIR,
     TINY,
@@ -133,7 +133,7 @@ def run_level(url: str, request: SessionRequest, sessions: int, rounds: int, tim
 
 def direct_engine_s(checkpoint: Path, w: Workload, request: SessionRequest, repeats: int) -> list[float]:
     """In-process WorldModelEngine.generate: one warm-up, then `repeats` timed runs."""
-    engine = WorldModelEngine(engine_config(checkpoint, w, 1))
+    engine = WorldModelEngine.load(engine_config(checkpoint, w, 1))
     engine.generate(request)
     times = []
     for _ in range(repeats):

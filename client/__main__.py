@@ -15,8 +15,8 @@ from typing import TextIO
 
 import numpy as np
 
-from backend import protocol
-from backend.request import DEFAULT_HFOV_DEG, default_intrinsics
+from backend.api import contract
+from backend.api.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
 from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Stream one camera-controlled generation from Triton, writing the MP4 as blocks arrive.",
     )
     p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", default=protocol.MODEL_NAME, help="model name (default: %(default)s)")
+    p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
     p.add_argument("--camera", choices=PRESETS, help="camera preset (default: forward)")
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    parameters = {protocol.PARAM_DECODE: not args.no_decode,
-                  protocol.PARAM_RETURN_LATENTS: args.save_latents is not None}
+    parameters = {contract.PARAM_DECODE: not args.no_decode,
+                  contract.PARAM_RETURN_LATENTS: args.save_latents is not None}
     request_id = f"cli-{uuid.uuid4().hex[:8]}"
     sheet = ContactSheet(every=args.sheet_every) if args.contact_sheet else None
     latents: list[np.ndarray] = []

@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
-from backend import protocol
-from backend.request import SessionRequest
+from backend.api import contract
+from backend.api.codec import request_arrays
+from backend.api.request import SessionRequest
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
@@ -46,14 +47,16 @@ class BlockResponse:
     arrival_s: float  # time.perf_counter() when the response reached the client
 
 
-def _scalar_input(name: str, value: int, dtype: type[np.generic]) -> grpcclient.InferInput:
-    array = np.array([value], dtype=dtype)
-    return grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)).set_data_from_numpy(array)
-
-
-def _tensor_input(name: str, array: np.ndarray) -> grpcclient.InferInput:
-    array = np.ascontiguousarray(array)
-    return grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)).set_data_from_numpy(array)
+def pack_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
+    """Triton inputs from named arrays, each typed by the wire contract (an unknown name is an error)."""
+    inputs = []
+    for name, array in arrays.items():
+        spec = contract.INPUT_SPECS.get(name)
+        if spec is None:
+            raise ValueError(f"{name!r} is not an input of {contract.MODEL_NAME}; inputs: {list(contract.INPUT_SPECS)}")
+        array = np.ascontiguousarray(array, dtype=spec.dtype)
+        inputs.append(grpcclient.InferInput(name, list(array.shape), spec.triton_dtype).set_data_from_numpy(array))
+    return inputs
 
 
 def build_inputs(
@@ -68,8 +71,8 @@ def build_inputs(
     width: int,
 ) -> list[grpcclient.InferInput]:
     """Validate one generation request and pack it as Triton inputs (intrinsics optional)."""
-    if num_frames < 1 or (num_frames - 1) % protocol.VAE_TEMPORAL_FACTOR:
-        f = protocol.VAE_TEMPORAL_FACTOR
+    if num_frames < 1 or (num_frames - 1) % contract.VAE_TEMPORAL_FACTOR:
+        f = contract.VAE_TEMPORAL_FACTOR
         raise ValueError(f"num_frames must be 1 + {f} * k (e.g. 77 or 81), got {num_frames}")
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be positive, got {height}x{width}")
@@ -79,27 +82,18 @@ def build_inputs(
     poses = np.asarray(poses, dtype=np.float32)
     if poses.shape != (num_frames, 4, 4):
         raise ValueError(f"camera poses must be [{num_frames}, 4, 4] (one per frame), got {list(poses.shape)}")
-    inputs = [
-        _tensor_input(protocol.IMAGE, image),
-        _tensor_input(protocol.PROMPT, np.array([prompt.encode("utf-8")], dtype=np.object_)),
-        _tensor_input(protocol.CAMERA_POSES, poses),
-        _scalar_input(protocol.NUM_FRAMES, num_frames, np.int32),
-        _scalar_input(protocol.SEED, seed, np.int64),
-        _scalar_input(protocol.HEIGHT, height, np.int32),
-        _scalar_input(protocol.WIDTH, width, np.int32),
-    ]
     if intrinsics is not None:
         intrinsics = np.asarray(intrinsics, dtype=np.float32)
         if intrinsics.shape != (num_frames, 4):
             raise ValueError(f"camera intrinsics must be [{num_frames}, 4] (fx, fy, cx, cy), got {list(intrinsics.shape)}")
-        inputs.append(_tensor_input(protocol.CAMERA_INTRINSICS, intrinsics))
-    return inputs
+    request = SessionRequest(image=image, prompt=prompt, poses=poses, intrinsics=intrinsics, num_frames=num_frames,
+                             seed=seed, height=height, width=width)
+    return request_inputs(request)
 
 
 def request_inputs(request: SessionRequest) -> list[grpcclient.InferInput]:
-    """The inputs of a `backend.request.SessionRequest` (the engine's own request type)."""
-    return build_inputs(request.image, request.prompt, request.poses, request.intrinsics, num_frames=request.num_frames,
-                        seed=request.seed, height=request.height, width=request.width)
+    """The inputs of a `backend.api.request.SessionRequest` (the engine's own request type)."""
+    return pack_inputs(request_arrays(request))
 
 
 def _first_int(result: grpcclient.InferResult, name: str) -> int:
@@ -115,16 +109,16 @@ def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[Bl
     final = _FINAL_FLAG in response.parameters and response.parameters[_FINAL_FLAG].bool_param
     if not response.outputs:
         return None, final
-    frames = result.as_numpy(protocol.FRAMES)
+    frames = result.as_numpy(contract.FRAMES)
     if frames is None:
         frames = np.empty((0, 0, 0, 3), dtype=np.uint8)
     elif frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
-        raise StreamError(f"server sent {protocol.FRAMES!r} as {frames.dtype} {list(frames.shape)}; expected uint8 [n, H, W, 3]")
-    timing = result.as_numpy(protocol.TIMING_MS)
+        raise StreamError(f"server sent {contract.FRAMES!r} as {frames.dtype} {list(frames.shape)}; expected uint8 [n, H, W, 3]")
+    timing = result.as_numpy(contract.TIMING_MS)
     block = BlockResponse(
-        block_index=_first_int(result, protocol.BLOCK_INDEX),
-        num_blocks=_first_int(result, protocol.NUM_BLOCKS),
-        latents=result.as_numpy(protocol.LATENTS),
+        block_index=_first_int(result, contract.BLOCK_INDEX),
+        num_blocks=_first_int(result, contract.NUM_BLOCKS),
+        latents=result.as_numpy(contract.LATENTS),
         frames=frames,
         timing_ms=() if timing is None else tuple(float(t) for t in timing.reshape(-1)),
         arrival_s=arrival_s,
@@ -139,7 +133,7 @@ class StreamingSession:
     closes the stream after the final one (cancelling it if iteration stops early).
     """
 
-    def __init__(self, url: str, *, model_name: str = protocol.MODEL_NAME, verbose: bool = False) -> None:
+    def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False) -> None:
         self.url = url
         self.model_name = model_name
         self.request_id = ""
@@ -258,7 +252,7 @@ def run_sessions(
     url: str,
     requests: Sequence[StreamRequest],
     *,
-    model_name: str = protocol.MODEL_NAME,
+    model_name: str = contract.MODEL_NAME,
     timeout: float | None = None,
     keep_data: bool = True,
 ) -> list[SessionResult]:

@@ -6,13 +6,22 @@ import pytest
 
 import client  # noqa: F401  (first: it sets gRPC's fork handling before tritonclient loads)
 
-from backend.tiny_checkpoint import write_checkpoint
+from backend.model.tiny_checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random tiny checkpoint in the diffusers directory format, written once per test run."""
     return str(write_checkpoint(Path(tmp_path_factory.mktemp("ckpt")) / "tiny", "tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_checkpoint: str):
+    """One SP1 engine on the tiny checkpoint, shared by every test that does not change its settings."""
+    from backend.engine.rollout import WorldModelEngine
+    from factories import tiny_config
+
+    return WorldModelEngine.load(tiny_config(tiny_checkpoint))
 
 
 @pytest.fixture(scope="session")

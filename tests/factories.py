@@ -5,8 +5,8 @@ import dataclasses
 
 import numpy as np
 
-from backend.config import EngineConfig
-from backend.request import SessionRequest
+from backend.engine.config import EngineConfig
+from backend.api.request import SessionRequest
 
 TINY_SIZE = 64
 # 5 blocks of 3 latent frames through a 9-frame window with a 3-frame sink: the window fills, then slides.

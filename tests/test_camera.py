@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.camera import latent_camera_features, plucker_rays
-from backend.request import default_intrinsics
+from backend.model.camera import latent_camera_features, plucker_rays
+from backend.api.request import default_intrinsics
 from factories import forward_poses
 
 

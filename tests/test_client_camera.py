@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from client.action import ActionDirError, load_action_dir
-from backend.request import default_intrinsics
+from backend.api.request import default_intrinsics
 from client.camera import PRESETS, camera_preset, scale_intrinsics
 
 N = 17

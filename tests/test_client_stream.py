@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from backend import protocol
+from backend.api import contract
 from client.__main__ import main
-from backend.request import default_intrinsics
+from backend.api.request import default_intrinsics
 from client.camera import camera_preset
 from client.stream import (
     StreamRequest,
@@ -39,11 +39,11 @@ def _tensor(response: service_pb2.ModelInferResponse, name: str, array: np.ndarr
 def block_response(request: service_pb2.ModelInferRequest, index: int, num_blocks: int, n_frames: int,
                    final: bool = False) -> service_pb2.ModelStreamInferResponse:
     response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
-    _tensor(response, protocol.BLOCK_INDEX, np.array([index], np.int32), "INT32")
-    _tensor(response, protocol.NUM_BLOCKS, np.array([num_blocks], np.int32), "INT32")
-    _tensor(response, protocol.LATENTS, np.full((16, 1, H // 8, W // 8), index, np.float32), "FP32")
-    _tensor(response, protocol.FRAMES, np.full((n_frames, H, W, 3), 60 * index, np.uint8), "UINT8")
-    _tensor(response, protocol.TIMING_MS, np.array([100.0 + index, 20.0, 5.0], np.float32), "FP32")
+    _tensor(response, contract.BLOCK_INDEX, np.array([index], np.int32), "INT32")
+    _tensor(response, contract.NUM_BLOCKS, np.array([num_blocks], np.int32), "INT32")
+    _tensor(response, contract.LATENTS, np.full((16, 1, H // 8, W // 8), index, np.float32), "FP32")
+    _tensor(response, contract.FRAMES, np.full((n_frames, H, W, 3), 60 * index, np.uint8), "UINT8")
+    _tensor(response, contract.TIMING_MS, np.array([100.0 + index, 20.0, 5.0], np.float32), "FP32")
     response.parameters["triton_final_response"].bool_param = final
     return service_pb2.ModelStreamInferResponse(infer_response=response)
 
@@ -101,7 +101,7 @@ def _inputs(seed: int = 7):
 def test_blocks_arrive_in_order_and_the_request_follows_the_protocol(fake) -> None:
     fake, url = fake
     with StreamingSession(url) as session:
-        session.send(_inputs(), request_id="r1", parameters={protocol.PARAM_DECODE: True})
+        session.send(_inputs(), request_id="r1", parameters={contract.PARAM_DECODE: True})
         blocks = list(session.responses(timeout=10))
     assert [b.block_index for b in blocks] == [0, 1, 2] and {b.num_blocks for b in blocks} == {3}
     assert [b.frames.shape for b in blocks] == [(1, H, W, 3), (4, H, W, 3), (4, H, W, 3)]
@@ -110,19 +110,19 @@ def test_blocks_arrive_in_order_and_the_request_follows_the_protocol(fake) -> No
     assert blocks[0].arrival_s >= session.sent_s and blocks[0].arrival_s <= blocks[2].arrival_s
 
     (request,) = fake.requests
-    assert request.model_name == protocol.MODEL_NAME and request.id == "r1"
+    assert request.model_name == contract.MODEL_NAME and request.id == "r1"
     assert request.parameters["triton_enable_empty_final_response"].bool_param
-    assert request.parameters[protocol.PARAM_DECODE].bool_param
+    assert request.parameters[contract.PARAM_DECODE].bool_param
     got = {t.name: (t.datatype, list(t.shape)) for t in request.inputs}
     assert got == {
-        protocol.IMAGE: ("UINT8", [H, W, 3]), protocol.PROMPT: ("BYTES", [1]),
-        protocol.CAMERA_POSES: ("FP32", [FRAMES, 4, 4]), protocol.CAMERA_INTRINSICS: ("FP32", [FRAMES, 4]),
-        protocol.NUM_FRAMES: ("INT32", [1]), protocol.SEED: ("INT64", [1]),
-        protocol.HEIGHT: ("INT32", [1]), protocol.WIDTH: ("INT32", [1]),
+        contract.IMAGE: ("UINT8", [H, W, 3]), contract.PROMPT: ("BYTES", [1]),
+        contract.CAMERA_POSES: ("FP32", [FRAMES, 4, 4]), contract.CAMERA_INTRINSICS: ("FP32", [FRAMES, 4]),
+        contract.NUM_FRAMES: ("INT32", [1]), contract.SEED: ("INT64", [1]),
+        contract.HEIGHT: ("INT32", [1]), contract.WIDTH: ("INT32", [1]),
     }
     raw = dict(zip((t.name for t in request.inputs), request.raw_input_contents))
-    assert np.frombuffer(raw[protocol.SEED], np.int64)[0] == 7
-    assert raw[protocol.PROMPT][4:] == b"a street"  # 4-byte length prefix, then UTF-8
+    assert np.frombuffer(raw[contract.SEED], np.int64)[0] == 7
+    assert raw[contract.PROMPT][4:] == b"a street"  # 4-byte length prefix, then UTF-8
 
 
 def test_final_flag_on_a_data_response_ends_the_stream(fake) -> None:
@@ -154,7 +154,8 @@ def test_error_response_raises_the_server_message(fake) -> None:
 
 def _hang(request, context):
     yield block_response(request, 0, 3, 1)
-    while context.is_active():
+    deadline = time.monotonic() + 60  # the client's cancellation ends it long before
+    while context.is_active() and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -214,7 +215,7 @@ def test_build_inputs_rejects_bad_requests() -> None:
     with pytest.raises(ValueError, match=r"image must be uint8 \[H, W, 3\]"):
         build_inputs(image[..., 0], "p", poses, None, num_frames=FRAMES, seed=0, height=H, width=W)
     names = [i.name() for i in build_inputs(image, "p", poses, None, num_frames=FRAMES, seed=0, height=H, width=W)]
-    assert protocol.CAMERA_INTRINSICS not in names and set(names) == set(protocol.REQUIRED_INPUTS)
+    assert contract.CAMERA_INTRINSICS not in names and set(names) == set(contract.REQUIRED_INPUTS)
 
 
 def test_cli_writes_video_sheet_and_latents(fake, tmp_path: Path, capsys) -> None:
@@ -229,7 +230,7 @@ def test_cli_writes_video_sheet_and_latents(fake, tmp_path: Path, capsys) -> Non
     assert np.stack(list(iio.imiter(out, plugin="FFMPEG"))).shape == (FRAMES, H, W, 3)
     assert iio.imread(sheet).shape[0] > 0 and np.load(latents).shape == (16, 3, H // 8, W // 8)
     (request,) = fake.requests
-    assert request.parameters[protocol.PARAM_RETURN_LATENTS].bool_param
+    assert request.parameters[contract.PARAM_RETURN_LATENTS].bool_param
 
 
 def test_cli_reports_server_errors(fake, tmp_path: Path, capsys) -> None:
@@ -239,7 +240,7 @@ def test_cli_reports_server_errors(fake, tmp_path: Path, capsys) -> None:
                  "--width", str(W), "--out", str(tmp_path / "s.mp4")])
     assert code == 1 and "out of memory" in capsys.readouterr().err
     (request,) = fake.requests
-    assert not request.parameters[protocol.PARAM_RETURN_LATENTS].bool_param
+    assert not request.parameters[contract.PARAM_RETURN_LATENTS].bool_param
 
 
 def test_cli_rejects_bad_input_before_connecting(tmp_path: Path, capsys) -> None:

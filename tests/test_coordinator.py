@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
-from backend.config import ServingConfig
-from backend.coordinator import GroupCoordinator
-from backend.engine import BlockOutput, WorldModelEngine
-from factories import tiny_config, tiny_request
+from backend.serving.config import ServingConfig
+from backend.serving.group_loop import GroupCoordinator
+from backend.engine.rollout import BlockOutput, WorldModelEngine
+from factories import tiny_request
+from polling import wait_until
 
 
 class RecordingResponder:
@@ -37,9 +37,8 @@ class RecordingResponder:
 
 
 @pytest.fixture()
-def coordinator(tiny_checkpoint: str):
+def coordinator(engine: WorldModelEngine):
     failures: list[BaseException] = []
-    engine = WorldModelEngine(tiny_config(tiny_checkpoint, decode_frames=False))
     group = GroupCoordinator(engine, ServingConfig(max_sessions=2), None, on_failure=failures.append)
     yield group
     group.stop()
@@ -54,7 +53,7 @@ def wait(responders: list[RecordingResponder], timeout: float = 60) -> None:
 def test_streams_complete_in_order(coordinator: GroupCoordinator) -> None:
     responders = [RecordingResponder() for _ in range(3)]
     for seed, r in enumerate(responders):
-        coordinator.submit(tiny_request(num_frames=21, seed=seed), r)
+        coordinator.submit(tiny_request(decode=False, num_frames=21, seed=seed), r)
     wait(responders)
     assert all(r.blocks == [0, 1] and r.error is None for r in responders)
     assert not coordinator.sessions
@@ -70,8 +69,8 @@ def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monk
 
     monkeypatch.setattr(coordinator.engine, "open_session", open_session)
     bad, good = RecordingResponder(), RecordingResponder()
-    coordinator.submit(tiny_request(num_frames=9, seed=13), bad)
-    coordinator.submit(tiny_request(num_frames=9, seed=1), good)
+    coordinator.submit(tiny_request(decode=False, num_frames=9, seed=13), bad)
+    coordinator.submit(tiny_request(decode=False, num_frames=9, seed=1), good)
     wait([bad, good])
     assert "opening the session failed" in bad.error and "out of memory" in bad.error
     assert good.blocks == [0] and good.error is None
@@ -87,25 +86,21 @@ def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoor
 
     monkeypatch.setattr(coordinator.engine, "decode", decode)
     broken = RecordingResponder()
-    coordinator.submit(tiny_request(num_frames=129, seed=13), broken)
+    coordinator.submit(tiny_request(decode=False, num_frames=129, seed=13), broken)
     wait([broken])
     assert broken.blocks == [0] and "decoder broke" in broken.error
-    deadline = time.monotonic() + 30
-    while coordinator.sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not coordinator.sessions, "the broken session kept its slot"
+    wait_until(lambda: not coordinator.sessions, 30, "the broken session to free its slot")
     others = [RecordingResponder() for _ in range(2)]  # both slots are free again
     for seed, r in enumerate(others):
-        coordinator.submit(tiny_request(num_frames=9, seed=seed), r)
+        coordinator.submit(tiny_request(decode=False, num_frames=9, seed=seed), r)
     wait(others)
     assert all(r.blocks == [0] for r in others)
 
 
 def test_cancelled_stream_is_dropped(coordinator: GroupCoordinator) -> None:
     responder = RecordingResponder()
-    coordinator.submit(tiny_request(num_frames=129), responder)
-    while not responder.blocks:
-        time.sleep(0.01)
+    coordinator.submit(tiny_request(decode=False, num_frames=129), responder)
+    wait_until(lambda: responder.blocks, 60, "the first block")
     responder.cancelled = True
     wait([responder])
     assert len(responder.blocks) < 11 and responder.error is None

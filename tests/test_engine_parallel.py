@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from backend.local_group import run_group
+from backend.parallel.local import run_group
 from factories import tiny_config, tiny_request
 from sp_workers import rollout
 

@@ -7,13 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine import WorldModelEngine
+from backend.engine.rollout import WorldModelEngine
 from factories import forward_poses, tiny_config, tiny_request
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint: str) -> WorldModelEngine:
-    return WorldModelEngine(tiny_config(tiny_checkpoint))
 
 
 def latents_of(engine: WorldModelEngine, num_frames: int = 21, **overrides) -> np.ndarray:
@@ -92,8 +87,9 @@ def test_close_session_frees_caches(engine: WorldModelEngine) -> None:
 
 
 def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
-    from backend.config import EngineConfig, from_parameters
-    from backend.errors import ConfigError
+    from backend.api.settings import from_parameters
+    from backend.engine.config import EngineConfig
+    from backend.api.errors import ConfigError
 
     config = from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
     assert dataclasses.astuple(config)[:2] == (tiny_checkpoint, 2) and config.decode_frames is False
@@ -105,7 +101,7 @@ def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
 
 def test_compiled_blocks_stay_close_to_eager(tiny_checkpoint: str, engine: WorldModelEngine) -> None:
     request = tiny_request(num_frames=33)
-    compiled = WorldModelEngine(tiny_config(tiny_checkpoint, compile=True))
+    compiled = WorldModelEngine.load(tiny_config(tiny_checkpoint, compile=True))
     for (eager_out, eager_frames), (out, frames) in zip(engine.generate(request), compiled.generate(request)):
         assert np.abs(out.latents.numpy() - eager_out.latents.numpy()).max() < 1e-4
         assert np.abs(frames.astype(int) - eager_frames.astype(int)).max() <= 2

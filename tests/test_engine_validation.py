@@ -7,10 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backend.engine
-from backend.engine import WorldModelEngine
-from backend.errors import ConfigError, InputError
-from backend.parallel import SequenceParallel
+import backend.engine.rollout
+from backend.engine.rollout import WorldModelEngine
+from backend.api.errors import ConfigError, InputError
+from backend.parallel.sequence import SequenceParallel
+from backend.serving.config import ServingConfig
 from factories import forward_poses, tiny_config, tiny_request
 
 
@@ -34,8 +35,8 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         raise AssertionError("a weight file was opened before validation finished")
 
     for name in ("load_transformer", "load_text_encoder", "load_vae"):
-        monkeypatch.setattr(backend.engine, name, refuse)
-    monkeypatch.setattr("backend.checkpoint.load_file", refuse)
+        monkeypatch.setattr(backend.engine.rollout, name, refuse)
+    monkeypatch.setattr("backend.model.checkpoint.load_file", refuse)
     return str(root)
 
 
@@ -61,15 +62,15 @@ def test_config_errors_before_weights(
     unreadable_checkpoint: str, overrides: dict, world: int, message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        WorldModelEngine(tiny_config(unreadable_checkpoint, **overrides), FakeGroup(world))
+        WorldModelEngine.load(tiny_config(unreadable_checkpoint, **overrides), FakeGroup(world))
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        WorldModelEngine(tiny_config(str(tmp_path / "nowhere")))
+        WorldModelEngine.load(tiny_config(str(tmp_path / "nowhere")))
     (tmp_path / "model_index.json").write_text('{"transformer": ["backend", "CausalWanTransformer"]}')
     with pytest.raises(ConfigError, match=r"lacks component\(s\) \['vae', 'text_encoder', 'tokenizer'\]"):
-        WorldModelEngine(tiny_config(str(tmp_path)))
+        WorldModelEngine.load(tiny_config(str(tmp_path)))
 
 
 def test_mismatched_weights_are_reported(tiny_checkpoint: str, tmp_path: Path) -> None:
@@ -78,12 +79,7 @@ def test_mismatched_weights_are_reported(tiny_checkpoint: str, tmp_path: Path) -
     config_path = root / "transformer" / "config.json"
     config_path.write_text(config_path.read_text().replace('"num_layers": 2', '"num_layers": 3'))
     with pytest.raises(ConfigError, match=r"missing \['blocks\.2\."):
-        WorldModelEngine(tiny_config(str(root)))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint: str) -> WorldModelEngine:
-    return WorldModelEngine(tiny_config(tiny_checkpoint))
+        WorldModelEngine.load(tiny_config(str(root)))
 
 
 def bad_poses(kind: str) -> np.ndarray:
@@ -125,4 +121,5 @@ def test_request_errors(engine: WorldModelEngine, overrides: dict, message: str)
     if "num_frames" in overrides:
         request.num_frames = overrides["num_frames"]
     with pytest.raises(InputError, match=message):
+        ServingConfig().check_limits(request)  # the serving layer's limits first, as the group loop does
         engine.validate(request)

@@ -1,36 +1,21 @@
-"""render_config: the runtime config.pbtxt generated from the model template (pure, no server)."""
-
+"""The rendered config.pbtxt: wire contract, settings parameters and placement (pure, no server)."""
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from backend.launcher import parse_param
-from backend.model_config import render_config
-
-TEMPLATE = """\
-name: "lingbot_world"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-# instance_group [ { count: 7 kind: KIND_GPU } ]  <- a comment, left alone
-input [
-  { name: "prompt" data_type: TYPE_STRING dims: [ 1 ] }
-]
-instance_group [
-  { count: 1, kind: KIND_CPU }
-]
-parameters: { key: "checkpoint" value: { string_value: "checkpoints/tiny" } }
-parameters: { key: "note" value: { string_value: "has { braces } and \\"quotes\\"" } }
-parameters: { key: "odd" value: { string_value: "# not a comment ] }" } }
-parameters [
-  { key: "dtype", value: { string_value: "float32" } },
-  { key: "attention", value: { string_value: "sdpa" } }  # a stray { in a comment
-]
-"""
+from backend.api import contract
+from backend.api.settings import format_value, parameter_fields
+from backend.engine.config import EngineConfig
+from backend.launch.launcher import build_parser, parse_param, render
+from backend.launch.model_repository import render_config
+from backend.launch.paths import TEMPLATE_DIR
+from backend.serving.config import ServingConfig, split_parameters
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:
@@ -46,69 +31,73 @@ def groups_of(text: str) -> list[tuple[int, str, list[int]]]:
     return [(g.count, kinds.Name(g.kind), list(g.gpus)) for g in parse(text).instance_group]
 
 
-def render(
-    template: str = TEMPLATE,
-    *,
-    instances: int = 2,
-    kind: str = "KIND_CPU",
-    device_ids: list[int] | None = None,
-    parameters: dict[str, str] | None = None,
-) -> str:
-    return render_config(template, instances=instances, kind=kind, device_ids=device_ids, parameters=parameters or {})
+def test_inputs_and_outputs_are_the_contract() -> None:
+    config = parse(render_config(instances=1, kind="KIND_CPU"))
+    dtypes = model_config_pb2.DataType
+    rendered = [(t.name, dtypes.Name(t.data_type), list(t.dims), t.optional) for t in config.input]
+    expected = [(s.name, "TYPE_" + ("STRING" if s.triton_dtype == "BYTES" else s.triton_dtype), list(s.dims), s.optional)
+                for s in contract.INPUTS]
+    assert rendered == expected
+    assert [(t.name, list(t.dims)) for t in config.output] == [(s.name, list(s.dims)) for s in contract.OUTPUTS]
+    assert (config.name, config.backend, config.model_transaction_policy.decoupled) == (contract.MODEL_NAME, "python", True)
 
 
-def test_cpu_group_replaces_the_template_group() -> None:
-    text = render(instances=3)
-    assert "instance_group [{ count: 3, kind: KIND_CPU }]" in text
-    assert groups_of(text) == [(3, "KIND_CPU", [])]
+def test_committed_config_is_the_default_rendering() -> None:
+    assert (TEMPLATE_DIR / "config.pbtxt").read_text() == render_config(instances=1, kind="KIND_CPU")
 
 
-def test_gpu_gets_one_group_per_device() -> None:
-    text = render(instances=2, kind="KIND_GPU", device_ids=[2, 5])
+def test_every_setting_is_a_parameter_with_its_default() -> None:
+    params = params_of(render_config(instances=1, kind="KIND_CPU"))
+    fields = [f for cls in (EngineConfig, ServingConfig) for f in parameter_fields(cls)]
+    assert sorted(params) == sorted(f.name for f in fields)
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            assert params[f.name] == format_value(f.default), f.name
+    assert "device" not in params  # set by each instance, not by config
+
+
+def _other_value(f: dataclasses.Field) -> str:
+    default = f.default
+    if f.type == "bool":
+        return format_value(not default)
+    if f.type == "int":
+        return str(default + 3)
+    if f.type == "float":
+        return str(default + 0.5)
+    return f"{f.name}-value"
+
+
+@pytest.mark.parametrize("cls", [EngineConfig, ServingConfig])
+def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -> None:
+    for f in parameter_fields(cls):
+        if f.name == "sp_degree":
+            continue  # the launcher sets it from --sp
+        value = _other_value(f) if f.default is not dataclasses.MISSING else "/data/ckpt"
+        args = build_parser().parse_args(
+            ["--kind", "cpu", "--sp", "2", "--param", f"{f.name}={value}", "--repository-out", str(tmp_path)]
+        )
+        repository, _ = render(args)
+        text = (repository / contract.MODEL_NAME / "config.pbtxt").read_text()
+        engine, serving = split_parameters(params_of(text))
+        settings = engine if cls is EngineConfig else serving
+        assert format_value(getattr(settings, f.name)) == value, f.name
+        assert engine.sp_degree == 2
+
+
+def test_cpu_and_gpu_groups() -> None:
+    assert groups_of(render_config(instances=3, kind="KIND_CPU")) == [(3, "KIND_CPU", [])]
+    text = render_config(instances=2, kind="KIND_GPU", device_ids=[2, 5])
     assert groups_of(text) == [(1, "KIND_GPU", [2]), (1, "KIND_GPU", [5])]
 
 
-def test_everything_else_is_kept_verbatim() -> None:
-    text = render()
-    assert "# instance_group [ { count: 7 kind: KIND_GPU } ]  <- a comment, left alone" in text
-    assert text.replace("instance_group [{ count: 2, kind: KIND_CPU }]", "") == TEMPLATE.replace(
-        "instance_group [\n  { count: 1, kind: KIND_CPU }\n]", ""
-    )
-    config = parse(text)
-    assert (config.name, config.backend, config.model_transaction_policy.decoupled) == ("lingbot_world", "python", True)
-
-
-def test_named_parameters_are_set_in_both_pbtxt_forms() -> None:
-    text = render(parameters={"checkpoint": "/data/ckpt", "attention": "flash"})
-    assert params_of(text) == {
-        "checkpoint": "/data/ckpt",
-        "note": 'has { braces } and "quotes"',
-        "odd": "# not a comment ] }",
-        "dtype": "float32",
-        "attention": "flash",
-    }
-
-
 def test_parameter_values_are_escaped() -> None:
-    value = 'C:\\dir "quoted" } ]'
-    assert params_of(render(parameters={"note": value}))["note"] == value
+    value = 'C:\\dir "quoted" } ] # no comment'
+    assert params_of(render_config(instances=1, kind="KIND_CPU", parameters={"checkpoint": value}))["checkpoint"] == value
 
 
 def test_unknown_parameter_is_an_error_naming_it() -> None:
-    with pytest.raises(ValueError, match=r"unknown config parameters \[.chekpoint.\].*defines.*checkpoint"):
-        render(parameters={"chekpoint": "x"})
-
-
-def test_every_template_group_is_replaced_by_one() -> None:
-    template = TEMPLATE + 'instance_group { count: 4 kind: KIND_GPU gpus: [ 0 ] }\ninstance_group: [{ name: "x" }]\n'
-    assert groups_of(render(template, instances=2)) == [(2, "KIND_CPU", [])]
-
-
-def test_template_without_group_gets_one_appended() -> None:
-    template = 'name: "m"\nbackend: "python"'
-    assert (
-        render(template, instances=1) == 'name: "m"\nbackend: "python"\ninstance_group [{ count: 1, kind: KIND_CPU }]\n'
-    )
+    with pytest.raises(ValueError, match=r"unknown config parameters \[.chekpoint.\].*settable.*checkpoint"):
+        render_config(instances=1, kind="KIND_CPU", parameters={"chekpoint": "x"})
 
 
 @pytest.mark.parametrize(
@@ -122,14 +111,20 @@ def test_template_without_group_gets_one_appended() -> None:
     ],
 )
 def test_invalid_placement_is_rejected(overrides: dict[str, Any], message: str) -> None:
+    kwargs: dict[str, Any] = {"instances": 2, "kind": "KIND_CPU", "device_ids": None, **overrides}
     with pytest.raises(ValueError, match=message):
-        render(**overrides)
-
-
-def test_unbalanced_template_is_an_error() -> None:
-    with pytest.raises(ValueError, match="unbalanced bracket"):
-        render('name: "m"\ninstance_group [ { count: 1 }\n')
+        render_config(**kwargs)
 
 
 def test_param_flag_splits_at_the_first_equals() -> None:
     assert parse_param("prompt_suffix=a=b") == ("prompt_suffix", "a=b")
+
+
+def test_readme_documents_every_input_and_setting() -> None:
+    readme = (TEMPLATE_DIR.parents[1] / "README.md").read_text()
+    for spec in contract.INPUTS:
+        assert f"`{spec.name}`" in readme and spec.triton_dtype in readme, spec.name
+    configuration = readme[readme.index("### Configuration"):readme.index("### Running a server by hand")]
+    for cls in (EngineConfig, ServingConfig):
+        for f in parameter_fields(cls):
+            assert f"`{f.name}`" in configuration, f"README's Configuration section lacks {f.name}"

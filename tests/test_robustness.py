@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend import protocol
+from backend.api import contract
 from client.stream import StreamError, StreamingSession
 from factories import forward_poses, sample_image, tiny_request
-from triton_harness import inputs_with, running_server, stream
+from polling import wait_until
+from triton_harness import inputs_with, metrics, running_server, stream
 
-MODEL = protocol.MODEL_NAME
+MODEL = contract.MODEL_NAME
 
 
 def rss_kib(pid: int) -> int:
@@ -50,7 +51,9 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
         threads = [threading.Thread(target=one, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
-        time.sleep(2.0)  # both streams are running
+        # Streams are running on both instances (Triton alternates them).
+        wait_until(lambda: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > 0 for r in (0, 1)), 60,
+                   "blocks sent by both instances")
         victim = server.stub_pids()[1]
         os.kill(victim, failure)
         try:
@@ -89,22 +92,22 @@ def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
 
 def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
     """Valid inputs with one or two replaced by random shapes, dtypes or values, or dropped."""
-    names = [protocol.IMAGE, protocol.PROMPT, protocol.CAMERA_POSES, protocol.NUM_FRAMES, protocol.SEED,
-             protocol.HEIGHT, protocol.WIDTH]
+    names = [contract.IMAGE, contract.PROMPT, contract.CAMERA_POSES, contract.NUM_FRAMES, contract.SEED,
+             contract.HEIGHT, contract.WIDTH]
     dtypes = [np.uint8, np.int32, np.int64, np.float32, np.float64, np.float16, np.bool_]
     changes: dict[str, np.ndarray | None] = {}
     for name in rng.choice(names, size=rng.integers(1, 3), replace=False):
         kind = rng.integers(0, 6)
         if kind == 0:
             array = rng.standard_normal(rng.integers(1, 5, size=rng.integers(1, 4))).astype(rng.choice(dtypes))
-        elif kind == 1 and name == protocol.CAMERA_POSES:
+        elif kind == 1 and name == contract.CAMERA_POSES:
             array = forward_poses(9)
             array[rng.integers(0, 9), rng.integers(0, 3), rng.integers(0, 4)] = rng.choice([np.nan, np.inf, -np.inf])
-        elif kind == 2 and name in (protocol.NUM_FRAMES, protocol.HEIGHT, protocol.WIDTH):
+        elif kind == 2 and name in (contract.NUM_FRAMES, contract.HEIGHT, contract.WIDTH):
             array = np.array([rng.choice([0, -1, 2**31 - 1, 1 << 20, 1 << 16, 10**6 + 1])], dtype=np.int32)
-        elif kind == 3 and name == protocol.PROMPT:
+        elif kind == 3 and name == contract.PROMPT:
             array = np.array([rng.bytes(int(rng.integers(1, 64)))], dtype=object)
-        elif kind == 4 and name == protocol.IMAGE:
+        elif kind == 4 and name == contract.IMAGE:
             array = sample_image(int(rng.integers(1, 300)))[:, : int(rng.integers(1, 300))]
         else:
             array = None
@@ -115,11 +118,11 @@ def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
 @pytest.mark.parametrize(
     "changes",
     [
-        {protocol.HEIGHT: np.array([1 << 16], np.int32), protocol.WIDTH: np.array([1 << 16], np.int32)},
-        {protocol.NUM_FRAMES: np.array([2**31 - 1], np.int32)},
-        {protocol.IMAGE: np.zeros((1, 1, 3), np.uint8)},
-        {protocol.CAMERA_INTRINSICS: np.full((9, 4), np.inf, np.float32)},
-        {protocol.SEED: np.array([-(2**63)], np.int64)},
+        {contract.HEIGHT: np.array([1 << 16], np.int32), contract.WIDTH: np.array([1 << 16], np.int32)},
+        {contract.NUM_FRAMES: np.array([2**31 - 1], np.int32)},
+        {contract.IMAGE: np.zeros((1, 1, 3), np.uint8)},
+        {contract.CAMERA_INTRINSICS: np.full((9, 4), np.inf, np.float32)},
+        {contract.SEED: np.array([-(2**63)], np.int64)},
     ],
     ids=["huge_size", "huge_frames", "one_pixel_image", "inf_intrinsics", "min_seed"],
 )

@@ -1,8 +1,8 @@
 """Rank 0's plan: admission and limits, fair round robin, batching by geometry, backpressure, cancels."""
 from __future__ import annotations
 
-from backend.config import ServingConfig
-from backend.scheduler import RankEvents, Scheduler, Submission
+from backend.serving.config import ServingConfig
+from backend.serving.scheduler import RankEvents, Scheduler, Submission
 from factories import tiny_request
 
 

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backend.model_config import write_model_repository
-from backend.pytriton_wheel import prepare_backends
-from backend.triton_server import TritonServer
-from backend.local_group import free_port
-from backend.request import SessionRequest
+from backend.launch.model_repository import write_model_repository
+from backend.launch.wheel import prepare_backends
+from backend.launch.server import TritonServer
+from backend.parallel.local import free_port
+from backend.api.request import SessionRequest
 from client.stream import StreamingSession, request_inputs
 from factories import TINY_SIZE, tiny_request
 
@@ -68,3 +68,17 @@ def inputs_with(**changes) -> list:
             dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
             inputs[name] = grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array)
     return list(inputs.values())
+
+
+def metrics(server: TritonServer, rank: int | None = None) -> dict[str, float]:
+    """The model's Prometheus values by name (histograms by bucket), summed over ranks or for one rank."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("lingbot_world_") and (rank is None or f'rank="{rank}"' in line):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])
+            values[key] = values.get(key, 0.0) + float(value)
+    return values

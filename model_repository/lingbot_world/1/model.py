@@ -1,1 +1,1 @@
-from backend.triton_model import TritonPythonModel  # noqa: F401  (Triton loads this class)
+from backend.adapter.model import TritonPythonModel  # noqa: F401  (Triton loads this class)

@@ -1,16 +1,28 @@
 """Start-up validation: everything checkable from configs alone, before any weight is read."""
 from __future__ import annotations
 
-from .config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    KNOWN_UNSUPPORTED_SP_MODES,
-    SUPPORTED_SP_MODES,
-    CheckpointConfigs,
-    EngineConfig,
-)
-from .errors import ConfigError
+from dataclasses import dataclass
+
+from ..api.errors import ConfigError
+from ..model.config import CheckpointConfigs, read_checkpoint_configs
+from ..model.dtypes import TORCH_DTYPES
+from .config import ATTENTION_BACKENDS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
 from .geometry import VideoGeometry
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine settings checked against the checkpoint's configs: what an engine is built from."""
+
+    config: EngineConfig
+    checkpoint: CheckpointConfigs
+
+
+def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
+    """Read the checkpoint's JSON configs and validate the settings against them; no weight is read."""
+    spec = EngineSpec(config, read_checkpoint_configs(config.checkpoint))
+    validate_engine(config, spec.checkpoint, world_size)
+    return spec
 
 
 def validate_engine(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> None:
@@ -33,8 +45,8 @@ def validate_engine(config: EngineConfig, ckpt: CheckpointConfigs, world_size: i
         raise ConfigError(f"tp_degree={config.tp_degree}: tensor parallelism is not supported, use tp_degree=1")
     if config.sp_degree > world_size:
         raise ConfigError(f"sp_degree={config.sp_degree} is larger than the process group's world size {world_size}")
-    if config.dtype not in DTYPES:
-        raise ConfigError(f"dtype={config.dtype!r}; supported: {list(DTYPES)}")
+    if config.dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype={config.dtype!r}; supported: {list(TORCH_DTYPES)}")
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={config.attention_backend!r}; supported: {list(ATTENTION_BACKENDS)}")
     if ckpt.transformer.qk_norm != "rms_norm_across_heads":

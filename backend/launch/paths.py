@@ -1,9 +1,9 @@
-"""Where the checkout keeps its model template and what the launcher builds."""
+"""Where the checkout keeps its model repository (model.py) and what the launcher builds."""
 from __future__ import annotations
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "model_repository" / "lingbot_world"
 BUILD_DIR = REPO_ROOT / "build"
 DEFAULT_BACKENDS_DIR = BUILD_DIR / "triton_backends"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from ..api.errors import ConfigError
 
 # q: [B, Lq, H, D], k/v: [B, Lk, H, D] -> [B, Lq, H, D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

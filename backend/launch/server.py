@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from .paths import DEFAULT_BACKENDS_DIR
-from .pytriton_wheel import PytritonWheel, find_pytriton_wheel
+from .wheel import PytritonWheel, find_pytriton_wheel
 
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
 

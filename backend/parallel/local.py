@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .parallel import SequenceParallel, init_process_group
+from .group import join_group
+from .sequence import SequenceParallel
 
 
 def free_port() -> int:
@@ -27,8 +28,8 @@ def _rank_main(
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        init_process_group(rank, world, "127.0.0.1", port, backend, timeout_s=600)
-        sp = SequenceParallel(dist.group.WORLD if world > 1 else None)
+        groups = join_group(rank, world, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600)
+        sp = SequenceParallel(groups.data)
         results.put((rank, fn(sp, *args), None))
     except BaseException:  # report every failure to the parent instead of hanging it
         results.put((rank, None, traceback.format_exc()))

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from ..api.request import SessionRequest
 from .config import ServingConfig
-from .request import SessionRequest
 
 
 @dataclass

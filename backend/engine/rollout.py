@@ -5,8 +5,10 @@ arguments (the Triton coordinator guarantees it); only the rank that answers a r
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,23 +16,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention import select_attention
-from .camera import latent_camera_features, plucker_rays
-from .checkpoint import load_text_encoder, load_transformer, load_vae
-from .config import EngineConfig, read_checkpoint_configs
-from .errors import InputError
+from ..api.errors import InputError
+from ..api.request import SessionRequest, check_request
+from ..model.attention import select_attention
+from ..model.camera import latent_camera_features, plucker_rays
+from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
+from ..model.dtypes import TORCH_DTYPES
+from ..model.kv_cache import SelfAttentionCache, TextCache
+from ..model.rope import RotaryTables
+from ..model.text_encoder import PromptEncoder
+from ..model.transformer import CausalWanTransformer, ForwardContext
+from ..model.vae import DecodeState, StreamingVae
+from ..parallel.sequence import SequenceParallel
+from .config import EngineConfig
 from .geometry import VideoGeometry
-from .kv_cache import SelfAttentionCache, TextCache
-from .parallel import SequenceParallel
-from .request import SessionRequest, check_request
-from .rope import RotaryTables
-from .text_encoder import PromptEncoder
-from .transformer import CausalWanTransformer, ForwardContext
-from .validation import validate_engine
-from .vae import DecodeState, StreamingVae
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from .validation import EngineSpec, checked_spec
 
 def dmd_sigmas(steps: int, shift: float) -> list[float]:
     """Flow-matching noise levels of the distilled steps: uniform in [1, 0), warped by `shift`."""
@@ -70,21 +70,14 @@ class BlockOutput:
 
 
 class WorldModelEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        sp: SequenceParallel | None = None,
-        max_frames: int = 1024,
-        max_pixels: int = 1280 * 1280,
-    ) -> None:
+    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None) -> None:
+        """Load the weights of a checked spec (see `checked_spec`; `load` does both)."""
+        config = spec.config
         self.config = config
         self.sp = sp or SequenceParallel()
-        self.max_frames = max_frames
-        self.max_pixels = max_pixels
-        self.ckpt = read_checkpoint_configs(config.checkpoint)
-        validate_engine(config, self.ckpt, self.sp.degree)  # before any weight is read
+        self.ckpt = spec.checkpoint
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = TORCH_DTYPES[config.dtype]
         self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
         root = Path(config.checkpoint)
         self.transformer: CausalWanTransformer = load_transformer(
@@ -102,16 +95,19 @@ class WorldModelEngine:
         self.sigmas = dmd_sigmas(config.denoise_steps, config.timestep_shift)
         self._ids = itertools.count()
 
+    @classmethod
+    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None) -> WorldModelEngine:
+        """Validate the settings against the checkpoint's configs, then load its weights."""
+        sp = sp or SequenceParallel()
+        return cls(checked_spec(config, sp.degree), sp)
+
     # -- sessions ---------------------------------------------------------------------------------
 
     def validate(self, request: SessionRequest) -> VideoGeometry:
-        """All request checks; raises InputError naming the bad input. Cheap: no model work."""
-        if not 1 <= request.num_frames <= self.max_frames:
-            raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
-        if request.height * request.width > self.max_pixels:
-            raise InputError(
-                f"height x width = {request.height} x {request.width} is more than max_pixels={self.max_pixels}"
-            )
+        """The request's geometry and input checks; raises InputError naming the bad input. No model work.
+
+        Serving limits (max_frames, max_pixels) are the serving layer's to check, before this.
+        """
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
@@ -225,8 +221,7 @@ class WorldModelEngine:
     def decode(self, session: Session, output: BlockOutput) -> np.ndarray:
         """uint8 frames [n, H, W, 3] of one block (in block order); empty when the session does not decode."""
         if session.decode_state is None:
-            g = session.geometry
-            return np.zeros((0, g.height, g.width, 3), dtype=np.uint8)
+            return _no_frames(session)
         return self.vae.decode_block(output.latents, session.decode_state)
 
     def close_session(self, session: Session) -> None:
@@ -237,17 +232,28 @@ class WorldModelEngine:
         session.text.keys.clear()
         session.text.values.clear()
 
-    def generate(self, request: SessionRequest) -> list[tuple[BlockOutput, np.ndarray]]:
-        """Single-caller convenience: the whole rollout of one request, with decoded frames."""
-        session = self.open_session(request)
+    @contextlib.contextmanager
+    def session(self, request: SessionRequest, session_id: str | None = None) -> Iterator[Session]:
+        """A session for one caller, closed (caches freed) on exit."""
+        session = self.open_session(request, session_id)
         try:
-            results = []
-            while not session.done:
-                (out,) = self.run_block([session])
-                results.append((out, self.decode(session, out)))
-            return results
+            yield session
         finally:
             self.close_session(session)
+
+    def blocks(self, session: Session, decode: bool = True) -> Iterator[tuple[BlockOutput, np.ndarray]]:
+        """The session's remaining blocks, one at a time, each with its decoded frames (empty without decode).
+
+        The one rollout loop of tests and benchmarks; the serving loop batches sessions instead.
+        """
+        while not session.done:
+            (out,) = self.run_block([session])
+            yield out, self.decode(session, out) if decode else _no_frames(session)
+
+    def generate(self, request: SessionRequest, decode: bool = True) -> list[tuple[BlockOutput, np.ndarray]]:
+        """The whole rollout of one request."""
+        with self.session(request) as session:
+            return list(self.blocks(session, decode))
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -275,6 +281,10 @@ class WorldModelEngine:
     ) -> torch.Tensor:
         model_in = torch.cat([x, condition], dim=1).to(self.dtype)
         return self.transformer(model_in, camera, timesteps, g.tokens_per_frame, ctx).float()
+
+
+def _no_frames(session: Session) -> np.ndarray:
+    return np.zeros((0, session.geometry.height, session.geometry.width, 3), dtype=np.uint8)
 
 
 def resize_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:

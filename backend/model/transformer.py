@@ -16,10 +16,10 @@ from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTimeTextImageEmbedding
 from torch import nn
 
+from ..parallel.sequence import SequenceParallel
 from .attention import AttentionFn
 from .config import TransformerConfig
 from .kv_cache import SelfAttentionCache, TextCache
-from .parallel import SequenceParallel
 from .rope import apply_rotary
 
 

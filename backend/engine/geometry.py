@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import CheckpointConfigs, EngineConfig
-from .errors import ConfigError
+from ..api.errors import ConfigError
+from ..model.config import CheckpointConfigs
+from .config import EngineConfig
 
 
 @dataclass(frozen=True)

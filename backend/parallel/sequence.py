@@ -1,7 +1,6 @@
-"""Process group set-up and the Ulysses exchanges: sequence shards <-> head shards with all-to-all."""
+"""The Ulysses exchanges: sequence shards <-> head shards with all-to-all, on one rank's view of the group."""
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -16,20 +15,6 @@ class CommStats:
 
     def reset(self) -> None:
         self.all_to_all_bytes = 0
-
-
-def init_process_group(
-    rank: int,
-    world_size: int,
-    host: str,
-    port: int,
-    backend: str,
-    timeout_s: float,
-) -> None:
-    """Join the default process group through a TCP store that rank 0 hosts at host:port."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 class SequenceParallel:

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from .config import TransformerConfig
-from .errors import ConfigError
+from ..api.errors import ConfigError
 from .transformer import CausalWanTransformer
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"

@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from backend import protocol as p
-from backend.errors import ConfigError, InputError
-from backend.triton_io import block_outputs, instance_rank, parse_request
+from backend.api import contract as p
+from backend.api.errors import ConfigError, InputError
+from backend.adapter.placement import instance_rank
+from backend.api.codec import block_outputs, parse_request
 from factories import forward_poses, sample_image
 
 

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 from .paths import DEFAULT_PERF_ANALYZER_DIR
-from .pytriton_wheel import PytritonWheel, find_pytriton_wheel
+from .wheel import PytritonWheel, find_pytriton_wheel
 
 PERF_ANALYZER_WHEEL = "tritonclient==2.41.0"  # the last wheel that ships the perf_analyzer binary
 

@@ -1,11 +1,11 @@
 """Command line: render the model repository and run a real `tritonserver` on the lingbot_world model.
 
-    python -m backend.launcher --sp 2 --kind cpu --param KEY=VALUE --wait
-    python -m backend.launcher --render-only --kind gpu --sp 4 --param checkpoint=...
-    python -m backend.launcher --install-perf-analyzer
+    python -m backend.launch --sp 2 --kind cpu --param KEY=VALUE --wait
+    python -m backend.launch --render-only --kind gpu --sp 4 --param checkpoint=...
+    python -m backend.launch --install-perf-analyzer
 
-The pieces live beside it: `pytriton_wheel` (server and Python backend from the nvidia-pytriton wheel),
-`model_config` (config.pbtxt rendering), `triton_server` (the server process), `perf_analyzer_tool`.
+The pieces live beside it: `wheel` (server and Python backend from the nvidia-pytriton wheel),
+`model_repository` (config.pbtxt rendering), `server` (the server process), `perf_analyzer`.
 """
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .model_config import write_model_repository
-from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR, TEMPLATE_DIR
-from .perf_analyzer_tool import install_perf_analyzer
-from .pytriton_wheel import prepare_backends
-from .triton_server import TritonServer
+from ..api.contract import MODEL_NAME
+from .model_repository import write_model_repository
+from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
+from .perf_analyzer import install_perf_analyzer
+from .wheel import prepare_backends
+from .server import TritonServer
 
 
 def gpu_count() -> int:
@@ -50,7 +51,7 @@ def parse_param(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m backend.launcher", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m backend.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sp", type=int, default=1, help="model instances (one per GPU with KIND_GPU)")
     parser.add_argument(
         "--kind",
@@ -69,7 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--template", type=Path, default=TEMPLATE_DIR, help="model template directory")
     parser.add_argument("--repository-out", type=Path, default=DEFAULT_REPOSITORY_DIR)
     parser.add_argument("--backends-out", type=Path, default=DEFAULT_BACKENDS_DIR)
     parser.add_argument("--log-file", type=Path, default=BUILD_DIR / "tritonserver.log")
@@ -98,7 +98,6 @@ def render(args: argparse.Namespace) -> tuple[Path, str]:
         kind=kind,
         device_ids=device_ids,
         parameters=parameters,
-        template_dir=args.template,
     )
     return repository, kind
 
@@ -120,8 +119,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tritonserver pid {server.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)
         try:
             if args.wait:
-                server.wait_ready(args.template.name, args.wait_timeout)
-                print(f"model {args.template.name} ready ({args.sp} x {kind})", flush=True)
+                server.wait_ready(MODEL_NAME, args.wait_timeout)
+                print(f"model {MODEL_NAME} ready ({args.sp} x {kind})", flush=True)
             rc = server.wait()
         except KeyboardInterrupt:
             return 130

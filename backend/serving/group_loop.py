@@ -12,73 +12,18 @@ import logging
 import queue
 import threading
 import time
-from typing import Protocol
 from collections.abc import Callable
 
-import numpy as np
 import torch.distributed as dist
 
+from ..api.errors import InputError
+from ..api.request import SessionRequest
+from ..engine.rollout import Session, WorldModelEngine
 from .config import ServingConfig
-from .engine import BlockOutput, Session, WorldModelEngine
-from .errors import InputError
-from .request import SessionRequest
+from .response_writer import Responder, ResponseWriter
 from .scheduler import Plan, RankEvents, Scheduler, Submission
 
 log = logging.getLogger(__name__)
-
-
-class Responder(Protocol):
-    """One request's reply channel (a Triton response sender in production)."""
-
-    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None: ...
-
-    def send_error(self, message: str) -> None: ...
-
-    def finish(self) -> None: ...  # close the stream without data (after a cancellation)
-
-    def is_cancelled(self) -> bool: ...  # the client went away, or an error response closed the stream
-
-
-class ResponseWriter:
-    """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
-
-    def __init__(self, engine: WorldModelEngine) -> None:
-        self.engine = engine
-        self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
-        self._queue: queue.SimpleQueue[tuple[Responder, Callable[[], None]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
-        self._thread.start()
-
-    def block(self, responder: Responder, session: Session, output: BlockOutput, final: bool) -> None:
-        def send() -> None:
-            start = time.perf_counter()
-            frames = self.engine.decode(session, output)
-            responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
-            self.delivered[session.id] = output.block_index + 1
-
-        self._queue.put((responder, send))
-
-    def error(self, responder: Responder, message: str) -> None:
-        self._queue.put((responder, lambda: responder.send_error(message)))
-
-    def finish(self, responder: Responder) -> None:
-        self._queue.put((responder, responder.finish))
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            responder, task = item
-            try:
-                task()
-            except Exception as exc:  # one stream's failure must not stop the others
-                log.exception("decoding or sending a response failed")
-                try:  # the stream ends with the error; the loop then sees it closed and drops the session
-                    responder.send_error(f"decoding or sending this block failed: {exc!r}")
-                except Exception:
-                    log.exception("sending the error response failed too")
 
 
 class GroupCoordinator:
@@ -110,6 +55,7 @@ class GroupCoordinator:
 
     def submit(self, request: SessionRequest, responder: Responder) -> None:
         try:
+            self.limits.check_limits(request)
             geometry = self.engine.validate(request)
         except InputError as exc:
             responder.send_error(str(exc))

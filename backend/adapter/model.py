@@ -1,0 +1,99 @@
+"""Triton Python-backend adapter: one instance per device joins the SP group and serves through it."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import triton_python_backend_utils as pb_utils
+
+from ..api.codec import parse_request
+from ..api.errors import ConfigError, InputError
+from ..engine.rollout import WorldModelEngine
+from ..engine.validation import checked_spec
+from ..parallel.group import join_group
+from ..parallel.sequence import SequenceParallel
+from ..serving.config import split_parameters
+from ..serving.group_loop import GroupCoordinator
+from .metrics import StreamMetrics
+from .responder import TritonLogHandler, TritonResponder
+from .placement import instance_rank
+
+log = logging.getLogger("backend")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        if not log.handlers:
+            log.addHandler(TritonLogHandler())
+            log.setLevel(logging.INFO)
+        model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        engine_config, limits = split_parameters(params)
+        rank, world = instance_rank(args, model_config)
+        on_gpu = args["model_instance_kind"] == "GPU"
+        device = f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu"
+        engine_config = dataclasses.replace(engine_config, device=device)
+        if engine_config.sp_degree != world:
+            raise ConfigError(
+                f"sp_degree={engine_config.sp_degree} must equal the number of model instances ({world})"
+            )
+        # Fail fast, alone, before waiting for peers or reading weights.
+        spec = checked_spec(engine_config, world)
+        if on_gpu:
+            torch.cuda.set_device(device)
+            # On an NCCL timeout abort the communicators but keep the process, so the loop's next
+            # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        self.rank = rank
+        self.metrics = StreamMetrics(self.model_name, rank)
+        groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
+                            limits.init_timeout_s, limits.collective_timeout_s)
+        log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
+        self.engine = WorldModelEngine(spec, SequenceParallel(groups.data))
+        if world > 1:
+            dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
+        control = groups.control
+        self.coordinator = GroupCoordinator(self.engine, limits, control, on_failure=self._on_group_failure)
+        log.info("rank %d/%d ready (attention: %s)", rank, world, self.engine.attention_name)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                session_request = parse_request(functools.partial(_input, request), request.parameters())
+            except InputError as exc:
+                TritonResponder(sender, False, self.metrics).send_error(str(exc))
+                continue
+            responder = TritonResponder(sender, session_request.return_latents, self.metrics)
+            self.coordinator.submit(session_request, responder)
+        return None
+
+    def finalize(self) -> None:
+        self.coordinator.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _on_group_failure(self, exc: BaseException) -> None:
+        """In-flight streams already got their error; unload the model so Triton reports it not ready."""
+        log.error("rank %d: sequence-parallel group failed (%r); unloading %s", self.rank, exc, self.model_name)
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as unload_error:  # noqa: BLE001 - only explicit model control allows it
+            log.error(
+                "cannot unload %s (%s); without --model-control-mode=explicit the model keeps reading ready "
+                "and refuses every request until the server restarts", self.model_name, unload_error,
+            )
+
+
+def _input(request: pb_utils.InferenceRequest, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()

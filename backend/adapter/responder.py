@@ -1,0 +1,86 @@
+"""One request's decoupled response stream, and the package's logging routed into the server log."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..api.codec import block_outputs
+from ..engine.rollout import BlockOutput
+from .metrics import StreamMetrics
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonLogHandler(logging.Handler):
+    """Route the package's logging into the server log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = f"lingbot_world: {self.format(record)}"
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(message)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(message)
+        else:
+            pb_utils.Logger.log_info(message)
+
+
+class TritonResponder:
+    """Replies of one request through its decoupled response sender; nothing is sent after the final flag."""
+
+    def __init__(
+        self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics
+    ) -> None:
+        self.sender = sender
+        self.return_latents = return_latents
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.last_block: float | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        metrics.streams_open.increment(1)
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        now = time.perf_counter()
+        since_arrival_ms = (now - self.arrival) * 1000.0
+        latents = output.latents[0].numpy() if self.return_latents else None
+        tensors = block_outputs(
+            output.block_index, output.num_blocks, latents, frames, (output.dit_ms, decode_ms, since_arrival_ms)
+        )
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+        if self._send(response, FINAL if final else 0):
+            m = self.metrics
+            m.blocks.increment(1)
+            m.block_dit.observe(output.dit_ms / 1000.0)
+            if self.last_block is None:
+                m.time_to_first_block.observe(now - self.arrival)
+            else:
+                m.inter_block.observe(now - self.last_block)
+            self.last_block = now
+
+    def send_error(self, message: str) -> None:
+        if self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL):
+            self.metrics.errors.increment(1)
+
+    def finish(self) -> None:
+        self._send(None, FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.closed or self.sender.is_cancelled()
+
+    def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> bool:
+        """Send unless the stream is closed; returns whether it was sent."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = bool(flags & FINAL)
+            if response is None:
+                self.sender.send(flags=flags)
+            else:
+                self.sender.send(response, flags=flags)
+            if self.closed:
+                self.metrics.streams_open.increment(-1)
+            return True

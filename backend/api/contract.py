@@ -1,0 +1,103 @@
+"""The wire contract of the `lingbot_world` Triton model, as one table.
+
+config.pbtxt's inputs and outputs, the server's dtype checks and the client's tensor packing are all
+derived from `INPUTS` and `OUTPUTS`. Pure Python and numpy (no torch), so the client imports it alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MODEL_NAME = "lingbot_world"
+
+# numpy dtype -> Triton's wire name (config.pbtxt writes it as TYPE_<name>, STRING for BYTES).
+TRITON_DTYPES: dict[np.dtype, str] = {
+    np.dtype(np.uint8): "UINT8",
+    np.dtype(np.int32): "INT32",
+    np.dtype(np.int64): "INT64",
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.object_): "BYTES",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: np.dtype
+    dims: tuple[int, ...]  # -1: any size
+    doc: str
+    optional: bool = False
+
+    @property
+    def triton_dtype(self) -> str:
+        return TRITON_DTYPES[self.dtype]
+
+
+def _spec(name: str, dtype: type, dims: tuple[int, ...], doc: str, optional: bool = False) -> TensorSpec:
+    return TensorSpec(name, np.dtype(dtype), dims, doc, optional)
+
+
+IMAGE = "image"
+PROMPT = "prompt"
+CAMERA_POSES = "camera_poses"
+CAMERA_INTRINSICS = "camera_intrinsics"
+NUM_FRAMES = "num_frames"
+SEED = "seed"
+HEIGHT = "height"
+WIDTH = "width"
+
+INPUTS: tuple[TensorSpec, ...] = (
+    _spec(IMAGE, np.uint8, (-1, -1, 3), "first frame, resized to height x width by the server"),
+    _spec(PROMPT, np.object_, (1,), "UTF-8 text prompt"),
+    _spec(CAMERA_POSES, np.float32, (-1, 4, 4), "[num_frames, 4, 4] camera-to-world, OpenCV axes"),
+    _spec(CAMERA_INTRINSICS, np.float32, (-1, 4), "[num_frames, 4] fx, fy, cx, cy in pixels; default 60 degree FOV",
+          optional=True),
+    _spec(NUM_FRAMES, np.int32, (1,), "video frames: 1 + 4k, a whole number of AR blocks"),
+    _spec(SEED, np.int64, (1,), "noise seed"),
+    _spec(HEIGHT, np.int32, (1,), "output height in pixels"),
+    _spec(WIDTH, np.int32, (1,), "output width in pixels"),
+)
+
+BLOCK_INDEX = "block_index"
+NUM_BLOCKS = "num_blocks"
+LATENTS = "latents"
+FRAMES = "frames"
+TIMING_MS = "timing_ms"
+
+# One response per AR block; the last block's response carries the final flag.
+OUTPUTS: tuple[TensorSpec, ...] = (
+    _spec(BLOCK_INDEX, np.int32, (1,), "index of this AR block"),
+    _spec(NUM_BLOCKS, np.int32, (1,), "AR blocks of the session"),
+    _spec(LATENTS, np.float32, (-1, -1, -1, -1), "[z, block_frames, h, w] denoised latents (when requested)"),
+    _spec(FRAMES, np.uint8, (-1, -1, -1, 3), "[n, height, width, 3] decoded RGB frames of this block (n = 0 without decode)"),
+    _spec(TIMING_MS, np.float32, (3,), "DiT compute, VAE decode, time since the request arrived (ms)"),
+)
+
+INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
+OUTPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in OUTPUTS}
+REQUIRED_INPUTS = tuple(s.name for s in INPUTS if not s.optional)
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    name: str
+    default: bool
+    doc: str
+
+
+PARAM_DECODE = "decode"
+PARAM_RETURN_LATENTS = "return_latents"
+
+# Per-request parameters (Triton request `parameters`).
+REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
+    ParameterSpec(PARAM_DECODE, True, "decode the block's frames with the VAE"),
+    ParameterSpec(PARAM_RETURN_LATENTS, True, "send the latents tensor"),
+)
+
+# Video geometry shared by server and client.
+VAE_TEMPORAL_FACTOR = 4
+
+
+def video_frames_for(latent_frames: int) -> int:
+    return 1 + VAE_TEMPORAL_FACTOR * (latent_frames - 1)

@@ -1,0 +1,1 @@
+"""The AR rollout: sessions, geometry, and the checks run before any weight is read."""

@@ -1,0 +1,1 @@
+"""The process group: bootstrap, and the Ulysses sequence <-> head shard exchanges."""

@@ -1,0 +1,44 @@
+"""Serving limits and group settings (config.pbtxt `parameters` beside the engine's; torch-free)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..api.errors import InputError
+from ..api.request import SessionRequest
+from ..api.settings import from_parameters, parameter_fields
+from ..engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Limits and group settings of the Triton model (config.pbtxt `parameters` beside the engine's)."""
+
+    max_frames: int = 321  # video frames per request
+    max_pixels: int = 1280 * 1280  # height x width per request
+    max_sessions: int = 4  # sessions generating at once (each holds a KV cache)
+    max_queue: int = 16  # sessions waiting for a slot; more are rejected
+    max_batch: int = 4  # sessions of one geometry run in one forward
+    max_blocks_ahead: int = 2  # blocks a session may be computed ahead of what its client was sent
+    rendezvous_host: str = "127.0.0.1"
+    rendezvous_port: int = 29650
+    init_timeout_s: float = 1800.0  # rendezvous and weight loading
+    collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
+    idle_poll_ms: float = 5.0
+
+    def check_limits(self, request: SessionRequest) -> None:
+        """The request's size against the serving limits; raises InputError naming the input."""
+        if not 1 <= request.num_frames <= self.max_frames:
+            raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
+        if request.height * request.width > self.max_pixels:
+            raise InputError(
+                f"height x width = {request.height} x {request.width} is more than max_pixels={self.max_pixels}"
+            )
+
+
+def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, ServingConfig]:
+    """The engine's and the serving layer's settings from one set of config.pbtxt parameters."""
+    serving_names = {f.name for f in parameter_fields(ServingConfig)}
+    serving = {k: v for k, v in params.items() if k in serving_names}
+    engine = {k: v for k, v in params.items() if k not in serving_names}
+    return from_parameters(EngineConfig, engine), from_parameters(ServingConfig, serving)
