@@ -20,7 +20,7 @@ from backend.parallel.local import free_port, run_group
 from backend.parallel.sequence import SequenceParallel
 from backend.api.contract import video_frames_for
 from backend.api.request import SessionRequest
-from backend.model.tiny_checkpoint import PRESETS, write_checkpoint
+from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
 
 BUILD_DIR = REPO_ROOT / "build"
@@ -37,7 +37,6 @@ class Workload:
     dtype: str
     window_frames: int
     sink_frames: int
-    text_len: int
     seed: int = 42
     camera: str = "forward"
 
@@ -47,9 +46,9 @@ class Workload:
 
 
 # The test suite's tiny-model settings (5 blocks: the 9-frame window fills, then slides past the sink).
-TINY = Workload(height=64, width=64, blocks=5, dtype="float32", window_frames=9, sink_frames=3, text_len=16)
-# The real LingBot-World workload: 480x832, 81 frames (7 blocks), the serving defaults of EngineConfig.
-GPU = Workload(height=480, width=832, blocks=7, dtype="bfloat16", window_frames=18, sink_frames=3, text_len=512)
+TINY = Workload(height=64, width=64, blocks=5, dtype="float32", window_frames=9, sink_frames=3)
+# The real LingBot-World workload: 480x832, 81 frames (7 blocks), the official window and sink.
+GPU = Workload(height=480, width=832, blocks=7, dtype="bfloat16", window_frames=18, sink_frames=6)
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, preset: str) -> None:
@@ -68,7 +67,6 @@ def add_workload_args(parser: argparse.ArgumentParser, default: Workload, preset
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=default.dtype)
     g.add_argument("--window-frames", type=int, default=default.window_frames, help="latent frames in the KV window")
     g.add_argument("--sink-frames", type=int, default=default.sink_frames)
-    g.add_argument("--text-len", type=int, default=default.text_len)
     g.add_argument("--seed", type=int, default=default.seed)
 
 
@@ -84,16 +82,15 @@ def ensure_checkpoint(path: Path | None, preset: str) -> Path:
             raise SystemExit(f"error: {path} is not a diffusers-format checkpoint (no model_index.json)")
         return path
     root = BUILD_DIR / "checkpoints" / preset
-    if not (root / "model_index.json").is_file():
-        print(f"writing a random {preset!r} checkpoint to {root}", flush=True)
-        write_checkpoint(root, preset)
+    if ensure_current(root, preset):
+        print(f"wrote a random {preset!r} checkpoint to {root}", flush=True)
     return root
 
 
 def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu") -> EngineConfig:
     return EngineConfig(
         checkpoint=str(checkpoint), sp_degree=sp, dtype=w.dtype, device=device, window_frames=w.window_frames,
-        sink_frames=w.sink_frames, text_len=w.text_len, default_height=w.height, default_width=w.width,
+        sink_frames=w.sink_frames, default_height=w.height, default_width=w.width,
     )
 
 

@@ -37,7 +37,7 @@ def main() -> None:
     checkpoint = ensure_checkpoint(args.checkpoint, args.preset)
     flash = importlib.util.find_spec("flash_attn") is not None
     print(f"checkpoint {checkpoint}, {w.height}x{w.width}, {w.num_frames} frames = {w.blocks} blocks, {w.dtype}, "
-          f"window {w.window_frames}, text_len {w.text_len}; {gpus} x {torch.cuda.get_device_name(0)}, "
+          f"window {w.window_frames}; {gpus} x {torch.cuda.get_device_name(0)}, "
           f"flash-attn {'installed' if flash else 'not installed'}", flush=True)
     print(sp_table(sweep_sp(degrees, run_cuda_group, checkpoint, w, args.warmup_blocks, "cuda")))
 

@@ -7,11 +7,11 @@ bash scripts/setup_venv.sh
 PY=.venv/bin/python
 SP=${SP:-1}
 CKPT=build/checkpoints/tiny
-[ -f "$CKPT/model_index.json" ] || $PY -m backend.model.tiny_checkpoint "$CKPT"
+$PY -m backend.model.tiny_checkpoint "$CKPT" --if-stale >/dev/null
 mkdir -p build out
 $PY -m backend.launch --sp "$SP" --kind cpu --grpc-port 8001 --http-port 8000 --metrics-port 8002 \
   --param checkpoint="$CKPT" --param dtype=float32 --param default_height=128 --param default_width=128 \
-  --param text_len=64 --wait --wait-timeout 300 >build/launcher.out 2>&1 &
+  --wait --wait-timeout 300 >build/launcher.out 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do

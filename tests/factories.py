@@ -19,7 +19,6 @@ def tiny_config(checkpoint: str, **overrides) -> EngineConfig:
         dtype="float32",
         window_frames=9,
         sink_frames=3,
-        text_len=16,
         default_height=TINY_SIZE,
         default_width=TINY_SIZE,
     )

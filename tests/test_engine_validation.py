@@ -36,15 +36,16 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
 
     for name in ("load_transformer", "load_text_encoder", "load_vae"):
         monkeypatch.setattr(backend.engine.rollout, name, refuse)
-    monkeypatch.setattr("backend.model.checkpoint.load_file", refuse)
+    monkeypatch.setattr("backend.model.checkpoint.safe_open", refuse)
+    monkeypatch.setattr("backend.model.weight_files.read_header", refuse)
     return str(root)
 
 
 @pytest.mark.parametrize(
     ("overrides", "world", "message"),
     [
-        ({"sp_degree": 3}, 3, r"num_attention_heads=4 is not divisible by tp_degree x sp_degree = 1 x 3 = 3"),
-        ({"tp_degree": 3}, 1, r"num_attention_heads=4 is not divisible by tp_degree x sp_degree = 3 x 1 = 3"),
+        ({"sp_degree": 3}, 3, r"num_heads=4 is not divisible by tp_degree x sp_degree = 1 x 3 = 3"),
+        ({"tp_degree": 3}, 1, r"num_heads=4 is not divisible by tp_degree x sp_degree = 3 x 1 = 3"),
         ({"tp_degree": 2}, 1, r"tp_degree=2: tensor parallelism is not supported"),
         ({"sp_degree": 2, "default_height": 16, "default_width": 16}, 2,
          r"block token count 3 .* not divisible by sp_degree=2"),
@@ -68,7 +69,7 @@ def test_config_errors_before_weights(
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         WorldModelEngine.load(tiny_config(str(tmp_path / "nowhere")))
-    (tmp_path / "model_index.json").write_text('{"transformer": ["backend", "CausalWanTransformer"]}')
+    (tmp_path / "model_index.json").write_text('{"transformer": ["backend", "WanModelFast"]}')
     with pytest.raises(ConfigError, match=r"lacks component\(s\) \['vae', 'text_encoder', 'tokenizer'\]"):
         WorldModelEngine.load(tiny_config(str(tmp_path)))
 
@@ -78,7 +79,7 @@ def test_mismatched_weights_are_reported(tiny_checkpoint: str, tmp_path: Path) -
     shutil.copytree(tiny_checkpoint, root)
     config_path = root / "transformer" / "config.json"
     config_path.write_text(config_path.read_text().replace('"num_layers": 2', '"num_layers": 3'))
-    with pytest.raises(ConfigError, match=r"missing \['blocks\.2\."):
+    with pytest.raises(ConfigError, match=r"missing 35 \[blocks\.2\."):
         WorldModelEngine.load(tiny_config(str(root)))
 
 

@@ -24,7 +24,6 @@ def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str
         "dtype": "float32",
         "window_frames": "9",
         "sink_frames": "3",
-        "text_len": "16",
         "default_height": str(TINY_SIZE),
         "default_width": str(TINY_SIZE),
         "rendezvous_port": str(free_port()),

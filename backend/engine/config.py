@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from ..api.settings import runtime_field
 
 SUPPORTED_SP_MODES = ("ulysses",)
+# The official command's window and sink (latent frames), for a checkpoint whose config names none.
+DEFAULT_WINDOW_FRAMES = 18
+DEFAULT_SINK_FRAMES = 6
 KNOWN_UNSUPPORTED_SP_MODES = ("ring", "all_gather", "a2a_permute", "hybrid")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
 
@@ -23,10 +26,9 @@ class EngineConfig:
     device: str = runtime_field("cpu")  # set by the instance: "cpu" or "cuda:<id>"
     block_frames: int = 3  # latent frames per AR block
     denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward)
-    timestep_shift: float = 5.0
-    window_frames: int = 18  # latent frames attended by a block, itself included
-    sink_frames: int = 3  # first latent frames never evicted from the KV cache
-    text_len: int = 512
+    timestep_shift: float = 0.0  # 0: the checkpoint's scheduler shift (5.0 without one)
+    window_frames: int = 0  # latent frames a block attends to, itself included; 0: the checkpoint's (else 18)
+    sink_frames: int = -1  # first latent frames never evicted from the KV cache; -1: the checkpoint's (else 6)
     default_height: int = 480  # the resolution checked at start-up; requests may ask for others
     default_width: int = 832
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)

@@ -68,11 +68,6 @@ class VideoGeometry:
                     f"num_frames={num_frames} gives {latent_frames} latent frames, not a multiple of "
                     f"block_frames={config.block_frames}; use {first} + {block_video} x k frames (e.g. 81)"
                 )
-            if latent_frames > ckpt.transformer.rope_max_seq_len:
-                raise error(
-                    f"num_frames={num_frames} gives {latent_frames} latent frames, more than the transformer's "
-                    f"rope_max_seq_len={ckpt.transformer.rope_max_seq_len}"
-                )
         geometry = VideoGeometry(
             height=height,
             width=width,

@@ -14,29 +14,24 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..api.errors import InputError
 from ..api.request import SessionRequest, check_request
 from ..model.attention import select_attention
-from ..model.camera import latent_camera_features, plucker_rays
+from ..model.camera import camera_features, clip_poses
 from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
+from ..model.condition import ConditionState, StreamingConditionEncoder, condition_mask, prepare_image
 from ..model.dtypes import TORCH_DTYPES
 from ..model.kv_cache import SelfAttentionCache, TextCache
-from ..model.rope import RotaryTables
+from ..model.rope import rope_tables
+from ..model.schedule import dmd_schedule, flow_to_x0, renoise
 from ..model.text_encoder import PromptEncoder
-from ..model.transformer import CausalWanTransformer, ForwardContext
+from ..model.transformer import ForwardContext, LingBotTransformer
 from ..model.vae import DecodeState, StreamingVae
 from ..parallel.sequence import SequenceParallel
 from .config import EngineConfig
 from .geometry import VideoGeometry
 from .validation import EngineSpec, checked_spec
-
-def dmd_sigmas(steps: int, shift: float) -> list[float]:
-    """Flow-matching noise levels of the distilled steps: uniform in [1, 0), warped by `shift`."""
-    base = [1.0 - k / steps for k in range(steps)]
-    return [shift * s / (1.0 + (shift - 1.0) * s) for s in base]
-
 
 @dataclass
 class Session:
@@ -44,8 +39,9 @@ class Session:
     request: SessionRequest
     geometry: VideoGeometry
     generator: torch.Generator
-    condition: torch.Tensor  # [1, t + z, F, h, w]: first-frame mask and image latents
-    camera: torch.Tensor  # [1, 6t, F, h, w]: Pluecker features
+    poses: torch.Tensor  # [F, 4, 4] the model's camera poses, one per latent frame
+    intrinsics: torch.Tensor  # [4] fx, fy, cx, cy in output pixels (the first frame's)
+    condition: ConditionState  # the first-frame condition's encoder, one block ahead at most
     text: TextCache
     cache: SelfAttentionCache
     decode_state: DecodeState | None
@@ -78,21 +74,23 @@ class WorldModelEngine:
         self.ckpt = spec.checkpoint
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
+        self.window_frames, self.sink_frames = spec.window_frames, spec.sink_frames
         self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
         root = Path(config.checkpoint)
-        self.transformer: CausalWanTransformer = load_transformer(
+        self.transformer: LingBotTransformer = load_transformer(
             root / "transformer", self.ckpt.transformer, self.dtype, self.device
         )
         if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
             for block in self.transformer.blocks:
                 block.compile(dynamic=True)
         encoder, tokenizer = load_text_encoder(root, self.dtype, self.device)
-        self.prompts = PromptEncoder(encoder, tokenizer, config.text_len, self.device)
-        # The VAE always encodes the first frame; decoding blocks is skipped per request or by config.
-        self.vae = StreamingVae(load_vae(root / "vae", self.dtype, self.device), self.device)
-        self.rope = RotaryTables(self.ckpt.transformer.attention_head_dim, self.ckpt.transformer.rope_max_seq_len,
-                                 self.device)
-        self.sigmas = dmd_sigmas(config.denoise_steps, config.timestep_shift)
+        self.prompts = PromptEncoder(encoder, tokenizer, self.ckpt.transformer.text_len, self.device)
+        # The VAE runs in float32, as the reference's: it encodes the condition and decodes blocks.
+        vae = load_vae(root / "vae", torch.float32, self.device)
+        self.vae = StreamingVae(vae, self.device)
+        self.conditions = StreamingConditionEncoder(vae)
+        steps = config.denoise_steps
+        self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
 
     @classmethod
@@ -117,39 +115,17 @@ class WorldModelEngine:
     @torch.no_grad()
     def open_session(self, request: SessionRequest, session_id: str | None = None) -> Session:
         geometry = self.validate(request)
-        cfg, tcfg = self.config, self.ckpt.transformer
+        tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
-        if image.shape[:2] != (request.height, request.width):
-            image = resize_image(image, request.height, request.width)
-        first = self.vae.encode_image(image)  # [1, z, 1, h, w]
-        t = self.ckpt.vae.temporal_factor
-        frames = geometry.latent_frames
-        grid = (geometry.latent_height, geometry.latent_width)
-        mask = torch.zeros((1, t, frames, *grid), device=self.device)
-        mask[:, :, 0] = 1.0
-        image_latents = torch.zeros((1, first.shape[1], frames, *grid), device=self.device)
-        image_latents[:, :, :1] = first
-        rays = plucker_rays(
-            torch.from_numpy(request.poses),
-            torch.from_numpy(request.camera_intrinsics()),
-            request.height,
-            request.width,
-            geometry.latent_height,
-            geometry.latent_width,
-        )
-        camera = latent_camera_features(rays, frames, t)[None].to(self.device)
-        local_heads = tcfg.num_attention_heads // self.sp.degree
-        text = self.transformer.text_caches(
-            self.prompts.encode(request.prompt).to(self.dtype), self.sp.head_slice(tcfg.num_attention_heads)
-        )
+        text = self.transformer.text_caches(self.prompts.encode(request.prompt), self.sp.head_slice(tcfg.num_heads))
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             # A clip shorter than the window never needs the whole window.
-            window_tokens=min(cfg.window_frames, frames) * geometry.tokens_per_frame,
+            window_tokens=min(self.window_frames, geometry.latent_frames) * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
-            sink_tokens=cfg.sink_frames * geometry.tokens_per_frame,
-            local_heads=local_heads,
-            head_dim=tcfg.attention_head_dim,
+            sink_tokens=self.sink_frames * geometry.tokens_per_frame,
+            local_heads=tcfg.num_heads // self.sp.degree,
+            head_dim=tcfg.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
@@ -158,8 +134,9 @@ class WorldModelEngine:
             request=request,
             geometry=geometry,
             generator=torch.Generator("cpu").manual_seed(request.seed),
-            condition=torch.cat([mask, image_latents], dim=1),
-            camera=camera,
+            poses=clip_poses(request.poses, geometry.latent_frames),
+            intrinsics=torch.from_numpy(request.camera_intrinsics()[0]),
+            condition=self.conditions.start(prepare_image(image, request.height, request.width)),
             text=text,
             cache=cache,
             decode_state=self.vae.new_decode_state() if self.config.decode_frames and request.decode else None,
@@ -181,22 +158,25 @@ class WorldModelEngine:
         for s in sessions:
             s.cache.make_room()
         ctx = self._context(sessions, starts, geometry)
-        condition = torch.cat([s.condition[:, :, f : f + bf] for s, f in zip(sessions, starts)])
-        camera = torch.cat([s.camera[:, :, f : f + bf] for s, f in zip(sessions, starts)]).to(self.dtype)
+        condition = torch.cat([self._condition(s, f, geometry) for s, f in zip(sessions, starts)])
+        fold = self.ckpt.vae.spatial_factor
+        camera = torch.stack([
+            camera_features(s.poses[f : f + bf], s.intrinsics, geometry.height, geometry.width, fold)
+            for s, f in zip(sessions, starts)
+        ]).to(self.device)
         noise_shape = (1, z, bf, geometry.latent_height, geometry.latent_width)
 
         def noise() -> torch.Tensor:  # same draws on every rank: one CPU generator per session
             return torch.cat([torch.randn(noise_shape, generator=s.generator) for s in sessions]).to(self.device)
 
+        schedule = self.schedule
         x = noise()
         clean = x
-        for k, sigma in enumerate(self.sigmas):
-            timesteps = torch.full((len(sessions), bf), sigma * 1000.0, device=self.device)
-            velocity = self._predict(x, condition, camera, timesteps, geometry, ctx)
-            clean = x - sigma * velocity
-            if k + 1 < len(self.sigmas):
-                nxt = self.sigmas[k + 1]
-                x = (1.0 - nxt) * clean + nxt * noise()
+        for k, (t, sigma) in enumerate(zip(schedule.timesteps, schedule.sigmas)):
+            timesteps = torch.full((len(sessions), bf), t, device=self.device)
+            clean = flow_to_x0(x, self._predict(x, condition, camera, timesteps, geometry, ctx), sigma)
+            if k < len(schedule.renoise_sigmas):
+                x = renoise(clean, noise(), schedule.renoise_sigmas[k])
         # Clean-KV commit: one forward at t = 0 writes the block's keys/values into the cache.
         self._predict(clean, condition, camera, torch.zeros((len(sessions), bf), device=self.device), geometry, ctx)
         if self.device.type == "cuda":
@@ -231,6 +211,7 @@ class WorldModelEngine:
         session.cache.values.clear()
         session.text.keys.clear()
         session.text.values.clear()
+        session.condition.feature_cache = session.condition.previous = None
 
     @contextlib.contextmanager
     def session(self, request: SessionRequest, session_id: str | None = None) -> Iterator[Session]:
@@ -257,10 +238,18 @@ class WorldModelEngine:
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _condition(self, session: Session, first_frame: int, g: VideoGeometry) -> torch.Tensor:
+        """[1, 4 + z, block_frames, h, w]: the mask and the condition latents of the session's next block."""
+        bf = g.block_frames
+        latents = self.conditions.encode_next(session.condition, bf).float()
+        mask = condition_mask(first_frame, bf, g.latent_height, g.latent_width, self.device)
+        return torch.cat([mask, latents], dim=1)
+
     def _context(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> ForwardContext:
-        tables = [self.rope.block(f, g.block_frames, g.grid_height, g.grid_width) for f in starts]
-        cos = self.sp.shard(torch.stack([c for c, _ in tables]), 1)
-        sin = self.sp.shard(torch.stack([s for _, s in tables]), 1)
+        head_dim = self.ckpt.transformer.head_dim
+        tables = [rope_tables(head_dim, f, g.block_frames, g.grid_height, g.grid_width) for f in starts]
+        cos = self.sp.shard(torch.stack([c for c, _ in tables]), 1).to(self.device)
+        sin = self.sp.shard(torch.stack([s for _, s in tables]), 1).to(self.device)
         return ForwardContext(
             sp=self.sp,
             attention=self.attention,
@@ -279,16 +268,10 @@ class WorldModelEngine:
         g: VideoGeometry,
         ctx: ForwardContext,
     ) -> torch.Tensor:
+        """The model's velocity [B, z, F, h, w] (float32) for noisy latents x [B, z, F, h, w] (float32)."""
         model_in = torch.cat([x, condition], dim=1).to(self.dtype)
         return self.transformer(model_in, camera, timesteps, g.tokens_per_frame, ctx).float()
 
 
 def _no_frames(session: Session) -> np.ndarray:
     return np.zeros((0, session.geometry.height, session.geometry.width, 3), dtype=np.uint8)
-
-
-def resize_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 [H, W, 3] -> uint8 [height, width, 3], bilinear with antialiasing."""
-    x = image.permute(2, 0, 1)[None].float()
-    x = F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
-    return x[0].round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from ..api.errors import ConfigError
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
 from ..model.dtypes import TORCH_DTYPES
-from .config import ATTENTION_BACKENDS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
+from .config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_SINK_FRAMES,
+    DEFAULT_WINDOW_FRAMES,
+    KNOWN_UNSUPPORTED_SP_MODES,
+    SUPPORTED_SP_MODES,
+    EngineConfig,
+)
 from .geometry import VideoGeometry
 
 
@@ -16,17 +23,28 @@ class EngineSpec:
 
     config: EngineConfig
     checkpoint: CheckpointConfigs
+    window_frames: int  # resolved: the setting, else the checkpoint's local_attn_size, else the default
+    sink_frames: int
+    shift: float
 
 
 def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
-    """Read the checkpoint's JSON configs and validate the settings against them; no weight is read."""
-    spec = EngineSpec(config, read_checkpoint_configs(config.checkpoint))
-    validate_engine(config, spec.checkpoint, world_size)
+    """Read the checkpoint's JSON configs, resolve what the settings leave to the checkpoint, and validate;
+    no weight is read."""
+    ckpt = read_checkpoint_configs(config.checkpoint)
+    t = ckpt.transformer
+    from_checkpoint = t.local_attn_size > 0  # -1 (the reference class's default) means global attention
+    window = config.window_frames or (t.local_attn_size if from_checkpoint else DEFAULT_WINDOW_FRAMES)
+    sink = config.sink_frames if config.sink_frames >= 0 else (t.sink_size if from_checkpoint else DEFAULT_SINK_FRAMES)
+    spec = EngineSpec(config, ckpt, window, sink, config.timestep_shift or ckpt.shift)
+    validate_engine(spec, world_size)
     return spec
 
 
-def validate_engine(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> None:
+def validate_engine(spec: EngineSpec, world_size: int) -> None:
     """Everything that can be checked before weights load; each error names the offending values."""
+    config, ckpt = spec.config, spec.checkpoint
+    t, vae = ckpt.transformer, ckpt.vae
     if config.sp_mode in KNOWN_UNSUPPORTED_SP_MODES:
         raise ConfigError(
             f"sequence-parallel mode {config.sp_mode!r} is not supported; supported: {list(SUPPORTED_SP_MODES)}"
@@ -35,10 +53,9 @@ def validate_engine(config: EngineConfig, ckpt: CheckpointConfigs, world_size: i
         raise ConfigError(f"unknown sequence-parallel mode {config.sp_mode!r}; supported: {list(SUPPORTED_SP_MODES)}")
     if config.sp_degree < 1 or config.tp_degree < 1:
         raise ConfigError(f"sp_degree={config.sp_degree} and tp_degree={config.tp_degree} must be >= 1")
-    heads = ckpt.transformer.num_attention_heads
-    if heads % (config.tp_degree * config.sp_degree) != 0:
+    if t.num_heads % (config.tp_degree * config.sp_degree) != 0:
         raise ConfigError(
-            f"num_attention_heads={heads} is not divisible by tp_degree x sp_degree = "
+            f"num_heads={t.num_heads} is not divisible by tp_degree x sp_degree = "
             f"{config.tp_degree} x {config.sp_degree} = {config.tp_degree * config.sp_degree}"
         )
     if config.tp_degree != 1:
@@ -49,27 +66,30 @@ def validate_engine(config: EngineConfig, ckpt: CheckpointConfigs, world_size: i
         raise ConfigError(f"dtype={config.dtype!r}; supported: {list(TORCH_DTYPES)}")
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={config.attention_backend!r}; supported: {list(ATTENTION_BACKENDS)}")
-    if ckpt.transformer.qk_norm != "rms_norm_across_heads":
-        raise ConfigError(f"qk_norm={ckpt.transformer.qk_norm!r}; only 'rms_norm_across_heads' is supported")
     if config.block_frames < 1 or config.denoise_steps < 1:
         raise ConfigError(f"block_frames={config.block_frames} and denoise_steps={config.denoise_steps} must be >= 1")
-    if not 0 <= config.sink_frames <= config.window_frames - 2 * config.block_frames:
+    if 1000 % config.denoise_steps != 0:
+        raise ConfigError(f"denoise_steps={config.denoise_steps} must divide the 1000 training timesteps")
+    if spec.shift <= 0:
+        raise ConfigError(f"timestep_shift={spec.shift} must be positive")
+    window, sink = spec.window_frames, spec.sink_frames
+    if not 0 <= sink <= window - 2 * config.block_frames:
         raise ConfigError(
-            f"window_frames={config.window_frames} must hold sink_frames={config.sink_frames} plus two blocks of "
+            f"window_frames={window} must hold sink_frames={sink} plus two blocks of "
             f"block_frames={config.block_frames} (the cached history and the current block)"
         )
-    if config.sink_frames % config.block_frames != 0:
-        raise ConfigError(f"sink_frames={config.sink_frames} must be a multiple of block_frames={config.block_frames}")
-    expected_camera = 6 * ckpt.vae.temporal_factor
-    if ckpt.transformer.camera_dim != expected_camera:
+    if sink % config.block_frames != 0:
+        raise ConfigError(f"sink_frames={sink} must be a multiple of block_frames={config.block_frames}")
+    camera_channels = 6 * vae.spatial_factor**2  # Pluecker [origin, direction] x the VAE's pixels per latent pixel
+    if t.camera_channels != camera_channels:
         raise ConfigError(
-            f"transformer camera_dim={ckpt.transformer.camera_dim} does not match 6 Pluecker channels x VAE temporal "
-            f"factor {ckpt.vae.temporal_factor} = {expected_camera}"
+            f"the transformer's camera input takes {t.camera_channels} channels per latent pixel; the VAE's "
+            f"{vae.spatial_factor}x{vae.spatial_factor} pixels give 6 x {vae.spatial_factor ** 2} = {camera_channels}"
         )
-    expected_in = 2 * ckpt.vae.z_dim + ckpt.vae.temporal_factor
-    if ckpt.transformer.in_channels != expected_in or ckpt.transformer.out_channels != ckpt.vae.z_dim:
+    expected_in = 2 * vae.z_dim + vae.temporal_factor
+    if t.in_dim != expected_in or t.out_dim != vae.z_dim:
         raise ConfigError(
-            f"transformer in/out channels {ckpt.transformer.in_channels}/{ckpt.transformer.out_channels} do not fit "
-            f"VAE z_dim={ckpt.vae.z_dim}: expected {expected_in} (noise + image latents + mask) / {ckpt.vae.z_dim}"
+            f"transformer in/out channels {t.in_dim}/{t.out_dim} do not fit VAE z_dim={vae.z_dim}: expected "
+            f"{expected_in} (noise + mask + condition latents) / {vae.z_dim}"
         )
     VideoGeometry.build(config, ckpt, config.default_height, config.default_width, None)

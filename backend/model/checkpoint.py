@@ -1,55 +1,67 @@
-"""Loading a diffusers-format model directory: transformer safetensors, Wan VAE, umT5 text encoder."""
+"""Loading a diffusers-format model directory: transformer shards, Wan VAE, umT5 text encoder.
+
+The transformer is built on the meta device and filled tensor by tensor, shard by shard: each tensor is cast
+to the serving dtype as it is read and placed straight on its device, so the checkpoint's FP32 state is
+never held in host memory (at most one source tensor at a time).
+"""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from .config import TransformerConfig
 from ..api.errors import ConfigError
-from .transformer import CausalWanTransformer
-
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The safetensors file, or the shards listed by its index, of one component directory."""
-    index = directory / WEIGHTS_INDEX_NAME
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / name for name in shards]
-    single = directory / WEIGHTS_NAME
-    if single.is_file():
-        return [single]
-    raise ConfigError(f"{directory} holds neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
+from .config import TransformerConfig
+from .transformer import LingBotTransformer
+from .weight_files import few_names, read_header, shard_plan
 
 
-def load_state_dict(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
-    """Tensors straight onto `device` (no host copy of the whole model per rank)."""
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        state.update(load_file(str(path), device=str(device)))
-    return state
+def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+def load_into(module: torch.nn.Module, directory: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a (meta) module from a component directory; strict on names and shapes, errors name the file."""
+    plan = shard_plan(directory)
+    expected = {k: list(v.shape) for k, v in module.state_dict().items()}
+    found = {name for names in plan.values() for name in names}
+    missing, unexpected = sorted(set(expected) - found), sorted(found - set(expected))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{directory}: weights do not match the config: missing {len(missing)} [{few_names(missing)}], "
+            f"unexpected {len(unexpected)} [{few_names(unexpected)}]"
+        )
+    for path, names in plan.items():
+        header = read_header(path)
+        for name in names:
+            if header.get(name, {}).get("shape") != expected[name]:
+                raise ConfigError(
+                    f"{path}: {name} has shape {header.get(name, {}).get('shape')}, the config expects {expected[name]}"
+                )
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as shard:
+                for name in names:
+                    tensor = shard.get_tensor(name)
+                    target = dtype if tensor.is_floating_point() else tensor.dtype
+                    _assign(module, name, tensor.to(device=device, dtype=target))
+                    del tensor
+        except (OSError, RuntimeError, ValueError) as exc:  # safetensors raises its own errors on bad data
+            raise ConfigError(f"cannot read {path}: {exc}") from exc
 
 
 def load_transformer(
     directory: Path, config: TransformerConfig, dtype: torch.dtype, device: torch.device
-) -> CausalWanTransformer:
-    """Build the DiT from its config and load its weights strictly (missing or extra keys are an error)."""
+) -> LingBotTransformer:
+    """Build the DiT from its config on the meta device and load its weights strictly."""
     with torch.device("meta"):
-        model = CausalWanTransformer(config)
-    state = load_state_dict(weight_files(directory), device)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ConfigError(
-            f"{directory}: weights do not match the config: missing {missing[:8]}"
-            f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+        model = LingBotTransformer(config)
+    load_into(model, directory, dtype, device)
     return model.eval().requires_grad_(False)
 
 

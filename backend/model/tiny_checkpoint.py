@@ -1,6 +1,6 @@
 """Write a random checkpoint in the diffusers directory format the engine loads (weights can't be downloaded).
 
-    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|mid] [--seed 0]
+    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|mid] [--seed 0] [--if-stale]
 
 Same layout as a real checkpoint: model_index.json, transformer/ (config.json + safetensors),
 vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel), tokenizer/, scheduler/.
@@ -9,28 +9,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import WEIGHTS_NAME
-from .config import TransformerConfig
-from .transformer import CausalWanTransformer
+from ..api.errors import ConfigError
+from .config import TransformerConfig, read_checkpoint_configs
+from .transformer import LingBotTransformer
+from .weight_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 PRESETS: dict[str, dict] = {
-    # CI size: 4 heads (SP 1/2/4), 64x64 video -> 8x8 latents -> 16 tokens per frame.
+    # CI size: 4 heads (SP 1/2/4), 64x64 video -> 8x8 latents -> 16 tokens per frame; a 9-frame window.
     "tiny": {
-        "transformer": dict(num_attention_heads=4, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=128,
-                            num_layers=2, rope_max_seq_len=64),
+        "transformer": dict(num_heads=4, dim=64, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, text_len=16,
+                            local_attn_size=9, sink_size=3),
         "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
         "z_dim": 4,
         "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
     },
     # GPU benchmark size: the real 40-head geometry, a fraction of the depth and width.
     "mid": {
-        "transformer": dict(num_attention_heads=40, attention_head_dim=64, text_dim=512, freq_dim=256, ffn_dim=6912,
-                            num_layers=8, rope_max_seq_len=1024),
+        "transformer": dict(num_heads=40, dim=2560, text_dim=512, freq_dim=256, ffn_dim=6912, num_layers=8,
+                            text_len=512, local_attn_size=18, sink_size=6),
         "vae": dict(base_dim=32, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
         "z_dim": 16,
         "text_encoder": dict(d_model=512, d_kv=64, d_ff=1024, num_layers=2, num_heads=8),
@@ -44,15 +46,33 @@ WORDS = (
 ).split()
 
 
+def write_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """Safetensors shards plus their index, in diffusers' naming (one plain file when shards == 1)."""
+    names = list(state)
+    per_shard = -(-len(names) // shards)
+    groups = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
+    if len(groups) == 1:
+        save_file({k: state[k].contiguous() for k in names}, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        return
+    stem, ext = WEIGHTS_NAME.rsplit(".", 1)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}"
+        save_file({k: state[k].contiguous() for k in group}, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
 def write_transformer(out: Path, preset: dict, seed: int) -> TransformerConfig:
     z = preset["z_dim"]
-    config = TransformerConfig(**preset["transformer"], in_channels=2 * z + 4, out_channels=z, camera_dim=24)
+    config = TransformerConfig(**preset["transformer"], in_dim=2 * z + 4, out_dim=z)
     torch.manual_seed(seed)
-    model = CausalWanTransformer(config)
+    model = LingBotTransformer(config)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    meta = {"_class_name": "CausalWanTransformer", "_diffusers_version": "0.42.1", **config.to_dict()}
+    write_sharded(model.state_dict(), out, shards=3)
+    meta = {"_class_name": "WanModelFast", "_diffusers_version": "0.35.1", **config.to_dict()}
     (out / "config.json").write_text(json.dumps(meta, indent=2))
     return config
 
@@ -100,7 +120,7 @@ def write_checkpoint(root: Path, preset_name: str = "tiny", seed: int = 0) -> Pa
     index = {
         "_class_name": "LingBotWorldCausalPipeline",
         "_diffusers_version": "0.42.1",
-        "transformer": ["backend", "CausalWanTransformer"],
+        "transformer": ["lingbot_world", "WanModelFast"],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
@@ -110,13 +130,31 @@ def write_checkpoint(root: Path, preset_name: str = "tiny", seed: int = 0) -> Pa
     return root
 
 
+def ensure_current(root: Path, preset_name: str = "tiny", seed: int = 0) -> bool:
+    """Write the checkpoint unless `root` holds one whose configs read in today's layout; True when written."""
+    try:
+        read_checkpoint_configs(str(root))
+        return False
+    except ConfigError:
+        if root.exists():
+            shutil.rmtree(root)
+        write_checkpoint(root, preset_name, seed)
+        return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--if-stale", action="store_true",
+                        help="keep OUT when it already holds a checkpoint in the current layout")
     args = parser.parse_args()
-    print(write_checkpoint(args.out, args.preset, args.seed))
+    if args.if_stale:
+        ensure_current(args.out, args.preset, args.seed)
+    else:
+        write_checkpoint(args.out, args.preset, args.seed)
+    print(args.out)
 
 
 if __name__ == "__main__":

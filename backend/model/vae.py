@@ -1,4 +1,4 @@
-"""Wan VAE use: encode the first frame once, decode each AR block causally as it is produced."""
+"""Wan VAE decode: each AR block decoded causally, as it is produced, with a per-session feature cache."""
 from __future__ import annotations
 
 import contextlib
@@ -31,13 +31,6 @@ class StreamingVae:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.vae.parameters()).dtype
-
-    @torch.no_grad()
-    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
-        """uint8 [H, W, 3] -> normalised latents [1, z, 1, h, w] (distribution mode: deterministic)."""
-        pixels = image.to(self.device).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0
-        posterior = self.vae.encode(pixels.to(self.dtype)).latent_dist
-        return (posterior.mode().float() - self.mean) / self.std
 
     def new_decode_state(self) -> DecodeState:
         return DecodeState(feature_cache=[None] * self._conv_count)

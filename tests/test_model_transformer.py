@@ -1,0 +1,65 @@
+"""The DiT's forward on the tiny geometry: shapes, a rolling window, text K/V per head shard, RoPE positions."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.model.attention import sdpa_attention
+from backend.model.config import TransformerConfig
+from backend.model.kv_cache import SelfAttentionCache
+from backend.model.rope import rope_tables
+from backend.model.transformer import ForwardContext, LingBotTransformer
+from backend.parallel.sequence import SequenceParallel
+
+CONFIG = TransformerConfig(dim=64, ffn_dim=128, num_heads=2, num_layers=2, in_dim=36, out_dim=16, text_dim=32,
+                           freq_dim=256, text_len=16, local_attn_size=6, sink_size=3)
+
+
+@pytest.fixture(scope="module")
+def model() -> LingBotTransformer:
+    torch.manual_seed(0)
+    return LingBotTransformer(CONFIG).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_forward_through_a_rolling_window(model: LingBotTransformer, batch: int) -> None:
+    f, h, w = 3, 4, 6
+    tokens_per_frame = (h // 2) * (w // 2)
+    caches = [SelfAttentionCache(CONFIG.num_layers, CONFIG.local_attn_size * tokens_per_frame, f * tokens_per_frame,
+                                 CONFIG.sink_size * tokens_per_frame, CONFIG.num_heads, CONFIG.head_dim,
+                                 torch.float32, torch.device("cpu")) for _ in range(batch)]
+    text = [model.text_caches(torch.randn(1, 5, CONFIG.text_dim), slice(0, CONFIG.num_heads)) for _ in range(batch)]
+    for block in range(3):  # the third block evicts: 6 + 3 frames > a 6-frame window
+        for cache in caches:
+            cache.make_room()
+        cos, sin = rope_tables(CONFIG.head_dim, block * f, f, h // 2, w // 2)
+        ctx = ForwardContext(SequenceParallel(), sdpa_attention, cos[None].expand(batch, -1, -1),
+                             sin[None].expand(batch, -1, -1), caches, text)
+        with torch.no_grad():
+            out = model(torch.randn(batch, CONFIG.in_dim, f, h, w), torch.randn(batch, 384, f, h, w),
+                        torch.full((batch, f), 999.0), tokens_per_frame, ctx)
+        assert out.shape == (batch, CONFIG.out_dim, f, h, w) and out.dtype == torch.float32
+        assert torch.isfinite(out).all()
+        for cache in caches:
+            cache.commit()
+    assert caches[0].length == CONFIG.local_attn_size * tokens_per_frame and caches[0].evicted_tokens > 0
+
+
+def test_text_keys_are_per_head_shard_and_zero_padded(model: LingBotTransformer) -> None:
+    states = torch.randn(1, 5, CONFIG.text_dim)
+    with torch.no_grad():
+        full = model.text_caches(states, slice(0, 2))
+        second = model.text_caches(F.pad(states, (0, 0, 0, CONFIG.text_len - 5)), slice(1, 2))
+    assert full.keys[0].shape == (1, CONFIG.text_len, 2, CONFIG.head_dim)
+    torch.testing.assert_close(second.keys[1], full.keys[1][:, :, 1:2])
+    torch.testing.assert_close(second.values[0], full.values[0][:, :, 1:2])
+
+
+def test_rope_splits_44_42_42_at_absolute_frames() -> None:
+    cos, _ = rope_tables(128, 5, 2, 3, 4)
+    assert cos.shape == (24, 64) and cos.dtype == torch.float64
+    again, _ = rope_tables(128, 0, 7, 3, 4)
+    assert torch.equal(cos, again[5 * 12:])  # frame 5 of a later block is frame 5 of the clip
+    # Height and width pairs (the last 42 of 64) do not depend on the frame.
+    assert torch.equal(again[:12, 22:], again[12:24, 22:])
