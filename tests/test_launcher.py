@@ -14,6 +14,7 @@ from backend.api.settings import format_value, parameter_fields
 from backend.engine.config import EngineConfig
 from backend.launch.launcher import build_parser, parse_param, render
 from backend.launch.model_repository import render_config
+from backend.launch.mpi import own_address
 from backend.launch.paths import TEMPLATE_DIR
 from backend.serving.config import ServingConfig, split_parameters
 
@@ -137,3 +138,11 @@ def test_readme_documents_every_input_and_setting() -> None:
     for cls in (EngineConfig, ServingConfig):
         for f in parameter_fields(cls):
             assert f"`{f.name}`" in configuration, f"README's Configuration section lacks {f.name}"
+
+
+def test_rendezvous_address_follows_gloo_socket_ifname(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert own_address(hosts=2) == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0,lo")
+    with pytest.raises(ValueError, match="GLOO_SOCKET_IFNAME=nosuch0: interface has no IPv4 address"):
+        own_address(hosts=2)
