@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import tritonclient.grpc as grpcclient
 from backend.api import contract
 from client.stream import StreamError
 from factories import tiny_request
-from mpi_harness import RankServer, mpirun_servers
+from mpi_harness import MPIRUN_ENV, RankServer, mpirun_servers
 from polling import wait_until
 from triton_harness import latents_of, running_server, stream
 
@@ -99,6 +100,24 @@ def two_namespaces(tag: str) -> Iterator[tuple[str, str]]:
     finally:
         for ns in names:  # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.parametrize(
+    ("rank_args", "message"),
+    [
+        ([["--param", "checkpoint=/a"], ["--param", "checkpoint=/b"]], r"configured alike; differing: checkpoint \(ranks \[1\]\)"),
+        ([[], []], "2 ranks on one host share grpc_port=8001"),
+    ],
+    ids=["different_config", "same_ports_on_one_host"],
+)
+def test_mpi_launch_rejects_what_cannot_form_one_group(tmp_path: Path, rank_args: list[list[str]], message: str) -> None:
+    command = ["mpirun", "--oversubscribe"]
+    for rank, args in enumerate(rank_args):
+        command += [":"] * (rank > 0) + ["-np", "1", sys.executable, "-m", "backend.launch", "--mpi", "--render-only",
+                                          "--kind", "cpu", "--repository-out", str(tmp_path / f"r{rank}"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | MPIRUN_ENV)
+    assert done.returncode != 0
+    assert len(re.findall(message, done.stderr)) == 2, done.stderr  # every rank says why
 
 
 def test_group_across_two_network_namespaces(tmp_path: Path, tiny_checkpoint: str, references) -> None:
