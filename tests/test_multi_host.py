@@ -149,8 +149,10 @@ def test_group_across_two_network_namespaces(tmp_path: Path, tiny_checkpoint: st
         assert np.array_equal(np.load(tmp_path / f"latents_{seed}.npy"), references[seed]), seed
 
 
-def test_killed_server_errors_the_other_servers_streams_and_unloads(mpi_servers: list[RankServer]) -> None:
-    survivor, victim = mpi_servers
+def fail_one_server(servers: list[RankServer], failure: signal.Signals) -> float:
+    """Send `failure` to rank 1's server and stub while rank 0's server streams two sessions; assert those
+    streams error and rank 0's model unloads; returns the seconds that took."""
+    survivor, victim = servers
     errors: list[str] = []
 
     def one(seed: int) -> None:
@@ -164,11 +166,29 @@ def test_killed_server_errors_the_other_servers_streams_and_unloads(mpi_servers:
         t.start()
     before = blocks_sent(survivor, 0)
     wait_until(lambda: blocks_sent(survivor, 0) > before, 60, "blocks streaming from the surviving server")
-    os.killpg(victim.pid, signal.SIGKILL)  # the server and its stub: the host is gone
-    killed = time.monotonic()
+    os.killpg(victim.pid, failure)
+    failed = time.monotonic()
     for t in threads:
         t.join()
     assert len(errors) == 2 and all("sequence-parallel group failed" in e for e in errors), errors
     with grpcclient.InferenceServerClient(survivor.url) as client:
         wait_until(lambda: not client.is_model_ready(contract.MODEL_NAME), 15, "the survivor's model unloaded")
-    assert time.monotonic() - killed < TIMEOUT_S + 15
+    return time.monotonic() - failed
+
+
+def test_silent_server_is_detected_within_the_collective_timeout(tmp_path: Path, tiny_checkpoint: str) -> None:
+    # A stopped server closes no connection, like a host that lost power or its network: only the timeout tells.
+    with mpirun_servers(tmp_path, tiny_checkpoint, collective_timeout_s=str(TIMEOUT_S)) as servers:
+        try:
+            seconds = fail_one_server(servers, signal.SIGSTOP)
+            print(f"silent server: detected and unloaded after {seconds:.1f} s (timeout {TIMEOUT_S} s)")
+            assert seconds < TIMEOUT_S + 15
+        finally:
+            os.killpg(servers[1].pid, signal.SIGCONT)
+
+
+def test_killed_server_errors_the_other_servers_streams_and_unloads(mpi_servers: list[RankServer]) -> None:
+    # Runs last: it ends the module's group. A crashed host's connections close, so this is quick.
+    seconds = fail_one_server(mpi_servers, signal.SIGKILL)
+    print(f"killed server: detected and unloaded after {seconds:.1f} s (timeout {TIMEOUT_S} s)")
+    assert seconds < TIMEOUT_S + 15
