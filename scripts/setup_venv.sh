@@ -9,4 +9,4 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install --quiet -e '.[server,test]'
+.venv/bin/python -m pip install --quiet -e '.[server,test,mpi]'

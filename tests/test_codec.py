@@ -61,8 +61,7 @@ def test_block_outputs() -> None:
     assert out[p.BLOCK_INDEX].dtype == np.int32 and out[p.TIMING_MS].tolist() == [1.0, 2.0, 3.0]
 
 
-def test_instance_rank_cpu_groups_and_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+def test_instance_rank_cpu_groups_and_gpus() -> None:
     cpu = {"instance_group": [{"name": "m_0", "count": 2, "kind": "KIND_CPU"}, {"count": 3, "kind": "KIND_CPU"}]}
     ranks = [
         instance_rank({"model_instance_kind": "CPU", "model_instance_name": n, "model_name": "m"}, cpu)
@@ -74,6 +73,7 @@ def test_instance_rank_cpu_groups_and_gpus(monkeypatch: pytest.MonkeyPatch) -> N
     assert instance_rank(args, gpu) == (3, 4)
     with pytest.raises(ConfigError, match="one instance per GPU"):
         instance_rank(args, {"instance_group": [{"count": 2, "kind": "KIND_GPU", "gpus": [3]}]})
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
-    assert instance_rank(args, gpu) == (5, 8)
+    # Server 1 of 2 with four GPU instances: global ranks 4..7.
+    assert instance_rank(args, gpu, host_rank=1, host_count=2) == (7, 8)
+    cpu_args = {"model_instance_kind": "CPU", "model_instance_name": "m_1_0", "model_name": "m"}
+    assert instance_rank(cpu_args, cpu, host_rank=2, host_count=3) == (12, 15)

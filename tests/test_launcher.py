@@ -14,6 +14,7 @@ from backend.api.settings import format_value, parameter_fields
 from backend.engine.config import EngineConfig
 from backend.launch.launcher import build_parser, parse_param, render
 from backend.launch.model_repository import render_config
+from backend.launch.mpi import own_address
 from backend.launch.paths import TEMPLATE_DIR
 from backend.serving.config import ServingConfig, split_parameters
 
@@ -73,15 +74,24 @@ def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -
         if f.name == "sp_degree":
             continue  # the launcher sets it from --sp
         value = _other_value(f) if f.default is not dataclasses.MISSING else "/data/ckpt"
+        hosts = ["--param", "host_count=4"] if f.name == "host_rank" else []  # host_rank=3 needs 4 hosts
         args = build_parser().parse_args(
-            ["--kind", "cpu", "--sp", "2", "--param", f"{f.name}={value}", "--repository-out", str(tmp_path)]
+            ["--kind", "cpu", "--sp", "2", "--param", f"{f.name}={value}", *hosts, "--repository-out", str(tmp_path)]
         )
         repository, _ = render(args)
         text = (repository / contract.MODEL_NAME / "config.pbtxt").read_text()
         engine, serving = split_parameters(params_of(text))
         settings = engine if cls is EngineConfig else serving
         assert format_value(getattr(settings, f.name)) == value, f.name
-        assert engine.sp_degree == 2
+        assert engine.sp_degree == 2 * serving.host_count  # --sp instances on each server
+
+
+def test_host_rank_outside_host_count_is_an_error_naming_both(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["--kind", "cpu", "--param", "host_rank=2", "--param", "host_count=2", "--repository-out", str(tmp_path)]
+    )
+    with pytest.raises(ValueError, match=r"host_rank=2 must be in \[0, host_count=2\)"):
+        render(args)
 
 
 def test_cpu_and_gpu_groups() -> None:
@@ -128,3 +138,11 @@ def test_readme_documents_every_input_and_setting() -> None:
     for cls in (EngineConfig, ServingConfig):
         for f in parameter_fields(cls):
             assert f"`{f.name}`" in configuration, f"README's Configuration section lacks {f.name}"
+
+
+def test_rendezvous_address_follows_gloo_socket_ifname(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert own_address(hosts=2) == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0,lo")
+    with pytest.raises(ValueError, match="GLOO_SOCKET_IFNAME=nosuch0: interface has no IPv4 address"):
+        own_address(hosts=2)

@@ -36,13 +36,14 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         engine_config, limits = split_parameters(params)
-        rank, world = instance_rank(args, model_config)
+        rank, world = instance_rank(args, model_config, limits.host_rank, limits.host_count)
         on_gpu = args["model_instance_kind"] == "GPU"
         device = f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu"
         engine_config = dataclasses.replace(engine_config, device=device)
         if engine_config.sp_degree != world:
             raise ConfigError(
-                f"sp_degree={engine_config.sp_degree} must equal the number of model instances ({world})"
+                f"sp_degree={engine_config.sp_degree} must equal the number of model instances of all servers "
+                f"({world} = host_count={limits.host_count} x {world // limits.host_count})"
             )
         # Fail fast, alone, before waiting for peers or reading weights.
         spec = checked_spec(engine_config, world)
@@ -52,7 +53,8 @@ class TritonPythonModel:
             # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            local_instances = world // limits.host_count  # share this host's cores among its own instances
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_instances))
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",

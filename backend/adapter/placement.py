@@ -1,20 +1,24 @@
-"""Where this instance sits in the SP group: its rank and the world size, from Triton's instance arguments."""
+"""Where this instance sits in the SP group: its global rank and the world size.
+
+Each server (one per host under mpirun) runs the same number of instances; an instance's global rank is
+host_rank x local instances + its local index, so the instances of server 0 hold ranks 0..n-1.
+"""
 from __future__ import annotations
 
-import os
 import re
 
 from ..api.errors import ConfigError
 
 
-def instance_rank(args: dict, model_config: dict) -> tuple[int, int]:
-    """(rank, world size) of this instance in the SP group.
+def instance_rank(args: dict, model_config: dict, host_rank: int = 0, host_count: int = 1) -> tuple[int, int]:
+    """(global rank, world size) of this instance: its local position among this server's instances
+    (by GPU id for KIND_GPU, by instance index for KIND_CPU), offset by the server's `host_rank`."""
+    index, local = local_rank(args, model_config)
+    return host_rank * local + index, host_count * local
 
-    Under mpirun (one tritonserver per rank, one instance each) MPI's rank and size; otherwise the
-    position among this model's instances: by GPU id for KIND_GPU, by instance index for KIND_CPU.
-    """
-    if "OMPI_COMM_WORLD_SIZE" in os.environ:
-        return int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+
+def local_rank(args: dict, model_config: dict) -> tuple[int, int]:
+    """(index, count) of this instance among this server's instances of the model."""
     groups = model_config.get("instance_group", [])
     if args["model_instance_kind"] == "GPU":
         devices = sorted(int(d) for g in groups for d in g.get("gpus", []) for _ in range(int(g.get("count", 1))))

@@ -2,10 +2,12 @@
 
     python -m backend.launch --sp 2 --kind cpu --param KEY=VALUE --wait
     python -m backend.launch --render-only --kind gpu --sp 4 --param checkpoint=...
+    mpirun -np 2 --hostfile hosts python -m backend.launch --mpi --sp 4 --param checkpoint=... --wait
     python -m backend.launch --install-perf-analyzer
 
 The pieces live beside it: `wheel` (server and Python backend from the nvidia-pytriton wheel),
-`model_repository` (config.pbtxt rendering), `server` (the server process), `perf_analyzer`.
+`model_repository` (config.pbtxt rendering), `server` (the server process), `mpi` (`--mpi`: this host's
+server among all hosts' servers), `perf_analyzer`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..api.contract import MODEL_NAME
+from ..api.settings import from_parameters
+from ..serving.config import ServingConfig
 from .model_repository import write_model_repository
+from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
@@ -52,7 +57,18 @@ def parse_param(text: str) -> tuple[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m backend.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sp", type=int, default=1, help="model instances (one per GPU with KIND_GPU)")
+    parser.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="model instances of this server (one per GPU with KIND_GPU); the SP degree is this x host_count",
+    )
+    parser.add_argument(
+        "--mpi",
+        action="store_true",
+        help="under mpirun: one server per rank, all in one group (host_rank, host_count and rendezvous_host "
+        "from MPI)",
+    )
     parser.add_argument(
         "--kind",
         choices=("cpu", "gpu", "auto"),
@@ -91,7 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render(args: argparse.Namespace) -> tuple[Path, str]:
     kind, device_ids = resolve_placement(args.kind, args.sp)
-    parameters = {"sp_degree": str(args.sp), **dict(args.param)}  # one SP rank per instance
+    parameters = dict(args.param)
+    if args.mpi:
+        shared = {"sp": str(args.sp), "kind": kind, **parameters}
+        ports_and_paths = {
+            "grpc_port": str(args.grpc_port),
+            "http_port": str(args.http_port),
+            "metrics_port": str(args.metrics_port),
+            "repository_out": str(args.repository_out.resolve()),
+            "log_file": str(args.log_file.resolve()),
+        }
+        parameters.update(host_parameters(shared, ports_and_paths))
+    hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
+    parameters["sp_degree"] = str(args.sp * hosts)  # one SP rank per instance of every server
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,
@@ -113,6 +141,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         log_verbose=args.log_verbose,
         log_path=args.log_file,
+        die_with_parent=True,  # a launcher killed outright (mpirun's teardown) takes its server along
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
     with server:
@@ -120,7 +149,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             if args.wait:
                 server.wait_ready(MODEL_NAME, args.wait_timeout)
-                print(f"model {MODEL_NAME} ready ({args.sp} x {kind})", flush=True)
+                print(f"model {MODEL_NAME} ready ({args.sp} x {kind}) on {server.grpc_url}", flush=True)
             rc = server.wait()
         except KeyboardInterrupt:
             return 130

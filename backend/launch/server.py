@@ -1,6 +1,7 @@
 """A tritonserver child process (from the pytriton wheel) with its log, ports and readiness wait."""
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
 
+_PR_SET_PDEATHSIG = 1
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
 
 
@@ -37,6 +39,11 @@ def _temp_log_path() -> Path:
     return Path(path)
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -46,7 +53,8 @@ def free_port() -> int:
 class TritonServer:
     """A tritonserver child process in its own process group, logging to `log_path`.
 
-    Ports left as None are picked free; `extra_args` go to tritonserver as they are.
+    Ports left as None are picked free; `extra_args` go to tritonserver as they are. With `die_with_parent`
+    the kernel sends the server SIGTERM when the process that started it dies (a launcher that mpirun kills).
     Use as a context manager, or start()/stop().
     """
 
@@ -63,6 +71,7 @@ class TritonServer:
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
         wheel: PytritonWheel | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.wheel = wheel or find_pytriton_wheel()
         self.model_repository = Path(model_repository)
@@ -74,6 +83,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else _temp_log_path()
+        self.die_with_parent = die_with_parent
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -116,7 +126,12 @@ class TritonServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent if self.die_with_parent else None,
             )
         return self
 

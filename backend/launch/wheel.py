@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import filecmp
+import os
 import shutil
 import sys
 import sysconfig
@@ -62,9 +63,12 @@ def _python_version() -> str:
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:
-    # Skip identical files: overwriting a stub that a running server executes fails (ETXTBSY).
+    # Skip identical files; replace others by a rename, never in place: a running server may execute the
+    # stub (ETXTBSY), and servers started at once on one host (mpirun) share this directory.
     if not (dst.is_file() and filecmp.cmp(src, dst, shallow=True)):
-        shutil.copy2(src, dst)
+        partial = dst.with_name(f".{dst.name}.{os.getpid()}")
+        shutil.copy2(src, partial)
+        os.replace(partial, dst)
 
 
 def prepare_backends(out_dir: Path = DEFAULT_BACKENDS_DIR, wheel: PytritonWheel | None = None) -> Path:

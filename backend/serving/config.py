@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..api.errors import InputError
+from ..api.errors import ConfigError, InputError
 from ..api.request import SessionRequest
 from ..api.settings import from_parameters, parameter_fields
 from ..engine.config import EngineConfig
@@ -20,11 +20,17 @@ class ServingConfig:
     max_queue: int = 16  # sessions waiting for a slot; more are rejected
     max_batch: int = 4  # sessions of one geometry run in one forward
     max_blocks_ahead: int = 2  # blocks a session may be computed ahead of what its client was sent
-    rendezvous_host: str = "127.0.0.1"
+    host_rank: int = 0  # this server's place among the servers of one group (one per host under mpirun)
+    host_count: int = 1  # servers in the group; each runs the same number of instances
+    rendezvous_host: str = "127.0.0.1"  # where global rank 0 hosts the TCP store (its host's address)
     rendezvous_port: int = 29650
     init_timeout_s: float = 1800.0  # rendezvous and weight loading
     collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
     idle_poll_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.host_rank < self.host_count:
+            raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
 
     def check_limits(self, request: SessionRequest) -> None:
         """The request's size against the serving limits; raises InputError naming the input."""
