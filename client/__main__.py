@@ -1,6 +1,7 @@
 """Command line: stream one camera-controlled generation and write the MP4 as blocks arrive.
 
     python -m client --prompt "a sunny street" --camera forward --out out/session.mp4
+    python -m client play --prompt "a sunny street" --keys "w*6,wa*2,j*3"   (a steered session)
 """
 from __future__ import annotations
 
@@ -119,6 +120,11 @@ class Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["play"]:  # a steered session (client/play.py)
+        from client.play import main as play
+
+        return play(argv[1:])
     args = parse_args(argv)
     try:
         image, poses, intrinsics = request_arrays(args)

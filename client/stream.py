@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,12 @@ class BlockResponse:
     frames: np.ndarray  # uint8 [n, H, W, 3]; n = 0 without VAE decode
     timing_ms: tuple[float, ...]  # server: DiT compute, VAE decode, since request arrival
     arrival_s: float  # time.perf_counter() when the response reached the client
+    held: bool = False  # a steered block run on held controls (its step came late)
+
+
+def new_sequence_id() -> int:
+    """A random Triton correlation id (non-zero, 63 bits)."""
+    return secrets.randbits(63) or 1
 
 
 def pack_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
@@ -122,6 +129,7 @@ def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[Bl
         frames=frames,
         timing_ms=() if timing is None else tuple(float(t) for t in timing.reshape(-1)),
         arrival_s=arrival_s,
+        held=bool(held.reshape(-1)[0]) if (held := result.as_numpy(contract.HELD)) is not None else False,
     )
     return block, final
 
@@ -156,9 +164,11 @@ class StreamingSession:
         self.request_id = request_id
         try:
             self._client.start_stream(callback=functools.partial(self._on_response, responses))
+            # A whole trajectory is a Triton sequence of one request (the model uses the sequence batcher).
             self._client.async_stream_infer(
                 self.model_name, inputs, request_id=request_id, parameters=parameters,
-                enable_empty_final_response=True,
+                enable_empty_final_response=True, sequence_id=new_sequence_id(), sequence_start=True,
+                sequence_end=True,
             )
         except InferenceServerException as exc:
             # The stream may have died before the request was enqueued (e.g. no server):

@@ -215,7 +215,7 @@ def test_build_inputs_rejects_bad_requests() -> None:
     with pytest.raises(ValueError, match=r"image must be uint8 \[H, W, 3\]"):
         build_inputs(image[..., 0], "p", poses, None, num_frames=FRAMES, seed=0, height=H, width=W)
     names = [i.name() for i in build_inputs(image, "p", poses, None, num_frames=FRAMES, seed=0, height=H, width=W)]
-    assert contract.CAMERA_INTRINSICS not in names and set(names) == set(contract.REQUIRED_INPUTS)
+    assert contract.CAMERA_INTRINSICS not in names and set(names) == set(contract.WHOLE_TRAJECTORY_INPUTS)
 
 
 def test_cli_writes_video_sheet_and_latents(fake, tmp_path: Path, capsys) -> None:

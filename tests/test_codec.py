@@ -10,6 +10,7 @@ from backend.api import contract as p
 from backend.api.errors import ConfigError, InputError
 from backend.adapter.placement import instance_rank
 from backend.api.codec import block_outputs, parse_request
+from backend.api.request import StepRequest, check_request
 from factories import forward_poses, sample_image
 
 
@@ -34,7 +35,7 @@ def test_parse_valid_request() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({p.CAMERA_POSES: None}, r"missing input 'camera_poses'"),
+        ({p.CAMERA_POSES: None}, r"missing input\(s\) \['camera_poses'\]"),
         ({p.SEED: np.array([1], np.int32)}, r"input 'seed' must be int64; got int32"),
         ({p.NUM_FRAMES: np.array([9, 9], np.int32)}, r"'num_frames' must hold exactly one value"),
         ({p.PROMPT: np.array([b"\xc3\x28"], dtype=object)}, r"not valid UTF-8"),
@@ -57,8 +58,28 @@ def test_parameter_errors() -> None:
 
 def test_block_outputs() -> None:
     out = block_outputs(2, 7, None, np.zeros((12, 8, 8, 3), np.uint8), (1.0, 2.0, 3.0))
-    assert set(out) == {p.BLOCK_INDEX, p.NUM_BLOCKS, p.FRAMES, p.TIMING_MS}
+    assert set(out) == {p.BLOCK_INDEX, p.NUM_BLOCKS, p.FRAMES, p.TIMING_MS, p.HELD}
     assert out[p.BLOCK_INDEX].dtype == np.int32 and out[p.TIMING_MS].tolist() == [1.0, 2.0, 3.0]
+    assert out[p.HELD].dtype == np.bool_ and not out[p.HELD][0]
+
+
+def test_sequence_requests_parse_as_starts_and_steps() -> None:
+    start_flag, end_flag = p.SEQUENCE_START, p.SEQUENCE_END
+    first = {k: v for k, v in valid_inputs().items() if k not in (p.NUM_FRAMES, p.CAMERA_POSES)}
+    first[p.ACTION] = np.array([b"WA"], dtype=object)
+    start = parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: "hold"}), "7", start_flag)
+    assert start.steered and start.keys == "aw" and start.on_starve == "hold" and start.session_key == "7"
+    assert parse_request(first.get, "{}", "7", start_flag | end_flag).max_blocks == 1  # start and end: one block
+    step = parse_request({p.CAMERA_POSES: forward_poses(12)}.get, "{}", "7", 0)
+    assert isinstance(step, StepRequest) and step.controls.poses.shape == (12, 4, 4) and not step.end
+    closing = parse_request({}.get, "{}", "7", end_flag)
+    assert isinstance(closing, StepRequest) and closing.controls is None and closing.end
+    with pytest.raises(InputError, match=r"a step of a running session takes only .* got \['image'\]"):
+        parse_request({p.ACTION: np.array([b"w"], dtype=object), p.IMAGE: sample_image()}.get, "{}", "7", 0)
+    with pytest.raises(InputError, match=r"a step needs 'camera_poses'"):
+        parse_request({}.get, "{}", "7", 0)
+    with pytest.raises(InputError, match=r"'on_starve' must be one of|must be a string"):
+        check_request(parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: 3}), "8", start_flag))
 
 
 def test_instance_rank_cpu_groups_and_gpus() -> None:

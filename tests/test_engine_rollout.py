@@ -105,3 +105,22 @@ def test_compiled_blocks_stay_close_to_eager(tiny_checkpoint: str, engine: World
     for (eager_out, eager_frames), (out, frames) in zip(engine.generate(request), compiled.generate(request)):
         assert np.abs(out.latents.numpy() - eager_out.latents.numpy()).max() < 1e-4
         assert np.abs(frames.astype(int) - eager_frames.astype(int)).max() <= 2
+
+
+def test_an_open_ended_session_keeps_constant_memory(engine: WorldModelEngine) -> None:
+    """A steered session 10x the window long: the KV window rolls, its bytes never grow, the condition
+    encoder reaches its fixed point and frees its cache."""
+    from backend.api.request import Controls
+    from backend.engine.rollout import BlockControls
+
+    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+    window_blocks = engine.window_frames // engine.config.block_frames
+    with engine.session(request) as session:
+        sizes = []
+        for _ in range(10 * window_blocks):
+            engine.run_block([session], {session.id: BlockControls(Controls(keys="w"))})
+            sizes.append(session.cache_bytes())
+        assert not session.done and session.block_index == 10 * window_blocks
+        assert len(set(sizes)) == 1  # allocated once for the window, whatever the length
+        assert session.cache.length == session.cache.capacity and session.cache.evicted_tokens > 0
+        assert session.condition.steady is not None and session.condition.feature_cache is None

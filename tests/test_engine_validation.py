@@ -113,7 +113,7 @@ def bad_poses(kind: str) -> np.ndarray:
         ({"poses": bad_poses("inf")}, r"NaN or Inf"),
         ({"poses": bad_poses("not_rotation")}, r"camera_poses\[2\]: the 3x3 block is not a rotation"),
         ({"poses": bad_poses("last_row")}, r"last row of every 4x4 pose"),
-        ({"intrinsics": np.ones((9, 3), np.float32)}, r"camera_intrinsics must be FP32 \[9, 4\]"),
+        ({"intrinsics": np.ones((9, 3), np.float32)}, r"camera_intrinsics must be FP32 \[n, 4\]"),
         ({"intrinsics": -np.ones((9, 4), np.float32)}, r"fx, fy > 0"),
     ],
 )

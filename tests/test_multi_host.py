@@ -105,7 +105,8 @@ def two_namespaces(tag: str) -> Iterator[tuple[str, str]]:
 @pytest.mark.parametrize(
     ("rank_args", "message"),
     [
-        ([["--param", "checkpoint=/a"], ["--param", "checkpoint=/b"]], r"configured alike; differing: checkpoint \(ranks \[1\]\)"),
+        ([["--param", "checkpoint=/a"], ["--param", "checkpoint=/b"]],
+         r"configured alike; differing: checkpoint \(ranks \[1\]\)"),
         ([[], []], "2 ranks on one host share grpc_port=8001"),
     ],
     ids=["different_config", "same_ports_on_one_host"],

@@ -19,11 +19,17 @@ class StreamMetrics:
             family("lingbot_world_time_to_first_block_seconds", "request arrival to first block sent", family.HISTOGRAM),
             family("lingbot_world_inter_block_seconds", "between two blocks of one stream", family.HISTOGRAM),
             family("lingbot_world_block_dit_seconds", "DiT time of a block (all its forwards)", family.HISTOGRAM),
+            family("lingbot_world_step_latency_seconds", "a steered session's request to its block sent",
+                   family.HISTOGRAM),
+            family("lingbot_world_held_blocks_total", "steered blocks run on held controls (late steps)",
+                   family.COUNTER),
         ]
-        blocks, errors, streams, first, inter, dit = self._families
+        blocks, errors, streams, first, inter, dit, step, held = self._families
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
         self.time_to_first_block = first.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.inter_block = inter.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.block_dit = dit.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
+        self.step_latency = step.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
+        self.held_blocks = held.Metric(labels=labels)

@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..api.codec import parse_request
 from ..api.errors import ConfigError, InputError
+from ..api.request import StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.validation import checked_spec
 from ..parallel.group import join_group
@@ -70,13 +71,14 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            key = str(request.correlation_id() or "")
             try:
-                session_request = parse_request(functools.partial(_input, request), request.parameters())
+                parsed = parse_request(functools.partial(_input, request), request.parameters(), key, request.flags())
             except InputError as exc:
                 TritonResponder(sender, False, self.metrics).send_error(str(exc))
                 continue
-            responder = TritonResponder(sender, session_request.return_latents, self.metrics)
-            self.coordinator.submit(session_request, responder)
+            steered = isinstance(parsed, StepRequest) or parsed.steered
+            self.coordinator.submit(parsed, TritonResponder(sender, parsed.return_latents, self.metrics, steered))
         return None
 
     def finalize(self) -> None:

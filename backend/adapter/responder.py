@@ -32,9 +32,10 @@ class TritonResponder:
     """Replies of one request through its decoupled response sender; nothing is sent after the final flag."""
 
     def __init__(
-        self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics
+        self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics, step: bool = False
     ) -> None:
         self.sender = sender
+        self.step = step  # a steered session's request: one block, its latency is the step latency
         self.return_latents = return_latents
         self.metrics = metrics
         self.arrival = time.perf_counter()
@@ -48,13 +49,18 @@ class TritonResponder:
         since_arrival_ms = (now - self.arrival) * 1000.0
         latents = output.latents[0].numpy() if self.return_latents else None
         tensors = block_outputs(
-            output.block_index, output.num_blocks, latents, frames, (output.dit_ms, decode_ms, since_arrival_ms)
+            output.block_index, output.num_blocks, latents, frames, (output.dit_ms, decode_ms, since_arrival_ms),
+            output.held,
         )
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         if self._send(response, FINAL if final else 0):
             m = self.metrics
             m.blocks.increment(1)
             m.block_dit.observe(output.dit_ms / 1000.0)
+            if output.held:
+                m.held_blocks.increment(1)
+            if self.step:
+                m.step_latency.observe(now - self.arrival)
             if self.last_block is None:
                 m.time_to_first_block.observe(now - self.arrival)
             else:

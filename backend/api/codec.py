@@ -1,4 +1,4 @@
-"""Named arrays <-> a SessionRequest and a block's outputs, derived from the contract table (numpy only)."""
+"""Named arrays <-> requests and a block's outputs, derived from the contract table (numpy only)."""
 from __future__ import annotations
 
 import json
@@ -7,18 +7,27 @@ from collections.abc import Callable
 import numpy as np
 
 from . import contract as c
+from .controls import NO_KEYS, parse_keys
 from .errors import InputError
-from .request import SessionRequest
+from .request import Controls, SessionRequest, StepRequest
+
+
+def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
+    """The input arrays of one block's camera."""
+    if controls.keys is not None:
+        return {c.ACTION: np.array([(controls.keys or NO_KEYS).encode("utf-8")], dtype=np.object_)}
+    return {c.CAMERA_POSES: np.ascontiguousarray(controls.poses, dtype=np.float32)}
 
 
 def request_arrays(request: SessionRequest) -> dict[str, np.ndarray]:
-    """The input arrays of a request, each in its contract dtype (the client packs these)."""
+    """The input arrays of a whole trajectory or a steered session's first request (the client packs these)."""
     values = {
         c.IMAGE: request.image,
         c.PROMPT: np.array([request.prompt.encode("utf-8")], dtype=np.object_),
         c.CAMERA_POSES: request.poses,
         c.CAMERA_INTRINSICS: request.intrinsics,
-        c.NUM_FRAMES: [request.num_frames],
+        c.ACTION: None if request.keys is None else np.array([(request.keys or NO_KEYS).encode()], dtype=np.object_),
+        c.NUM_FRAMES: None if request.num_frames is None else [request.num_frames],
         c.SEED: [request.seed],
         c.HEIGHT: [request.height],
         c.WIDTH: [request.width],
@@ -30,8 +39,11 @@ def request_arrays(request: SessionRequest) -> dict[str, np.ndarray]:
     }
 
 
-def request_parameters(request: SessionRequest) -> dict[str, bool]:
-    return {c.PARAM_DECODE: request.decode, c.PARAM_RETURN_LATENTS: request.return_latents}
+def request_parameters(request: SessionRequest) -> dict[str, bool | int | str]:
+    params: dict[str, bool | int | str] = {c.PARAM_DECODE: request.decode, c.PARAM_RETURN_LATENTS: request.return_latents}
+    if request.steered:
+        params |= {c.PARAM_ON_STARVE: request.on_starve, c.PARAM_MAX_BLOCKS: request.max_blocks}
+    return params
 
 
 def _scalar(value: np.ndarray, name: str) -> int:
@@ -40,35 +52,59 @@ def _scalar(value: np.ndarray, name: str) -> int:
     return int(value.reshape(-1)[0])
 
 
-def _prompt(value: np.ndarray) -> str:
+def _text(value: np.ndarray, name: str) -> str:
     if value.size != 1:
-        raise InputError(f"input '{c.PROMPT}' must hold exactly one string; got shape {list(value.shape)}")
+        raise InputError(f"input '{name}' must hold exactly one string; got shape {list(value.shape)}")
     raw = value.reshape(-1)[0]
     if isinstance(raw, str):
         return raw
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"input '{c.PROMPT}' is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+        raise InputError(f"input '{name}' is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
 
 
-def _flag(params: dict, name: str, default: bool) -> bool:
-    value = params.get(name, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise InputError(f"request parameter '{name}' must be a bool; got {value!r}")
+def _parameter(params: dict, spec: c.ParameterSpec) -> bool | int | str:
+    value = params.get(spec.name, spec.default)
+    kind = type(spec.default)
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if not isinstance(value, bool):
+            raise InputError(f"request parameter '{spec.name}' must be a bool; got {value!r}")
+    elif kind is int:
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"request parameter '{spec.name}' must be an integer; got {value!r}")
+    elif not isinstance(value, str):
+        raise InputError(f"request parameter '{spec.name}' must be a string; got {value!r}")
+    return value
 
 
-def parse_request(get_input: Callable[[str], np.ndarray | None], parameters_json: str) -> SessionRequest:
-    """Build a SessionRequest from named input arrays (None when absent) and the request's parameters."""
+def _controls(values: dict[str, np.ndarray]) -> Controls | None:
+    if c.ACTION in values:
+        if c.CAMERA_POSES in values:
+            raise InputError(f"send either '{c.CAMERA_POSES}' or '{c.ACTION}' for a block, not both")
+        return Controls(keys=parse_keys(_text(values[c.ACTION], c.ACTION)))
+    if c.CAMERA_POSES in values:
+        return Controls(poses=values[c.CAMERA_POSES])
+    return None
+
+
+def parse_request(
+    get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_key: str = "", flags: int = 0
+) -> SessionRequest | StepRequest:
+    """A whole trajectory, a steered session's first request, or a step, from named input arrays (None when
+    absent), the request's parameters and its Triton sequence (correlation id and start/end flags).
+
+    A request with `num_frames` is a whole trajectory. Without it, a request that starts a sequence starts a
+    steered session; any other request of a sequence is a step of that session.
+    """
     values: dict[str, np.ndarray] = {}
     for spec in c.INPUTS:
         value = get_input(spec.name)
         if value is None:
-            if not spec.optional:
-                raise InputError(f"missing input '{spec.name}'; required: {list(c.REQUIRED_INPUTS)}")
             continue
         # BYTES arrive as object arrays (or bytes arrays); every other input must match its dtype exactly.
         if spec.dtype != np.object_ and value.dtype != spec.dtype:
@@ -78,18 +114,41 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], parameters_json
         params = json.loads(parameters_json or "{}")
     except json.JSONDecodeError as exc:
         raise InputError(f"request parameters are not valid JSON: {exc}") from exc
-    flags = {p.name: _flag(params, p.name, p.default) for p in c.REQUEST_PARAMETERS}
+    start, end = bool(flags & c.SEQUENCE_START), bool(flags & c.SEQUENCE_END)
+    whole = c.NUM_FRAMES in values
+    if sequence_key and not start and not whole:
+        extra = sorted(set(values) - {c.CAMERA_POSES, c.ACTION})
+        if extra:
+            raise InputError(f"a step of a running session takes only '{c.CAMERA_POSES}' or '{c.ACTION}'; got {extra}")
+        controls = _controls(values)
+        if controls is None and not end:
+            raise InputError(f"a step needs '{c.CAMERA_POSES}' (the block's 12 new frames) or '{c.ACTION}'")
+        latents = _parameter(params, next(p for p in c.REQUEST_PARAMETERS if p.name == c.PARAM_RETURN_LATENTS))
+        return StepRequest(sequence_key, controls, end, latents)
+    required = c.WHOLE_TRAJECTORY_INPUTS if whole else c.SESSION_START_INPUTS
+    missing = [name for name in required if name not in values]
+    if missing:
+        kind = "a whole trajectory" if whole else "a steered session's first request"
+        raise InputError(f"missing input(s) {missing}: {kind} needs {list(required)}")
+    settings = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS}
+    controls = None if whole else _controls(values)
+    if controls is None and not whole:
+        raise InputError(f"a steered session's first request needs '{c.CAMERA_POSES}' (9 frames) or '{c.ACTION}'")
     return SessionRequest(
         image=values[c.IMAGE],
-        prompt=_prompt(values[c.PROMPT]),
-        poses=values[c.CAMERA_POSES],
+        prompt=_text(values[c.PROMPT], c.PROMPT),
+        poses=values[c.CAMERA_POSES] if whole else controls.poses,
+        keys=None if whole else controls.keys,
         intrinsics=values.get(c.CAMERA_INTRINSICS),
-        num_frames=_scalar(values[c.NUM_FRAMES], c.NUM_FRAMES),
+        num_frames=_scalar(values[c.NUM_FRAMES], c.NUM_FRAMES) if whole else None,
         seed=_scalar(values[c.SEED], c.SEED),
         height=_scalar(values[c.HEIGHT], c.HEIGHT),
         width=_scalar(values[c.WIDTH], c.WIDTH),
-        decode=flags[c.PARAM_DECODE],
-        return_latents=flags[c.PARAM_RETURN_LATENTS],
+        decode=settings[c.PARAM_DECODE],
+        return_latents=settings[c.PARAM_RETURN_LATENTS],
+        on_starve=settings[c.PARAM_ON_STARVE],
+        max_blocks=1 if end and not whole else settings[c.PARAM_MAX_BLOCKS],  # start and end at once: one block
+        session_key=None if whole else sequence_key,
     )
 
 
@@ -99,6 +158,7 @@ def block_outputs(
     latents: np.ndarray | None,
     frames: np.ndarray,
     timing_ms: tuple[float, float, float],
+    held: bool = False,
 ) -> dict[str, np.ndarray]:
     """The output tensors of one block's response, each in its contract dtype."""
     values = {
@@ -107,6 +167,7 @@ def block_outputs(
         c.LATENTS: latents,
         c.FRAMES: frames,
         c.TIMING_MS: timing_ms,
+        c.HELD: [held],
     }
     return {
         spec.name: np.ascontiguousarray(np.asarray(values[spec.name], dtype=spec.dtype))

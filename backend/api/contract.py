@@ -18,6 +18,7 @@ TRITON_DTYPES: dict[np.dtype, str] = {
     np.dtype(np.int64): "INT64",
     np.dtype(np.float32): "FP32",
     np.dtype(np.object_): "BYTES",
+    np.dtype(np.bool_): "BOOL",
 }
 
 
@@ -42,21 +43,30 @@ IMAGE = "image"
 PROMPT = "prompt"
 CAMERA_POSES = "camera_poses"
 CAMERA_INTRINSICS = "camera_intrinsics"
+ACTION = "action"
 NUM_FRAMES = "num_frames"
 SEED = "seed"
 HEIGHT = "height"
 WIDTH = "width"
 
+# Every input is optional to Triton: which ones a request needs depends on its kind, checked by the model.
+# A whole trajectory: image, prompt, camera_poses (every frame), num_frames, seed, height, width.
+# A steered session's first request: the same without num_frames, with the first block's camera (camera_poses
+# for its 9 frames, or action). Each later step: the next block's camera (12 frames' poses, or action).
 INPUTS: tuple[TensorSpec, ...] = (
-    _spec(IMAGE, np.uint8, (-1, -1, 3), "first frame, resized to height x width by the server"),
-    _spec(PROMPT, np.object_, (1,), "UTF-8 text prompt"),
-    _spec(CAMERA_POSES, np.float32, (-1, 4, 4), "[num_frames, 4, 4] camera-to-world, OpenCV axes"),
-    _spec(CAMERA_INTRINSICS, np.float32, (-1, 4), "[num_frames, 4] fx, fy, cx, cy in pixels; default 60 degree FOV",
+    _spec(IMAGE, np.uint8, (-1, -1, 3), "first frame, resized to height x width by the server", optional=True),
+    _spec(PROMPT, np.object_, (1,), "UTF-8 text prompt", optional=True),
+    _spec(CAMERA_POSES, np.float32, (-1, 4, 4), "camera-to-world poses, OpenCV axes: every frame of a whole "
+          "trajectory, or a steered block's new frames", optional=True),
+    _spec(CAMERA_INTRINSICS, np.float32, (-1, 4), "fx, fy, cx, cy in output pixels (first row used); default 60 "
+          "degree FOV", optional=True),
+    _spec(ACTION, np.object_, (1,), "keys held during a steered block, e.g. \"wa\" (see backend/api/controls.py)",
           optional=True),
-    _spec(NUM_FRAMES, np.int32, (1,), "video frames: 1 + 4k, a whole number of AR blocks"),
-    _spec(SEED, np.int64, (1,), "noise seed"),
-    _spec(HEIGHT, np.int32, (1,), "output height in pixels"),
-    _spec(WIDTH, np.int32, (1,), "output width in pixels"),
+    _spec(NUM_FRAMES, np.int32, (1,), "video frames of a whole trajectory: 1 + 4k, a whole number of AR blocks",
+          optional=True),
+    _spec(SEED, np.int64, (1,), "noise seed", optional=True),
+    _spec(HEIGHT, np.int32, (1,), "output height in pixels", optional=True),
+    _spec(WIDTH, np.int32, (1,), "output width in pixels", optional=True),
 )
 
 BLOCK_INDEX = "block_index"
@@ -64,6 +74,7 @@ NUM_BLOCKS = "num_blocks"
 LATENTS = "latents"
 FRAMES = "frames"
 TIMING_MS = "timing_ms"
+HELD = "held"
 
 # One response per AR block; the last block's response carries the final flag.
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -72,28 +83,38 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     _spec(LATENTS, np.float32, (-1, -1, -1, -1), "[z, block_frames, h, w] denoised latents (when requested)"),
     _spec(FRAMES, np.uint8, (-1, -1, -1, 3), "[n, height, width, 3] decoded RGB frames of this block (n = 0 without decode)"),
     _spec(TIMING_MS, np.float32, (3,), "DiT compute, VAE decode, time since the request arrived (ms)"),
+    _spec(HELD, np.bool_, (1,), "the block ran on held controls: its step came late (on_starve=hold)"),
 )
 
 INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
 OUTPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in OUTPUTS}
-REQUIRED_INPUTS = tuple(s.name for s in INPUTS if not s.optional)
+WHOLE_TRAJECTORY_INPUTS = (IMAGE, PROMPT, CAMERA_POSES, NUM_FRAMES, SEED, HEIGHT, WIDTH)
+SESSION_START_INPUTS = (IMAGE, PROMPT, SEED, HEIGHT, WIDTH)  # plus camera_poses or action
 
 
 @dataclass(frozen=True)
 class ParameterSpec:
     name: str
-    default: bool
+    default: bool | int | str
     doc: str
 
 
 PARAM_DECODE = "decode"
 PARAM_RETURN_LATENTS = "return_latents"
+PARAM_ON_STARVE = "on_starve"
+PARAM_MAX_BLOCKS = "max_blocks"
 
-# Per-request parameters (Triton request `parameters`).
+# Per-request parameters (Triton request `parameters`); a steered session takes its settings from its first request.
 REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_DECODE, True, "decode the block's frames with the VAE"),
     ParameterSpec(PARAM_RETURN_LATENTS, True, "send the latents tensor"),
+    ParameterSpec(PARAM_ON_STARVE, "wait", "steered: when the next step is late, 'wait' for it or 'hold' the last motion"),
+    ParameterSpec(PARAM_MAX_BLOCKS, 0, "steered: end the session after this many blocks (0: when the client ends it)"),
 )
+
+# Triton sequence flags on a request (python backend `request.flags()`).
+SEQUENCE_START = 1
+SEQUENCE_END = 2
 
 # Video geometry shared by server and client.
 VAE_TEMPORAL_FACTOR = 4

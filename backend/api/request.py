@@ -1,4 +1,7 @@
-"""A session request and its validation (numpy only: shared by the engine, the Triton adapter and clients)."""
+"""Session requests and steps, and their checks (numpy only: shared by the engine, the Triton adapter and clients).
+
+A session is a whole trajectory (every frame's pose up front, `num_frames` set) or steered (open-ended: the first
+request carries the first block's camera, each step the next block's, as poses or as held keys)."""
 from __future__ import annotations
 
 import math
@@ -20,23 +23,79 @@ def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float
     return np.tile(row, (num_frames, 1))
 
 
+ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
+FIRST_BLOCK_VIDEO_FRAMES = 9  # block 0: 3 latent frames = 1 + 4 x 2 video frames
+BLOCK_VIDEO_FRAMES = 12  # every later block: 3 latent frames = 12 new video frames
+
+
+@dataclass
+class Controls:
+    """One block's camera: its new video frames' poses, or the keys held during it (see `controls`)."""
+
+    poses: np.ndarray | None = None  # float32 [n, 4, 4] camera-to-world, OpenCV axes
+    keys: str | None = None  # normalised held keys ("" holds none)
+
+    def check(self, frames: int) -> None:
+        if (self.poses is None) == (self.keys is None):
+            raise InputError("a step needs exactly one of camera_poses (the block's new frames) or action (held keys)")
+        if self.poses is not None:
+            check_poses(self.poses, frames)
+
+
 @dataclass
 class SessionRequest:
     image: np.ndarray  # uint8 [H, W, 3], any size: resized to (height, width)
     prompt: str
-    poses: np.ndarray  # float32 [num_frames, 4, 4] camera-to-world
-    num_frames: int
+    poses: np.ndarray | None  # float32 [num_frames, 4, 4] camera-to-world; steered: the first block's (9 frames)
+    num_frames: int | None  # video frames of a whole trajectory; None: a steered, open-ended session
     seed: int
     height: int
     width: int
-    intrinsics: np.ndarray | None = None  # float32 [num_frames, 4]; default: DEFAULT_HFOV_DEG pinhole
+    intrinsics: np.ndarray | None = None  # float32 [n, 4] fx, fy, cx, cy; the first row serves every frame
     decode: bool = True
     return_latents: bool = True
+    keys: str | None = None  # steered: the keys held during the first block, instead of poses
+    on_starve: str = "wait"
+    max_blocks: int = 0  # steered: end after this many blocks (0: when the client ends it)
+    session_key: str | None = None  # steered: the Triton sequence (correlation id) that carries it
+
+    @property
+    def steered(self) -> bool:
+        return self.num_frames is None
+
+    @property
+    def first_controls(self) -> Controls:
+        return Controls(poses=self.poses, keys=self.keys)
 
     def camera_intrinsics(self) -> np.ndarray:
+        """[fx, fy, cx, cy] of the first frame, in output pixels."""
         if self.intrinsics is None:
-            return default_intrinsics(self.num_frames, self.height, self.width)
-        return self.intrinsics
+            return default_intrinsics(1, self.height, self.width)[0]
+        return self.intrinsics[0]
+
+
+@dataclass
+class StepRequest:
+    """The next block's camera for a running steered session; `end` closes it after that block."""
+
+    session_key: str
+    controls: Controls | None  # None with `end`: close without another block
+    end: bool = False
+    return_latents: bool = True
+
+
+def check_poses(poses: np.ndarray, frames: int, name: str = "camera_poses") -> None:
+    if poses.dtype != np.float32 or poses.shape != (frames, 4, 4):
+        raise InputError(f"{name} must be FP32 [{frames}, 4, 4]; got {poses.dtype} {list(poses.shape)}")
+    if not np.isfinite(poses).all():
+        raise InputError(f"{name} holds NaN or Inf")
+    if not np.allclose(poses[:, 3], [0.0, 0.0, 0.0, 1.0], atol=1e-4):
+        raise InputError(f"{name}: the last row of every 4x4 pose must be [0, 0, 0, 1]")
+    rotations = poses[:, :3, :3].astype(np.float64)
+    gram = rotations @ rotations.transpose(0, 2, 1)
+    worst = int(np.abs(gram - np.eye(3)).max(axis=(1, 2)).argmax())
+    if not np.allclose(gram, np.eye(3), atol=1e-2) or (np.linalg.det(rotations) <= 0).any():
+        raise InputError(f"{name}[{worst}]: the 3x3 block is not a rotation (orthonormal, det +1)")
 
 
 def check_request(request: SessionRequest) -> None:
@@ -46,22 +105,19 @@ def check_request(request: SessionRequest) -> None:
         raise InputError(f"image must be UINT8 [H, W, 3]; got {image.dtype} {list(image.shape)}")
     if not request.prompt.strip():
         raise InputError("prompt is empty")
-    frames = request.num_frames
-    poses = request.poses
-    if poses.dtype != np.float32 or poses.shape != (frames, 4, 4):
-        raise InputError(f"camera_poses must be FP32 [{frames}, 4, 4]; got {poses.dtype} {list(poses.shape)}")
-    if not np.isfinite(poses).all():
-        raise InputError("camera_poses holds NaN or Inf")
-    if not np.allclose(poses[:, 3], [0.0, 0.0, 0.0, 1.0], atol=1e-4):
-        raise InputError("camera_poses: the last row of every 4x4 pose must be [0, 0, 0, 1]")
-    rotations = poses[:, :3, :3].astype(np.float64)
-    gram = rotations @ rotations.transpose(0, 2, 1)
-    worst = int(np.abs(gram - np.eye(3)).max(axis=(1, 2)).argmax())
-    if not np.allclose(gram, np.eye(3), atol=1e-2) or (np.linalg.det(rotations) <= 0).any():
-        raise InputError(f"camera_poses[{worst}]: the 3x3 block is not a rotation (orthonormal, det +1)")
+    if request.steered:
+        if request.on_starve not in ON_STARVE:
+            raise InputError(f"request parameter 'on_starve' must be one of {list(ON_STARVE)}; got {request.on_starve!r}")
+        if request.max_blocks < 0:
+            raise InputError(f"request parameter 'max_blocks' must be >= 0; got {request.max_blocks}")
+        request.first_controls.check(FIRST_BLOCK_VIDEO_FRAMES)
+    else:
+        if request.poses is None:
+            raise InputError("a whole-trajectory request (num_frames set) needs camera_poses for every frame")
+        check_poses(request.poses, request.num_frames)
     if request.intrinsics is not None:
         k = request.intrinsics
-        if k.dtype != np.float32 or k.shape != (frames, 4):
-            raise InputError(f"camera_intrinsics must be FP32 [{frames}, 4]; got {k.dtype} {list(k.shape)}")
+        if k.dtype != np.float32 or k.ndim != 2 or k.shape[1] != 4 or len(k) < 1:
+            raise InputError(f"camera_intrinsics must be FP32 [n, 4]; got {k.dtype} {list(k.shape)}")
         if not np.isfinite(k).all() or (k[:, :2] <= 0).any():
             raise InputError("camera_intrinsics must be finite with fx, fy > 0")

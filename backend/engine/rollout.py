@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from ..api.errors import InputError
-from ..api.request import SessionRequest, check_request
+from ..api.request import Controls, SessionRequest, check_request
 from ..model.attention import select_attention
-from ..model.camera import camera_features, clip_poses
+from ..model.camera import camera_features
 from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
 from ..model.condition import ConditionState, StreamingConditionEncoder, condition_mask, prepare_image
 from ..model.dtypes import TORCH_DTYPES
@@ -29,6 +29,7 @@ from ..model.text_encoder import PromptEncoder
 from ..model.transformer import ForwardContext, LingBotTransformer
 from ..model.vae import DecodeState, StreamingVae
 from ..parallel.sequence import SequenceParallel
+from .camera_track import CameraTrack, split_blocks
 from .config import EngineConfig
 from .geometry import VideoGeometry
 from .validation import EngineSpec, checked_spec
@@ -39,17 +40,27 @@ class Session:
     request: SessionRequest
     geometry: VideoGeometry
     generator: torch.Generator
-    poses: torch.Tensor  # [F, 4, 4] the model's camera poses, one per latent frame
-    intrinsics: torch.Tensor  # [4] fx, fy, cx, cy in output pixels (the first frame's)
+    camera: CameraTrack
+    planned: list[np.ndarray]  # a whole trajectory's video poses per block; empty for a steered session
     condition: ConditionState  # the first-frame condition's encoder, one block ahead at most
     text: TextCache
     cache: SelfAttentionCache
     decode_state: DecodeState | None
     block_index: int = 0
+    ended: bool = False  # a steered session's last block has run
+
+    @property
+    def steered(self) -> bool:
+        return self.request.steered
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the session: its clip's, a steered session's max_blocks, or 0 (open-ended)."""
+        return self.request.max_blocks if self.steered else self.geometry.num_blocks
 
     @property
     def done(self) -> bool:
-        return self.block_index >= self.geometry.num_blocks
+        return self.ended or (self.num_blocks > 0 and self.block_index >= self.num_blocks)
 
     def cache_bytes(self) -> int:
         return self.cache.nbytes() + self.text.nbytes()
@@ -63,6 +74,16 @@ class BlockOutput:
     latents: torch.Tensor  # [1, z, block_frames, h, w] normalised latents, float32, on CPU
     dit_ms: float
     all_to_all_bytes: int  # this rank's bytes sent by all-to-all during this block's forwards
+    held: bool = False  # a steered block run on its last motion because its step came late
+    last: bool = False  # the session's last block
+
+
+@dataclass(frozen=True)
+class BlockControls:
+    """A steered session's camera for one block, as the group agreed on it."""
+
+    controls: Controls | None  # None: repeat the last block's motion (held)
+    last: bool = False  # the session ends after this block
 
 
 class WorldModelEngine:
@@ -121,7 +142,8 @@ class WorldModelEngine:
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             # A clip shorter than the window never needs the whole window.
-            window_tokens=min(self.window_frames, geometry.latent_frames) * geometry.tokens_per_frame,
+            window_tokens=(self.window_frames if request.steered else min(self.window_frames, geometry.latent_frames))
+            * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
             sink_tokens=self.sink_frames * geometry.tokens_per_frame,
             local_heads=tcfg.num_heads // self.sp.degree,
@@ -134,8 +156,9 @@ class WorldModelEngine:
             request=request,
             geometry=geometry,
             generator=torch.Generator("cpu").manual_seed(request.seed),
-            poses=clip_poses(request.poses, geometry.latent_frames),
-            intrinsics=torch.from_numpy(request.camera_intrinsics()[0]),
+            camera=(CameraTrack(request.camera_intrinsics()) if request.steered
+                    else CameraTrack.whole(request.poses, request.camera_intrinsics())),
+            planned=[] if request.steered else split_blocks(request.poses),
             condition=self.conditions.start(prepare_image(image, request.height, request.width)),
             text=text,
             cache=cache,
@@ -145,8 +168,13 @@ class WorldModelEngine:
     # -- rollout ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run_block(self, sessions: list[Session]) -> list[BlockOutput]:
-        """Denoise the next block of each session (batched: same geometry), then commit its clean K/V."""
+    def run_block(
+        self, sessions: list[Session], controls: dict[str, BlockControls] | None = None
+    ) -> list[BlockOutput]:
+        """Denoise the next block of each session (batched: same block shape), then commit its clean K/V.
+
+        controls: the camera of every steered session in the batch (a whole trajectory knows its own).
+        """
         geometry = sessions[0].geometry
         if any(s.geometry.block_shape != geometry.block_shape or s.done for s in sessions):
             raise ValueError("run_block: sessions must share one block shape and have blocks left")
@@ -160,9 +188,11 @@ class WorldModelEngine:
         ctx = self._context(sessions, starts, geometry)
         condition = torch.cat([self._condition(s, f, geometry) for s, f in zip(sessions, starts)])
         fold = self.ckpt.vae.spatial_factor
+        steps = [controls[s.id] if s.steered else BlockControls(None) for s in sessions]
         camera = torch.stack([
-            camera_features(s.poses[f : f + bf], s.intrinsics, geometry.height, geometry.width, fold)
-            for s, f in zip(sessions, starts)
+            camera_features(s.camera.next_block(s.camera.resolve(c.controls) if s.steered else s.planned[s.block_index]),
+                            s.camera.intrinsics, geometry.height, geometry.width, fold)
+            for s, c in zip(sessions, steps)
         ]).to(self.device)
         noise_shape = (1, z, bf, geometry.latent_height, geometry.latent_width)
 
@@ -183,17 +213,20 @@ class WorldModelEngine:
             torch.cuda.synchronize(self.device)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         outputs = []
-        for i, s in enumerate(sessions):
+        for i, (s, step) in enumerate(zip(sessions, steps)):
             s.cache.commit()
             s.block_index += 1
+            s.ended = s.ended or step.last
             outputs.append(
                 BlockOutput(
                     session_id=s.id,
                     block_index=s.block_index - 1,
-                    num_blocks=geometry.num_blocks,
+                    num_blocks=s.num_blocks,
                     latents=clean[i : i + 1].cpu(),
                     dit_ms=elapsed_ms,
                     all_to_all_bytes=self.sp.stats.all_to_all_bytes,
+                    held=s.steered and step.controls is None,
+                    last=s.done,
                 )
             )
         return outputs

@@ -65,6 +65,20 @@ def render_instance_group(*, instances: int, kind: str, device_ids: list[int] | 
     return f"instance_group [\n{groups}\n]"
 
 
+def render_sequence_batching(values: dict[str, str]) -> str:
+    """Every session is a Triton sequence: the oldest-first batcher keeps a sequence on one instance (its owner)
+    without capping concurrent sequences at the instance count, as the direct strategy would. Its idle timeout
+    is a backstop behind the model's own session_idle_timeout_s (which answers the client first)."""
+    candidates = int(values["max_sessions"]) + int(values["max_queue"])
+    idle_us = int((float(values["session_idle_timeout_s"]) + 60.0) * 1e6)
+    return (
+        "# A session is a Triton sequence (correlation id, start and end flags); a whole trajectory is a\n"
+        "# sequence of one request. Oldest-first keeps each sequence on one instance without a per-instance cap.\n"
+        f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n"
+        f"  oldest {{ max_candidate_sequences: {candidates} }}\n}}"
+    )
+
+
 def render_config(
     *, instances: int, kind: str, device_ids: list[int] | None = None, parameters: dict[str, str] | None = None
 ) -> str:
@@ -89,6 +103,8 @@ def render_config(
         "max_batch_size: 0",
         "",
         "model_transaction_policy { decoupled: true }",
+        "",
+        render_sequence_batching(values),
         "",
         "input [\n" + ",\n".join(_tensor(s) for s in contract.INPUTS) + "\n]",
         "",

@@ -102,6 +102,9 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout_s}",
             # Explicit control, so a model whose group failed can unload itself and read not-ready.
             "--model-control-mode=explicit",
+            # Each server's Python-backend shared-memory regions get their own names: servers on one host
+            # (tests, multi-host ranks on one machine) otherwise share "triton_python_backend_shm_region_*".
+            f"--backend-config=python,shm-region-prefix-name=lingbot_{self.grpc_port}_",
             *(f"--load-model={name}" for name in self.models()),
         ]
         return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args

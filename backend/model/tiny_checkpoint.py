@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from ..api.errors import ConfigError
 from .config import TransformerConfig, read_checkpoint_configs
 from .transformer import LingBotTransformer
-from .weight_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from .weight_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, shard_plan
 
 PRESETS: dict[str, dict] = {
     # CI size: 4 heads (SP 1/2/4), 64x64 video -> 8x8 latents -> 16 tokens per frame; a 9-frame window.
@@ -131,15 +131,24 @@ def write_checkpoint(root: Path, preset_name: str = "tiny", seed: int = 0) -> Pa
 
 
 def ensure_current(root: Path, preset_name: str = "tiny", seed: int = 0) -> bool:
-    """Write the checkpoint unless `root` holds one whose configs read in today's layout; True when written."""
-    try:
-        read_checkpoint_configs(str(root))
-        return False
-    except ConfigError:
+    """Write the checkpoint unless `root` holds one in today's layout (configs and weight names); True when
+    written."""
+    if not _is_current(root):
         if root.exists():
             shutil.rmtree(root)
         write_checkpoint(root, preset_name, seed)
         return True
+    return False
+
+
+def _is_current(root: Path) -> bool:
+    try:
+        config = read_checkpoint_configs(str(root)).transformer
+        stored = {name for names in shard_plan(root / "transformer").values() for name in names}
+    except ConfigError:
+        return False
+    with torch.device("meta"):
+        return set(LingBotTransformer(config).state_dict()) == stored
 
 
 def main() -> None:

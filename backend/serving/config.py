@@ -27,6 +27,8 @@ class ServingConfig:
     init_timeout_s: float = 1800.0  # rendezvous and weight loading
     collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
     idle_poll_ms: float = 5.0
+    session_idle_timeout_s: float = 60.0  # a steered session without a step this long is ended
+    max_session_s: float = 3600.0  # a steered session is ended after this long in all
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_rank < self.host_count:
@@ -34,7 +36,7 @@ class ServingConfig:
 
     def check_limits(self, request: SessionRequest) -> None:
         """The request's size against the serving limits; raises InputError naming the input."""
-        if not 1 <= request.num_frames <= self.max_frames:
+        if request.num_frames is not None and not 1 <= request.num_frames <= self.max_frames:
             raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
         if request.height * request.width > self.max_pixels:
             raise InputError(

@@ -16,12 +16,15 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from collections import OrderedDict
+
 from ..api.errors import InputError
-from ..api.request import SessionRequest
+from ..api.request import BLOCK_VIDEO_FRAMES, SessionRequest, StepRequest
 from ..engine.rollout import Session, WorldModelEngine
 from .config import ServingConfig
 from .response_writer import Responder, ResponseWriter
-from .scheduler import Plan, RankEvents, Scheduler, Submission
+from .scheduler import Plan, RankEvents, Scheduler, StepEvent, Submission
+from .steered_stream import SteeredStream
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,10 @@ class GroupCoordinator:
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
         self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
         self._inbox: queue.SimpleQueue[tuple[Submission, Responder]] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[StepEvent] = queue.SimpleQueue()
+        self.steered: dict[str, tuple[str, SteeredStream]] = {}  # sequence key -> (session id, its stream)
+        self.gone: OrderedDict[str, str] = OrderedDict()  # recently ended sequence keys -> why, for late steps
+        self._steer_lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lingbot-group-loop", daemon=True)
@@ -53,7 +60,10 @@ class GroupCoordinator:
 
     # -- called from Triton's execute thread -------------------------------------------------------
 
-    def submit(self, request: SessionRequest, responder: Responder) -> None:
+    def submit(self, request: SessionRequest | StepRequest, responder: Responder) -> None:
+        if isinstance(request, StepRequest):
+            self._step(request, responder)
+            return
         try:
             self.limits.check_limits(request)
             geometry = self.engine.validate(request)
@@ -61,9 +71,46 @@ class GroupCoordinator:
             responder.send_error(str(exc))
             return
         sid = f"r{self.rank}-{next(self._ids)}"
+        if request.steered:
+            with self._steer_lock:
+                if request.session_key in self.steered:
+                    responder.send_error(
+                        f"session {request.session_key} is already running; send steps without the start flag, "
+                        f"or end it first"
+                    )
+                    return
+                stream = SteeredStream(request.session_key, responder)
+                self.steered[request.session_key] = (sid, stream)
+                self.gone.pop(request.session_key, None)
+            responder = stream
         self._inbox.put((Submission(sid, request, geometry.block_shape), responder))
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
             self._refuse_inbox(self._closed_reason)
+
+    def _step(self, step: StepRequest, responder: Responder) -> None:
+        """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""
+        with self._steer_lock:
+            found = self.steered.get(step.session_key)
+            if found is None:
+                why = self.gone.get(step.session_key, "it never started here (send the start flag first)")
+                responder.send_error(f"no running session {step.session_key}: {why}")
+                return
+            sid, stream = found
+            if stream.ending:
+                responder.send_error(f"session {step.session_key} was ended by its end flag; start a new one")
+                return
+            try:
+                if step.controls is not None:
+                    step.controls.check(BLOCK_VIDEO_FRAMES)
+            except InputError as exc:
+                responder.send_error(str(exc))
+                return
+            stream.ending = step.end
+            if step.controls is not None:
+                stream.add(responder)
+            else:  # an end flag alone: the request is answered when the session closes
+                stream.add_closing(responder)
+        self._steps.put(StepEvent(sid, step.controls, step.end))
 
     def stop(self, timeout_s: float = 120.0) -> None:
         self._stop.set()
@@ -116,13 +163,23 @@ class GroupCoordinator:
             self.responders[sub.session_id] = responder
             taken.append(sub)
 
+    def _take_steps(self) -> list[StepEvent]:
+        steps = []
+        while True:
+            try:
+                steps.append(self._steps.get_nowait())
+            except queue.Empty:
+                return steps
+
     def _collect(self) -> RankEvents:
-        events = RankEvents(submissions=self._take_inbox(), stop=self._stop.is_set())
+        events = RankEvents(submissions=self._take_inbox(), steps=self._take_steps(), stop=self._stop.is_set())
         events.cancelled = [sid for sid, r in self.responders.items() if r.is_cancelled()]
         delivered = self.writer.delivered
         for sid in [s for s in list(delivered) if s not in self.responders]:  # streams that ended
             delivered.pop(sid, None)
-        events.delivered = {sid: delivered.get(sid, 0) for sid in self.responders}
+        events.delivered = {
+            sid: r.sent if isinstance(r, SteeredStream) else delivered.get(sid, 0) for sid, r in self.responders.items()
+        }
         return events
 
     def _exchange(self, events: RankEvents) -> Plan:
@@ -143,18 +200,31 @@ class GroupCoordinator:
             self._end(sid, "cancelled")
             if (responder := self.responders.pop(sid, None)) is not None:
                 self.writer.finish(responder)
+        for sid, message in plan.expired:
+            self._end(sid, "expired", message)
+            if (responder := self.responders.pop(sid, None)) is not None:
+                self.writer.error(responder, message)
+        for sid in plan.ends:
+            self._end(sid, "ended by its client")
+            if (responder := self.responders.pop(sid, None)) is not None:
+                self.writer.finish(responder)
         if plan.opens:
             self._open_all(plan.opens)
         if not plan.batch:
             return
-        for output in self.engine.run_block([self.sessions[sid] for sid in plan.batch]):
+        for sid, controls in plan.controls.items():
+            if controls.controls is None:
+                log.info("rank %d: block %d of session %s runs on held controls (its step is late)",
+                         self.rank, self.sessions[sid].block_index, sid)
+        for output in self.engine.run_block([self.sessions[sid] for sid in plan.batch], plan.controls):
             sid = output.session_id
             session = self.sessions[sid]
             responder = self.responders.get(sid)
             if responder is not None:
                 self.writer.block(responder, session, output, final=session.done)
             if session.done:
-                self.responders.pop(sid, None)
+                if isinstance(self.responders.pop(sid, None), SteeredStream):
+                    self.writer.finish(responder)  # after its last block: close what still waits
                 self._end(sid, "finished")
 
     def _open_all(self, subs: list[Submission]) -> None:
@@ -178,18 +248,29 @@ class GroupCoordinator:
         dist.all_gather_object(everyone, failed, group=self.control_group)
         return {sid: msg for per_rank in everyone for sid, msg in per_rank.items()}
 
-    def _end(self, sid: str, reason: str) -> None:
+    def _end(self, sid: str, reason: str, why: str | None = None) -> None:
         """Free a session's caches on this rank and its slot on rank 0."""
+        self._forget_steered(sid, why or f"it {reason}")
         if (session := self.sessions.pop(sid, None)) is not None:
             held = session.cache_bytes()
             self.engine.close_session(session)
             log.info(
                 "rank %d: session %s %s after %d/%d blocks; freed %d cache bytes (left: %d); open sessions: %d",
-                self.rank, sid, reason, session.block_index, session.geometry.num_blocks, held,
+                self.rank, sid, reason, session.block_index, session.num_blocks, held,
                 session.cache_bytes(), len(self.sessions),
             )
         if self.scheduler is not None:
             self.scheduler.finished(sid)
+
+    def _forget_steered(self, sid: str, why: str) -> None:
+        """A steered session this rank owns ended: later steps for its key are told why."""
+        with self._steer_lock:
+            for key, (owned, _) in list(self.steered.items()):
+                if owned == sid:
+                    del self.steered[key]
+                    self.gone[key] = why
+            while len(self.gone) > 1024:
+                self.gone.popitem(last=False)
 
     def _failure_message(self, exc: BaseException) -> str:
         return (

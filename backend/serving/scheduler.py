@@ -4,10 +4,12 @@ Pure logic on plain data, so every rank can apply the same `Plan` in the same or
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from ..api.request import SessionRequest
+from ..api.request import Controls, SessionRequest
+from ..engine.rollout import BlockControls
 from .config import ServingConfig
 
 
@@ -21,10 +23,20 @@ class Submission:
 
 
 @dataclass
+class StepEvent:
+    """A steered session's next camera (or its end), from the rank that owns the session."""
+
+    session_id: str
+    controls: Controls | None
+    end: bool = False
+
+
+@dataclass
 class RankEvents:
     """What one rank tells rank 0 at a block boundary."""
 
     submissions: list[Submission] = field(default_factory=list)
+    steps: list[StepEvent] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
     stop: bool = False
@@ -38,6 +50,9 @@ class Plan:
     cancels: list[str] = field(default_factory=list)
     opens: list[Submission] = field(default_factory=list)
     batch: list[str] = field(default_factory=list)  # sessions that run their next block together
+    controls: dict[str, BlockControls] = field(default_factory=dict)  # the steered sessions' of the batch
+    ends: list[str] = field(default_factory=list)  # steered sessions their client ended (no block left)
+    expired: list[tuple[str, str]] = field(default_factory=list)  # (session id, why the server ended it)
     stop: bool = False
 
     @property
@@ -45,9 +60,23 @@ class Plan:
         return not (self.opens or self.batch)
 
 
+@dataclass
+class Steering:
+    """Rank 0's view of a steered session: the cameras it was sent and has not run yet."""
+
+    on_starve: str
+    opened_s: float
+    last_step_s: float
+    queue: deque[Controls] = field(default_factory=deque)
+    requests: int = 1  # requests that want a block (the first one included)
+    ending: bool = False
+
+
 class Scheduler:
-    def __init__(self, limits: ServingConfig) -> None:
+    def __init__(self, limits: ServingConfig, clock=time.monotonic) -> None:
         self.limits = limits
+        self.clock = clock
+        self.steering: dict[str, Steering] = {}
         self.pending: deque[Submission] = deque()
         self.active: OrderedDict[str, tuple[int, int]] = OrderedDict()  # round-robin order
         self.computed: dict[str, int] = {}  # blocks run, per active session
@@ -66,18 +95,29 @@ class Scheduler:
                 plan.cancels.append(sid)
             elif any(p.session_id == sid for p in self.pending):
                 self.pending = deque(p for p in self.pending if p.session_id != sid)
+                self.steering.pop(sid, None)
                 plan.cancels.append(sid)
-        plan.batch = self._next_batch()  # only sessions opened in earlier rounds
+        new = [s for e in events for s in e.submissions]
+        for sub in new:  # steps may arrive with their session's first request, before it has a slot
+            if sub.request.steered:
+                now = self.clock()
+                self.steering[sub.session_id] = Steering(sub.request.on_starve, now, now,
+                                                         deque([sub.request.first_controls]))
+        self._steps([step for e in events for step in e.steps], plan)
+        self._expire(plan)
+        plan.batch = self._next_batch(plan)  # only sessions opened in earlier rounds
         while self.pending and self._has_slot():
             plan.opens.append(self._open(self.pending.popleft()))
-        for sub in [s for e in events for s in e.submissions]:
+        for sub in new:
             if sub.session_id in cancelled:
+                self.steering.pop(sub.session_id, None)
                 plan.cancels.append(sub.session_id)
             elif self._has_slot():
                 plan.opens.append(self._open(sub))
             elif len(self.pending) < self.limits.max_queue:
                 self.pending.append(sub)
             else:
+                self.steering.pop(sub.session_id, None)
                 plan.rejects.append((sub.session_id, self._queue_full()))
         return plan
 
@@ -87,19 +127,52 @@ class Scheduler:
     def _open(self, sub: Submission) -> Submission:
         self.active[sub.session_id] = sub.block_shape
         self.computed[sub.session_id] = 0
+        if (steer := self.steering.get(sub.session_id)) is not None:
+            steer.opened_s = steer.last_step_s = self.clock()  # time in the queue does not count
         return sub
+
+    def _steps(self, steps: list[StepEvent], plan: Plan) -> None:
+        for step in steps:
+            steer = self.steering.get(step.session_id)
+            if steer is None:  # ended meanwhile: its owner answers the step
+                continue
+            steer.last_step_s = self.clock()
+            if step.controls is not None:
+                steer.queue.append(step.controls)
+                steer.requests += 1
+            steer.ending = steer.ending or step.end
+            if steer.ending and not steer.queue:
+                self.finished(step.session_id)
+                self.pending = deque(p for p in self.pending if p.session_id != step.session_id)
+                plan.ends.append(step.session_id)
+
+    def _expire(self, plan: Plan) -> None:
+        now, limits = self.clock(), self.limits
+        for sid, steer in list(self.steering.items()):
+            if sid not in self.active:  # still queued for a slot
+                continue
+            if now - steer.opened_s > limits.max_session_s:
+                reason = f"the session reached max_session_s={limits.max_session_s:g} s and was ended; start a new one"
+            elif not steer.queue and now - steer.last_step_s > limits.session_idle_timeout_s:
+                reason = (f"the session sent no step for session_idle_timeout_s={limits.session_idle_timeout_s:g} s "
+                          f"and was ended; start a new one")
+            else:
+                continue
+            self.finished(sid)
+            plan.expired.append((sid, reason))
 
     def finished(self, session_id: str) -> None:
         """A session ended (last block, failed open, cancelled): free its slot."""
         self.active.pop(session_id, None)
         self.computed.pop(session_id, None)
         self.delivered.pop(session_id, None)
+        self.steering.pop(session_id, None)
 
-    def _next_batch(self) -> list[str]:
+    def _next_batch(self, plan: Plan) -> list[str]:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its writer.
         ready = [
             (sid, key) for sid, key in self.active.items()
-            if self.computed[sid] - self.delivered.get(sid, 0) < self.limits.max_blocks_ahead
+            if self.computed[sid] - self.delivered.get(sid, 0) < self.limits.max_blocks_ahead and self._has_camera(sid)
         ]
         if not ready:
             return []
@@ -108,7 +181,18 @@ class Scheduler:
         for sid in batch:  # served sessions go to the back: fair round robin
             self.active.move_to_end(sid)
             self.computed[sid] += 1
+            if (steer := self.steering.get(sid)) is not None:
+                controls = steer.queue.popleft() if steer.queue else None  # None: hold the last motion
+                plan.controls[sid] = BlockControls(controls, last=steer.ending and not steer.queue)
         return batch
+
+    def _has_camera(self, sid: str) -> bool:
+        """A steered session runs a block only with its camera, or, on_starve=hold, on its last motion when
+        every request so far has its block (at most one block beyond what the client asked for)."""
+        steer = self.steering.get(sid)
+        if steer is None or steer.queue:
+            return True
+        return steer.on_starve == "hold" and not steer.ending and self.computed[sid] == steer.requests
 
     def _queue_full(self) -> str:
         return (

@@ -1,0 +1,81 @@
+"""`python -m client play`: steer a session block by block from a key script, writing the MP4 as blocks arrive.
+
+    python -m client play --prompt "a castle" --keys "w*6,wa*2,j*3" --out out/play.mp4
+
+Each step of the script is one block (see backend/api/controls.py for the keys and step sizes). The client
+keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
+Per block it prints the step latency (request sent to block received) and the real-time factor: the block's
+play time at 16 fps over its step latency (>= 1 keeps up with playback).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from backend.api import contract
+from backend.api.controls import parse_key_script
+from backend.api.errors import InputError
+from backend.api.request import Controls, SessionRequest
+from client.images import load_image, synthetic_image
+from client.steer import SteeredSession
+from client.stream import StreamError
+from client.video import DEFAULT_FPS, Mp4Writer
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m client play", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
+    p.add_argument("--model", default=contract.MODEL_NAME)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
+    p.add_argument("--keys", default="w*6", help='key script, e.g. "w*6,wa*2,j*3" (default: %(default)s)')
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--on-starve", choices=("wait", "hold"), default="wait",
+                   help="when a step is late: the server waits, or holds the last motion (default: %(default)s)")
+    p.add_argument("--lookahead", type=int, default=1, help="steps sent ahead of the block on screen")
+    p.add_argument("--out", default="out/play.mp4")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one block")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        steps = parse_key_script(args.keys)
+        image = load_image(args.image) if args.image else synthetic_image(args.height, args.width)
+    except (InputError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
+                             height=args.height, width=args.width, keys=steps[0], on_starve=args.on_starve)
+    latencies: list[float] = []
+    try:
+        with SteeredSession(args.url, model_name=args.model) as session, Mp4Writer(args.out, DEFAULT_FPS) as mp4:
+            session.start(request)
+            sent = 1
+            for received in range(len(steps)):
+                while sent < len(steps) and sent - received <= args.lookahead:
+                    session.step(Controls(keys=steps[sent]), end=sent == len(steps) - 1)
+                    sent += 1
+                block = session.next_block(args.timeout)
+                latency = block.arrival_s - session.sent_s[received]
+                latencies.append(latency)
+                mp4.append(block.frames)
+                play_s = len(block.frames) / DEFAULT_FPS
+                rtf = f"{play_s / latency:.2f}x" if len(block.frames) else "n/a"
+                print(f"block {block.block_index}: keys {steps[received] or '-'!r:6} {len(block.frames)} frames, "
+                      f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
+                      f"{', HELD (step late)' if block.held else ''}", flush=True)
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: session cancelled", file=sys.stderr)
+        return 130
+    later = latencies[1:] or latencies
+    print(f"time to first block: {latencies[0]:.2f} s; mean step latency {statistics.fmean(later):.2f} s")
+    print(f"video: {args.out} ({mp4.frames_written} frames)")
+    return 0

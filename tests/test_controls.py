@@ -1,0 +1,76 @@
+"""Held keys -> poses (the integrator the server and the clients share) and a session's camera track."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from backend.api.controls import MOVE_PER_FRAME, TURN_PER_FRAME_DEG, integrate, parse_key_script, parse_keys
+from backend.api.errors import InputError
+from backend.engine.camera_track import CameraTrack, split_blocks
+from backend.model import camera as cam
+
+
+def test_keys_are_normalised_and_unknown_keys_named() -> None:
+    assert parse_keys("WA") == "aw" and parse_keys("-") == "" and parse_keys("ww") == "w"
+    with pytest.raises(InputError, match=r"unknown key\(s\) \['q', 'x'\]"):
+        parse_keys("wqx")
+    assert parse_key_script("w*2,wa,-*2") == ["w", "w", "aw", "", ""]
+    with pytest.raises(InputError, match=r"'w\*two'"):
+        parse_key_script("w*two")
+
+
+def test_each_key_moves_the_camera_in_its_own_axes() -> None:
+    def after(keys: str, frames: int = 10) -> np.ndarray:
+        return integrate(np.eye(4), keys, frames)[-1].astype(np.float64)
+
+    np.testing.assert_allclose(after("w")[:3, 3], [0, 0, 10 * MOVE_PER_FRAME], atol=1e-6)  # forward is +z
+    np.testing.assert_allclose(after("a")[:3, 3], [-10 * MOVE_PER_FRAME, 0, 0], atol=1e-6)  # left is -x
+    turn = math.radians(10 * TURN_PER_FRAME_DEG)
+    right = after("l")[:3, :3] @ np.array([0, 0, 1.0])  # L turns the view to the right (+x)
+    np.testing.assert_allclose(right, [math.sin(turn), 0, math.cos(turn)], atol=1e-6)
+    up = after("i")[:3, :3] @ np.array([0, 0, 1.0])  # I looks up (-y in OpenCV axes)
+    np.testing.assert_allclose(up, [0, -math.sin(turn), math.cos(turn)], atol=1e-6)
+    # Held keys keep moving relative to the current heading: W after a turn goes where the camera looks.
+    start = integrate(np.eye(4), "l", 90)[-1]
+    np.testing.assert_allclose(integrate(start, "w", 1)[0][:3, 3] - start[:3, 3], [MOVE_PER_FRAME, 0, 0], atol=1e-6)
+
+
+def trajectory(frames: int) -> np.ndarray:
+    poses = []
+    for i in range(frames):
+        a, b = 0.02 * i, 0.01 * i
+        rotation = np.array([[math.cos(a), 0, math.sin(a)], [0, 1, 0], [-math.sin(a), 0, math.cos(a)]]) @ np.array(
+            [[1, 0, 0], [0, math.cos(b), -math.sin(b)], [0, math.sin(b), math.cos(b)]])
+        p = np.eye(4)
+        p[:3, :3], p[:3, 3] = rotation, [0.1 * i, 0.02 * i * i / frames, 0.3 * i]
+        poses.append(p)
+    return np.stack(poses).astype(np.float32)
+
+
+def test_block_by_block_track_equals_the_reference_whole_clip_pipeline() -> None:
+    poses = trajectory(81)
+    reference = cam.framewise_deltas(cam.relative_to_first(cam.interpolate_poses(poses, 21)))
+    reference = cam.normalise_translations(reference, cam.translation_scale(reference))
+    track = CameraTrack.whole(poses, np.array([50, 50, 32, 32], np.float32))
+    assert torch.equal(torch.cat([track.next_block(block) for block in split_blocks(poses)]), reference)
+
+
+def test_a_steered_track_divides_by_the_running_maximum() -> None:
+    poses = trajectory(33)
+    track = CameraTrack(np.array([50, 50, 32, 32], np.float32))
+    first = track.next_block(poses[:9])
+    scale_after_first = track.running_scale
+    track.next_block(poses[9:21])
+    assert track.running_scale >= scale_after_first > 0
+    assert float(first[1:, :3, 3].norm(dim=-1).max()) == pytest.approx(1.0)  # the running maximum so far is 1
+
+
+def test_a_held_block_repeats_the_last_frame_motion() -> None:
+    track = CameraTrack(np.array([50, 50, 32, 32], np.float32))
+    track.next_block(integrate(np.eye(4), "w", 9))
+    held = track.resolve(None)
+    assert held.shape == (12, 4, 4)
+    np.testing.assert_allclose(np.diff(held[:, 2, 3]), MOVE_PER_FRAME, atol=1e-5)
