@@ -59,6 +59,11 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, preset: str) -> None:
 
 def add_workload_args(parser: argparse.ArgumentParser, default: Workload, preset: str) -> None:
     add_checkpoint_args(parser, preset)
+    add_request_args(parser, default)
+
+
+def add_request_args(parser: argparse.ArgumentParser, default: Workload) -> None:
+    """The workload's size and engine settings (every Workload field but the camera)."""
     g = parser.add_argument_group("workload")
     g.add_argument("--height", type=int, default=default.height)
     g.add_argument("--width", type=int, default=default.width)

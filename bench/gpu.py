@@ -1,6 +1,8 @@
 """GPU benchmark of the real workload: 480x832, 81 frames, seed 42, forward camera, SP1/SP2/SP4 over NCCL.
 
     python -m bench.gpu [--checkpoint PATH | --preset tiny|mid] [--sp 1 2 4]
+    python -m bench.gpu --random-weights [--dry-run] [--profile] ...   # bench/random_weights.py
+
 
 One spawned process per GPU (rank r on cuda:r), bf16, attention 'auto' (flash-attn when installed, else
 SDPA). Prints the table of bench/engine.py plus peak CUDA memory per rank. SP degrees needing more GPUs
@@ -9,6 +11,7 @@ real 40-head geometry at reduced depth and width) to build/checkpoints/PRESET.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 
 import torch
@@ -25,8 +28,15 @@ from bench.common import (
 )
 
 
-def main() -> None:
-    args = sp_parser(__doc__, GPU, preset="mid").parse_args()
+def main(argv: list[str] | None = None) -> None:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--random-weights", action="store_true")
+    known, rest = mode.parse_known_args(argv)
+    if known.random_weights:  # the 14B geometry at SP1 with weights made in memory: its own options
+        from bench import random_weights
+
+        return random_weights.main(rest)
+    args = sp_parser(__doc__, GPU, preset="mid").parse_args(rest)
     gpus = cuda_device_count()  # exits first where CUDA is absent
     degrees = [sp for sp in args.sp if sp <= gpus]
     if skipped := [sp for sp in args.sp if sp > gpus]:

@@ -1,6 +1,8 @@
 """The DiT's forward on the tiny geometry: shapes, a rolling window, text K/V per head shard, RoPE positions."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,3 +65,35 @@ def test_rope_splits_44_42_42_at_absolute_frames() -> None:
     assert torch.equal(cos, again[5 * 12:])  # frame 5 of a later block is frame 5 of the clip
     # Height and width pairs (the last 42 of 64) do not depend on the frame.
     assert torch.equal(again[:12, 22:], again[12:24, 22:])
+
+
+def test_compiled_blocks_share_graphs_across_layers() -> None:
+    """Each block sees its own layer's caches, not a layer index: 12 layers (more than dynamo's recompile limit
+    of 8) and three blocks through the window trace a handful of graphs, not one per layer."""
+    config = dataclasses.replace(CONFIG, num_layers=12)
+    torch.manual_seed(0)
+    model = LingBotTransformer(config).eval()
+    graphs = []
+
+    def count(gm: torch.fx.GraphModule, _inputs: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend=count, dynamic=True)
+    f, h, w = 3, 4, 6
+    tpf = (h // 2) * (w // 2)
+    cache = SelfAttentionCache(config.num_layers, config.local_attn_size * tpf, f * tpf, config.sink_size * tpf,
+                               config.num_heads, config.head_dim, torch.float32, torch.device("cpu"))
+    text = [model.text_caches(torch.randn(1, 5, config.text_dim), slice(0, config.num_heads))]
+    for index in range(3):
+        cache.make_room()
+        cos, sin = rope_tables(config.head_dim, index * f, f, h // 2, w // 2)
+        ctx = ForwardContext(SequenceParallel(), sdpa_attention, cos[None], sin[None], [cache], text)
+        with torch.no_grad():
+            model(torch.randn(1, config.in_dim, f, h, w), torch.randn(1, 384, f, h, w), torch.full((1, f), 999.0),
+                  tpf, ctx)
+        cache.commit()
+    torch._dynamo.reset()
+    assert 0 < len(graphs) <= 4, len(graphs)

@@ -25,7 +25,7 @@ from ..model.dtypes import TORCH_DTYPES
 from ..model.kv_cache import SelfAttentionCache, TextCache
 from ..model.rope import rope_tables
 from ..model.schedule import dmd_schedule, flow_to_x0, renoise
-from ..model.text_encoder import PromptEncoder
+from ..model.text_encoder import PromptEncoder, PromptStates
 from ..model.transformer import ForwardContext, LingBotTransformer
 from ..model.vae import DecodeState, StreamingVae
 from ..parallel.sequence import SequenceParallel
@@ -86,9 +86,31 @@ class BlockControls:
     last: bool = False  # the session ends after this block
 
 
+@dataclass
+class EngineParts:
+    """The models an engine runs: read from a checkpoint directory (`load_parts`) or built in memory
+    (the random-weights benchmark). The transformer is in the spec's dtype, everything on the spec's device."""
+
+    transformer: LingBotTransformer
+    prompts: PromptStates
+    vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode and block decode
+
+
+def load_parts(spec: EngineSpec) -> EngineParts:
+    """The transformer, text encoder and VAE of the spec's checkpoint directory."""
+    config = spec.config
+    device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
+    root = Path(config.checkpoint)
+    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device)
+    encoder, tokenizer = load_text_encoder(root, dtype, device)
+    prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
+    return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))
+
+
 class WorldModelEngine:
-    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None) -> None:
-        """Load the weights of a checked spec (see `checked_spec`; `load` does both)."""
+    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None) -> None:
+        """An engine for a checked spec (see `checked_spec`; `load` does both) on `parts`, by default the
+        spec's checkpoint files."""
         config = spec.config
         self.config = config
         self.sp = sp or SequenceParallel()
@@ -97,19 +119,14 @@ class WorldModelEngine:
         self.dtype = TORCH_DTYPES[config.dtype]
         self.window_frames, self.sink_frames = spec.window_frames, spec.sink_frames
         self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
-        root = Path(config.checkpoint)
-        self.transformer: LingBotTransformer = load_transformer(
-            root / "transformer", self.ckpt.transformer, self.dtype, self.device
-        )
+        parts = parts or load_parts(spec)
+        self.transformer: LingBotTransformer = parts.transformer
         if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
             for block in self.transformer.blocks:
                 block.compile(dynamic=True)
-        encoder, tokenizer = load_text_encoder(root, self.dtype, self.device)
-        self.prompts = PromptEncoder(encoder, tokenizer, self.ckpt.transformer.text_len, self.device)
-        # The VAE runs in float32, as the reference's: it encodes the condition and decodes blocks.
-        vae = load_vae(root / "vae", torch.float32, self.device)
-        self.vae = StreamingVae(vae, self.device)
-        self.conditions = StreamingConditionEncoder(vae)
+        self.prompts = parts.prompts
+        self.vae = StreamingVae(parts.vae, self.device)
+        self.conditions = StreamingConditionEncoder(parts.vae)
         steps = config.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()

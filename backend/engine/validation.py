@@ -31,7 +31,11 @@ class EngineSpec:
 def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
     """Read the checkpoint's JSON configs, resolve what the settings leave to the checkpoint, and validate;
     no weight is read."""
-    ckpt = read_checkpoint_configs(config.checkpoint)
+    return spec_from_configs(config, read_checkpoint_configs(config.checkpoint), world_size)
+
+
+def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> EngineSpec:
+    """Resolve the settings against configs already in memory (a random-weights engine has no files), and validate."""
     t = ckpt.transformer
     from_checkpoint = t.local_attn_size > 0  # -1 (the reference class's default) means global attention
     window = config.window_frames or (t.local_attn_size if from_checkpoint else DEFAULT_WINDOW_FRAMES)

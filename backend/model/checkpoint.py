@@ -17,7 +17,8 @@ from .transformer import LingBotTransformer
 from .weight_files import few_names, read_header, shard_plan
 
 
-def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+def assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put `value` in place of the parameter or buffer `name` (frozen), whatever device the old one was on."""
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     if leaf in owner._parameters:
@@ -49,7 +50,7 @@ def load_into(module: torch.nn.Module, directory: Path, dtype: torch.dtype, devi
                 for name in names:
                     tensor = shard.get_tensor(name)
                     target = dtype if tensor.is_floating_point() else tensor.dtype
-                    _assign(module, name, tensor.to(device=device, dtype=target))
+                    assign(module, name, tensor.to(device=device, dtype=target))
                     del tensor
         except (OSError, RuntimeError, ValueError) as exc:  # safetensors raises its own errors on bad data
             raise ConfigError(f"cannot read {path}: {exc}") from exc

@@ -1,7 +1,25 @@
 """Per-session KV cache on this rank's head shard: rolling self-attention window with sink, text K/V."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class LayerKV:
+    """One layer's self-attention buffers [1, capacity, local_heads, head_dim] and the committed length."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+
+    def attend_over(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the current block's k/v [1, L, h, d] after the history; return history + block views."""
+        end = self.length + k.shape[1]
+        self.keys[:, self.length : end] = k
+        self.values[:, self.length : end] = v
+        return self.keys[:, :end], self.values[:, :end]
 
 
 class SelfAttentionCache:
@@ -47,12 +65,9 @@ class SelfAttentionCache:
         self.length -= overflow
         self.evicted_tokens += overflow
 
-    def attend_over(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the current block's k/v [1, L, h, d] after the history; return history + block views."""
-        end = self.length + k.shape[1]
-        self.keys[layer][:, self.length : end] = k
-        self.values[layer][:, self.length : end] = v
-        return self.keys[layer][:, :end], self.values[layer][:, :end]
+    def layer(self, layer: int) -> LayerKV:
+        """One layer's buffers and the committed length (a compiled block then sees no layer index)."""
+        return LayerKV(self.keys[layer], self.values[layer], self.length)
 
     def commit(self) -> None:
         """Keep the block written by the last forward (the clean-KV commit) as history."""

@@ -1,7 +1,17 @@
 """Prompt -> umT5 hidden states, padded with zeros to a fixed length as Wan does."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class PromptStates(Protocol):
+    """What the engine asks of a prompt encoder."""
+
+    def encode(self, prompt: str) -> torch.Tensor:
+        """[1, n <= text_len, text_dim] states of the prompt (zeros after its real tokens)."""
+        ...
 
 
 class PromptEncoder:

@@ -65,9 +65,19 @@ def write_sharded(state: dict[str, torch.Tensor], out: Path, shards: int) -> Non
     (out / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2))
 
 
-def write_transformer(out: Path, preset: dict, seed: int) -> TransformerConfig:
+def transformer_config(preset: dict) -> TransformerConfig:
+    """A preset's DiT config: noise + 4 mask + condition channels in, z_dim out."""
     z = preset["z_dim"]
-    config = TransformerConfig(**preset["transformer"], in_dim=2 * z + 4, out_dim=z)
+    return TransformerConfig(**preset["transformer"], in_dim=2 * z + 4, out_dim=z)
+
+
+def vae_arguments(preset: dict) -> dict:
+    """A preset's `AutoencoderKLWan` architecture (without latents_mean / latents_std)."""
+    return {**preset["vae"], "z_dim": preset["z_dim"], "temperal_downsample": [False, True, True]}
+
+
+def write_transformer(out: Path, preset: dict, seed: int) -> TransformerConfig:
+    config = transformer_config(preset)
     torch.manual_seed(seed)
     model = LingBotTransformer(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,9 +95,7 @@ def write_vae(out: Path, preset: dict, seed: int) -> None:
     mean = (torch.randn(z, generator=g) * 0.1).tolist()
     std = (1.0 + torch.rand(z, generator=g) * 0.5).tolist()
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(
-        **preset["vae"], z_dim=z, temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std
-    )
+    vae = AutoencoderKLWan(**vae_arguments(preset), latents_mean=mean, latents_std=std)
     vae.save_pretrained(str(out))
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..parallel.sequence import SequenceParallel
 from .attention import AttentionFn
 from .config import TransformerConfig
-from .kv_cache import SelfAttentionCache, TextCache
+from .kv_cache import LayerKV, SelfAttentionCache, TextCache
 from .rope import apply_rotary
 
 
@@ -39,6 +39,26 @@ class ForwardContext:
     rope_sin: torch.Tensor
     self_caches: list[SelfAttentionCache]  # one per batch element, this rank's head shard
     text_caches: list[TextCache]  # one per batch element
+
+    def layer(self, index: int) -> LayerContext:
+        return LayerContext(
+            self.sp, self.attention, self.rope_cos, self.rope_sin,
+            self_kv=[c.layer(index) for c in self.self_caches],
+            text_kv=[(c.keys[index], c.values[index]) for c in self.text_caches],
+        )
+
+
+@dataclass
+class LayerContext:
+    """ForwardContext narrowed to one layer's caches: a compiled block is then one graph for every layer
+    (indexing the caches by layer inside it would specialise a graph per layer)."""
+
+    sp: SequenceParallel
+    attention: AttentionFn
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    self_kv: list[LayerKV]  # one per batch element
+    text_kv: list[tuple[torch.Tensor, torch.Tensor]]  # prompt keys, values per batch element
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
@@ -116,12 +136,12 @@ class _Projections(nn.Module):
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
 
-    def out(self, ctx: ForwardContext, per_head: torch.Tensor) -> torch.Tensor:
+    def out(self, ctx: LayerContext, per_head: torch.Tensor) -> torch.Tensor:
         return self.o(ctx.sp.heads_to_seq(per_head).flatten(-2))
 
 
 class CausalSelfAttention(_Projections):
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """x [B, L/sp, D] (compute dtype) -> [B, L/sp, D]; attends over each session's cached history + block."""
         q = self.heads(self.norm_q(self.q(x)))
         k = self.heads(self.norm_k(self.k(x)))
@@ -130,8 +150,8 @@ class CausalSelfAttention(_Projections):
         k = apply_rotary(k, ctx.rope_cos, ctx.rope_sin)
         q, k, v = ctx.sp.seq_to_heads(torch.stack([q, k, v])).unbind(0)  # one exchange for all three
         outs = []
-        for i, cache in enumerate(ctx.self_caches):
-            keys, values = cache.attend_over(layer, k[i : i + 1], v[i : i + 1])
+        for i, cache in enumerate(ctx.self_kv):
+            keys, values = cache.attend_over(k[i : i + 1], v[i : i + 1])
             outs.append(ctx.attention(q[i : i + 1], keys, values))
         return self.out(ctx, torch.cat(outs))
 
@@ -143,12 +163,9 @@ class CrossAttention(_Projections):
         v = self.heads(self.v(context))[:, :, heads].contiguous()
         return k, v
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         q = ctx.sp.seq_to_heads(self.heads(self.norm_q(self.q(x))))
-        outs = [
-            ctx.attention(q[i : i + 1], cache.keys[layer], cache.values[layer])
-            for i, cache in enumerate(ctx.text_caches)
-        ]
+        outs = [ctx.attention(q[i : i + 1], keys, values) for i, (keys, values) in enumerate(ctx.text_kv)]
         return self.out(ctx, torch.cat(outs))
 
 
@@ -168,7 +185,7 @@ class CausalBlock(nn.Module):
         self.cam_shift_layer = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, mod: torch.Tensor, cam: torch.Tensor, ctx: ForwardContext, layer: int
+        self, x: torch.Tensor, mod: torch.Tensor, cam: torch.Tensor, ctx: LayerContext
     ) -> torch.Tensor:
         """x [B, L/sp, D] (compute dtype entering block 0, float32 after), mod [B, L/sp, 6, D] float32,
         cam [B, L/sp, D] camera tokens (compute dtype). Returns float32."""
@@ -177,7 +194,7 @@ class CausalBlock(nn.Module):
 
         # Self-attention; the reference rounds norm1's output to x's dtype before modulating in float32.
         h = layer_norm_fp32(x, self.eps).to(x.dtype).float() * (1 + scale1) + shift1
-        x = x.float() + self.self_attn(h.to(cd), ctx, layer).float() * gate1
+        x = x.float() + self.self_attn(h.to(cd), ctx).float() * gate1
 
         # Camera injection (compute dtype for the MLP; 1 + scale is rounded to that dtype, then float32 math).
         c = self.cam_injector_layer2(F.silu(self.cam_injector_layer1(cam))) + cam
@@ -185,7 +202,7 @@ class CausalBlock(nn.Module):
 
         # Cross-attention (no modulation, no gate).
         h = layer_norm_fp32(x, self.eps, self.norm3) if self.norm3 is not None else x
-        x = x + self.cross_attn(h.to(cd), ctx, layer).float()
+        x = x + self.cross_attn(h.to(cd), ctx).float()
 
         # FFN.
         h = layer_norm_fp32(x, self.eps) * (1 + scale2) + shift2
@@ -295,7 +312,7 @@ class LingBotTransformer(nn.Module):
         frame_of_token = sp.shard(torch.arange(tokens, device=latents.device) // tokens_per_frame, 0)
         mod = proj[:, frame_of_token]  # [B, L/sp, 6, D]
         for layer, block in enumerate(self.blocks):
-            x = block(x, mod, cam, ctx, layer)
+            x = block(x, mod, cam, ctx.layer(layer))
 
         local_out = self.head(x, temb[:, frame_of_token])
         return unpatchify(sp.gather_seq(local_out, 1), patch, grid).float()
