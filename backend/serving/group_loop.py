@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..api.errors import InputError
 from ..api.request import SessionRequest
 from ..engine.rollout import Session, WorldModelEngine
+from . import messages
 from .config import ServingConfig
 from .response_writer import Responder, ResponseWriter
 from .scheduler import Plan, RankEvents, Scheduler, Submission
@@ -34,7 +35,7 @@ class GroupCoordinator:
         control_group: dist.ProcessGroup | None,
         on_failure: Callable[[BaseException], None],
     ) -> None:
-        self.engine = engine
+        self.engine: WorldModelEngine | None = engine
         self.limits = limits
         self.rank = engine.sp.rank
         self.world = engine.sp.degree
@@ -54,9 +55,13 @@ class GroupCoordinator:
     # -- called from Triton's execute thread -------------------------------------------------------
 
     def submit(self, request: SessionRequest, responder: Responder) -> None:
+        engine = self.engine
+        if engine is None:  # the loop has ended and let the model go
+            responder.send_error(self._closed_reason or messages.MODEL_UNLOADING)
+            return
         try:
             self.limits.check_limits(request)
-            geometry = self.engine.validate(request)
+            geometry = engine.validate(request)
         except InputError as exc:
             responder.send_error(str(exc))
             return
@@ -76,14 +81,14 @@ class GroupCoordinator:
             while True:
                 plan = self._exchange(self._collect())
                 if plan.stop:
-                    self._close("the model is being unloaded")
+                    self._close(messages.MODEL_UNLOADING)
                     return
                 self._apply(plan)
                 if plan.idle:
                     time.sleep(self.limits.idle_poll_ms / 1000.0)
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
-            self._close(self._failure_message(exc))
+            self._close(messages.GROUP_FAILED)
             self.on_failure(exc)
 
     def _close(self, reason: str) -> None:
@@ -96,6 +101,7 @@ class GroupCoordinator:
             self._end(sid, "aborted")
         self.writer.close()
         self._refuse_inbox(reason)
+        self.engine = self.writer.engine = None  # the weights go now: a reload may need the memory
 
     def _refuse_inbox(self, reason: str) -> None:
         while True:
@@ -163,8 +169,8 @@ class GroupCoordinator:
             try:
                 self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
-                log.warning("rank %d: opening session %s failed: %r", self.rank, sub.session_id, exc)
-                failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else f"opening the session failed: {exc!r}"
+                log.warning("rank %d: opening session %s failed", self.rank, sub.session_id, exc_info=True)
+                failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else messages.open_failed(exc)
         for sid, message in self._agree(failed).items():  # a session failed on any rank is dropped on all
             self._end(sid, "rejected")
             if (responder := self.responders.pop(sid, None)) is not None:
@@ -190,9 +196,3 @@ class GroupCoordinator:
             )
         if self.scheduler is not None:
             self.scheduler.finished(sid)
-
-    def _failure_message(self, exc: BaseException) -> str:
-        return (
-            f"the sequence-parallel group failed on rank {self.rank} ({exc!r}); "
-            f"this model is no longer ready, restart the server or reload the model"
-        )
