@@ -41,3 +41,10 @@ def join_group(
         data=dist.new_group(backend=backend, timeout=timeout),
         control=dist.new_group(backend="gloo", timeout=timeout),
     )
+
+
+def leave_group() -> None:
+    """Destroy every process group of this process: peer sockets close and rank 0's store stops listening,
+    so the same rendezvous port serves the next load (also after a peer died)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
