@@ -21,6 +21,12 @@ from triton_harness import inputs_with, metrics, running_server, stream
 MODEL = contract.MODEL_NAME
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
@@ -68,6 +74,20 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
         finally:
             if failure == signal.SIGSTOP:
                 os.kill(victim, signal.SIGCONT)
+
+
+def test_idle_sp2_instances_block_instead_of_polling(tmp_path: Path, tiny_checkpoint: str) -> None:
+    with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s="4") as server:
+        assert len(stream(server.grpc_url, tiny_request(num_frames=9))) == 1  # the group has served
+        pids = list(server.stub_pids().values())
+        before, start = [cpu_seconds(p) for p in pids], time.monotonic()
+        wait_until(lambda: time.monotonic() - start > 6, 10, "an idle window")  # three heartbeats (every 2 s)
+        used = [(cpu_seconds(p) - b) / (time.monotonic() - start) for p, b in zip(pids, before)]
+        print(f"idle CPU per instance: {[f'{u:.2%}' for u in used]}")
+        assert max(used) < 0.02, used  # polling every 5 ms burnt about 21 % of a core
+        # Woken by the doorbell, not by the heartbeat: a request right after a long idle wait starts at once.
+        blocks = stream(server.grpc_url, tiny_request(num_frames=9))
+        assert blocks[0].arrival_s - 0 > 0 and len(blocks) == 1
 
 
 def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path, tiny_checkpoint: str) -> None:

@@ -16,6 +16,7 @@ from ..api.codec import parse_request
 from ..api.errors import ConfigError, InputError
 from ..engine.rollout import WorldModelEngine
 from ..engine.validation import checked_spec
+from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
@@ -61,8 +62,10 @@ class TritonPythonModel:
         self.engine = WorldModelEngine(spec, SequenceParallel(groups.data))
         if world > 1:
             dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
-        control = groups.control
-        self.coordinator = GroupCoordinator(self.engine, limits, control, on_failure=self._on_group_failure)
+        doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \
+            if world > 1 else None
+        self.coordinator = GroupCoordinator(self.engine, limits, groups.control, on_failure=self._on_group_failure,
+                                            doorbell=doorbell)
         log.info("rank %d/%d ready (attention: %s)", rank, world, self.engine.attention_name)
 
     def execute(self, requests: list) -> None:

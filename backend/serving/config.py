@@ -24,7 +24,7 @@ class ServingConfig:
     rendezvous_port: int = 29650
     init_timeout_s: float = 1800.0  # rendezvous and weight loading
     collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
-    idle_poll_ms: float = 5.0
+    idle_poll_ms: float = 5.0  # poll interval while every session waits for its client (an idle group blocks)
 
     def check_limits(self, request: SessionRequest) -> None:
         """The request's size against the serving limits; raises InputError naming the input."""

@@ -1,9 +1,10 @@
 """The group loop every rank runs: agree on one plan at each block boundary, run it together, answer.
 
-A rank that receives a request keeps its responder and sends the request to rank 0 at the next
-block boundary (gather); rank 0 plans (scheduler) and broadcasts; every rank opens, runs and closes
-the same sessions in the same order; the owning rank decodes and sends each block's response from
-a writer thread so the group does not wait for the VAE.
+A rank that receives a request keeps its responder, rings the doorbell and shares the request at the
+next block boundary (control_plane); every rank plans the same plan from the same events with its own
+scheduler; every rank opens, runs and closes the same sessions in the same order; the owning rank decodes
+and sends each block's response from a writer thread so the group does not wait for the VAE. An idle
+group blocks on the doorbell.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import torch.distributed as dist
 from ..api.errors import InputError
 from ..api.request import SessionRequest
 from ..engine.rollout import Session, WorldModelEngine
+from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import messages
 from .config import ServingConfig
+from .control_plane import ControlPlane
 from .response_writer import Responder, ResponseWriter
 from .scheduler import Plan, RankEvents, Scheduler, Submission
 
@@ -34,6 +37,7 @@ class GroupCoordinator:
         limits: ServingConfig,
         control_group: dist.ProcessGroup | None,
         on_failure: Callable[[BaseException], None],
+        doorbell: Doorbell | None = None,
     ) -> None:
         self.engine: WorldModelEngine | None = engine
         self.limits = limits
@@ -41,7 +45,9 @@ class GroupCoordinator:
         self.world = engine.sp.degree
         self.control_group = control_group
         self.on_failure = on_failure
-        self.scheduler = Scheduler(limits) if self.rank == 0 else None
+        self.control = ControlPlane(self.world, control_group, doorbell or LocalDoorbell(),
+                                    heartbeat_s=limits.collective_timeout_s / 2)
+        self.scheduler = Scheduler(limits)  # a copy on every rank: all plan alike from the same events
         self.writer = ResponseWriter(engine)
         self.sessions: dict[str, Session] = {}
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
@@ -67,11 +73,13 @@ class GroupCoordinator:
             return
         sid = f"r{self.rank}-{next(self._ids)}"
         self._inbox.put((Submission(sid, request, geometry.block_shape), responder))
+        self.control.doorbell.ring()
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
             self._refuse_inbox(self._closed_reason)
 
     def stop(self, timeout_s: float = 120.0) -> None:
         self._stop.set()
+        self.control.doorbell.ring()
         self._thread.join(timeout_s)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -79,13 +87,18 @@ class GroupCoordinator:
     def _run(self) -> None:
         try:
             while True:
-                plan = self._exchange(self._collect())
+                rings = self.control.doorbell.count()  # before collecting: a later ring ends the next wait
+                plan = self.scheduler.plan(self.control.exchange(self._collect(), rings))
                 if plan.stop:
                     self._close(messages.MODEL_UNLOADING)
                     return
                 self._apply(plan)
-                if plan.idle:
+                if not plan.idle:
+                    continue
+                if self.scheduler.active:  # every session waits for a slow client: poll the writers
                     time.sleep(self.limits.idle_poll_ms / 1000.0)
+                else:
+                    self.control.wait_idle()
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
             self._close(messages.GROUP_FAILED)
@@ -102,6 +115,7 @@ class GroupCoordinator:
         self.writer.close()
         self._refuse_inbox(reason)
         self.engine = self.writer.engine = None  # the weights go now: a reload may need the memory
+        self.control.doorbell = LocalDoorbell()  # close the store connections too
 
     def _refuse_inbox(self, reason: str) -> None:
         while True:
@@ -128,18 +142,15 @@ class GroupCoordinator:
         delivered = self.writer.delivered
         for sid in [s for s in list(delivered) if s not in self.responders]:  # streams that ended
             delivered.pop(sid, None)
-        events.delivered = {sid: delivered.get(sid, 0) for sid in self.responders}
+        # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch):
+        # report those that advanced, so a boundary where nothing changed carries no news.
+        sched, ahead = self.scheduler, self.limits.max_blocks_ahead
+        events.delivered = {
+            sid: n for sid in self.responders
+            if sid in sched.active and sched.computed[sid] - sched.delivered.get(sid, 0) >= ahead
+            and (n := delivered.get(sid, 0)) > sched.delivered.get(sid, 0)
+        }
         return events
-
-    def _exchange(self, events: RankEvents) -> Plan:
-        """Gather every rank's events on rank 0, which plans; broadcast the plan to all."""
-        if self.world == 1:
-            return self.scheduler.plan([events])
-        gathered: list[RankEvents] | None = [RankEvents()] * self.world if self.rank == 0 else None
-        dist.gather_object(events, gathered, dst=0, group=self.control_group)
-        box = [self.scheduler.plan(gathered) if self.scheduler else None]
-        dist.broadcast_object_list(box, src=0, group=self.control_group)
-        return box[0]
 
     def _apply(self, plan: Plan) -> None:
         for sid, message in plan.rejects:
@@ -194,5 +205,4 @@ class GroupCoordinator:
                 self.rank, sid, reason, session.block_index, session.geometry.num_blocks, held,
                 session.cache_bytes(), len(self.sessions),
             )
-        if self.scheduler is not None:
-            self.scheduler.finished(sid)
+        self.scheduler.finished(sid)
