@@ -31,6 +31,7 @@ from ..model.vae import DecodeState, StreamingVae
 from ..parallel.sequence import SequenceParallel
 from .config import EngineConfig
 from .geometry import VideoGeometry
+from .prompts import ENCODER_RANK, SharedPrompts
 from .validation import EngineSpec, checked_spec
 
 @dataclass
@@ -83,8 +84,12 @@ class WorldModelEngine:
         if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
             for block in self.transformer.blocks:
                 block.compile(dynamic=True)
-        encoder, tokenizer = load_text_encoder(root, self.dtype, self.device)
-        self.prompts = PromptEncoder(encoder, tokenizer, self.ckpt.transformer.text_len, self.device)
+        tcfg = self.ckpt.transformer
+        encoder = None
+        if self.sp.rank == ENCODER_RANK:  # the other ranks get the states by broadcast
+            text_model, tokenizer = load_text_encoder(root, self.dtype, self.device)
+            encoder = PromptEncoder(text_model, tokenizer, tcfg.text_len, self.device)
+        self.prompts = SharedPrompts(encoder, self.sp, (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
         # The VAE runs in float32, as the reference's: it encodes the condition and decodes blocks.
         vae = load_vae(root / "vae", torch.float32, self.device)
         self.vae = StreamingVae(vae, self.device)
@@ -117,7 +122,7 @@ class WorldModelEngine:
         geometry = self.validate(request)
         tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
-        text = self.transformer.text_caches(self.prompts.encode(request.prompt), self.sp.head_slice(tcfg.num_heads))
+        text = self.transformer.text_caches(self.prompts.states(request.prompt), self.sp.head_slice(tcfg.num_heads))
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             # A clip shorter than the window never needs the whole window.
