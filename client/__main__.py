@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--camera", choices=PRESETS, help="camera preset (default: forward)")
     p.add_argument("--action-dir", help="LingBot-World action dir: image.jpg, poses.npy, intrinsics.npy")
     p.add_argument("--hfov", type=float, default=DEFAULT_HFOV_DEG, help="preset horizontal FOV in degrees (default: %(default)s)")
-    p.add_argument("--num-frames", type=int, default=81, help="video frames, 1 + 4k (default: %(default)s)")
+    p.add_argument("--num-frames", type=int, default=81, help=f"video frames: {contract.frames_rule()} (default: %(default)s)")
     p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
     p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 if writer is not None:
                     writer.append(block.frames)
                 if sheet is not None:
-                    sheet.add(block.frames)
+                    sheet.add(block.frames, block.block_index)
                 if block.latents is not None and args.save_latents:
                     latents.append(block.latents)
                 progress.update(block)

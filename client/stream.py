@@ -78,9 +78,9 @@ def build_inputs(
     width: int,
 ) -> list[grpcclient.InferInput]:
     """Validate one generation request and pack it as Triton inputs (intrinsics optional)."""
-    if num_frames < 1 or (num_frames - 1) % contract.VAE_TEMPORAL_FACTOR:
-        f = contract.VAE_TEMPORAL_FACTOR
-        raise ValueError(f"num_frames must be 1 + {f} * k (e.g. 77 or 81), got {num_frames}")
+    first, step = contract.whole_block_frames(1), contract.whole_block_frames(2) - contract.whole_block_frames(1)
+    if num_frames < first or (num_frames - first) % step:
+        raise ValueError(f"num_frames must be {contract.frames_rule()}, got {num_frames}")
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be positive, got {height}x{width}")
     image = np.asarray(image)

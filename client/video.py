@@ -1,14 +1,13 @@
 """Video output: an MP4 written block by block, and a PNG contact sheet of every k-th frame."""
 from __future__ import annotations
 
-import math
 from collections.abc import Generator
 from pathlib import Path
 from types import TracebackType
 
 import imageio_ffmpeg
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw
 
 DEFAULT_FPS = 16.0  # LingBot-World's native frame rate
 
@@ -75,7 +74,10 @@ class Mp4Writer:
 
 
 class ContactSheet:
-    """Collects a thumbnail of every `every`-th frame (frame 0 first) into a grid image."""
+    """Collects a thumbnail of every `every`-th frame (frame 0 first) into a grid image, each labelled with its
+    frame and block; the grid has no empty cells (its column count divides the thumbnails, near `columns`)."""
+
+    LABEL_HEIGHT = 12  # a strip under each thumbnail: "frame F  block B" (or "fF bB" when narrow)
 
     def __init__(self, every: int = 8, columns: int = 6, thumb_width: int = 208) -> None:
         if every < 1 or columns < 1 or thumb_width < 1:
@@ -86,22 +88,37 @@ class ContactSheet:
         self._thumbs: list[np.ndarray] = []
         self.frames_seen = 0  # frames offered so far, to keep the stride across blocks
 
-    def add(self, frames: np.ndarray) -> None:
+    def add(self, frames: np.ndarray, block_index: int = 0) -> None:
         frames = _as_frames(frames)
         first = -self.frames_seen % self.every  # index in this block of the next frame to keep
-        for frame in frames[first :: self.every]:
+        for i in range(first, len(frames), self.every):
+            frame = frames[i]
             height = max(1, round(frame.shape[0] * self.thumb_width / frame.shape[1]))
-            thumb = Image.fromarray(frame).resize((self.thumb_width, height), Image.BILINEAR)
+            thumb = Image.new("RGB", (self.thumb_width, height + self.LABEL_HEIGHT))
+            thumb.paste(Image.fromarray(frame).resize((self.thumb_width, height), Image.BILINEAR))
+            draw = ImageDraw.Draw(thumb)
+            label = f"frame {self.frames_seen + i}  block {block_index}"
+            if draw.textlength(label) > self.thumb_width - 4:  # narrow thumbnails get the short form
+                label = f"f{self.frames_seen + i} b{block_index}"
+            draw.text((2, height), label, fill=(255, 255, 255))
             self._thumbs.append(np.asarray(thumb))
         self.frames_seen += len(frames)
 
+    def grid_columns(self) -> int:
+        """A divisor of the thumbnail count: the largest up to `columns` if at least half of it, else the
+        smallest above it (a prime count makes one row)."""
+        n = len(self._thumbs)
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        below = max(d for d in divisors if d <= self.columns)
+        return below if 2 * below >= min(self.columns, n) else min(d for d in divisors if d > self.columns)
+
     def image(self) -> np.ndarray:
-        """The sheet as uint8 [rows * h, columns * w, 3]; unused cells stay black."""
+        """The sheet as uint8 [rows * (h + label), columns * w, 3]."""
         if not self._thumbs:
             raise ValueError("contact sheet is empty: no frames were received")
         h, w = self._thumbs[0].shape[:2]
-        columns = min(self.columns, len(self._thumbs))
-        rows = math.ceil(len(self._thumbs) / columns)
+        columns = self.grid_columns()
+        rows = len(self._thumbs) // columns
         sheet = np.zeros((rows * h, columns * w, 3), dtype=np.uint8)
         for i, thumb in enumerate(self._thumbs):
             r, c = divmod(i, columns)

@@ -24,3 +24,10 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest)
             "text_k": [k.float().numpy() for k in session.text.keys],
             "text_v": [v.float().numpy() for v in session.text.values],
         }
+
+
+def prompt_states(sp: SequenceParallel, config: EngineConfig, prompts: list[str]) -> dict:
+    """Each prompt's states on this rank, whether it holds the text encoder and how many prompts it encoded."""
+    engine = WorldModelEngine.load(config, sp)
+    states = [engine.prompts.states(p).float().numpy() for p in prompts]
+    return {"states": states, "has_encoder": engine.prompts.encoder is not None, "encoded": engine.prompts.encoded}

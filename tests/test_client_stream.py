@@ -206,7 +206,7 @@ def test_run_sessions_concurrently(fake) -> None:
 
 def test_build_inputs_rejects_bad_requests() -> None:
     image, poses = np.zeros((H, W, 3), np.uint8), camera_preset("static", FRAMES)
-    with pytest.raises(ValueError, match=r"num_frames must be 1 \+ 4 \* k"):
+    with pytest.raises(ValueError, match=r"num_frames must be 9 \+ 12 x k, whole AR blocks \(e.g. 9, 21, 45 or 81\), got 8"):
         build_inputs(image, "p", camera_preset("static", 8), None, num_frames=8, seed=0, height=H, width=W)
     with pytest.raises(ValueError, match=r"camera poses must be \[9, 4, 4\]"):
         build_inputs(image, "p", poses[:5], None, num_frames=FRAMES, seed=0, height=H, width=W)
@@ -244,7 +244,7 @@ def test_cli_reports_server_errors(fake, tmp_path: Path, capsys) -> None:
 
 
 def test_cli_rejects_bad_input_before_connecting(tmp_path: Path, capsys) -> None:
-    assert main(["--url", "127.0.0.1:1", "--prompt", "x", "--num-frames", "80"]) == 2
-    assert "num_frames must be 1 + 4 * k" in capsys.readouterr().err
+    assert main(["--url", "127.0.0.1:1", "--prompt", "x", "--num-frames", "77"]) == 2
+    assert "num_frames must be 9 + 12 x k, whole AR blocks (e.g. 9, 21, 45 or 81), got 77" in capsys.readouterr().err
     assert main(["--prompt", "x", "--action-dir", str(tmp_path / "none")]) == 2
     assert "action directory not found" in capsys.readouterr().err

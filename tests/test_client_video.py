@@ -61,25 +61,33 @@ def test_mp4_rejects_bad_frames(tmp_path: Path) -> None:
 
 def test_contact_sheet_keeps_every_kth_frame_across_blocks(tmp_path: Path) -> None:
     sheet = ContactSheet(every=4, columns=3, thumb_width=48)
-    for start, n in [(0, 1), (1, 4), (5, 4), (9, 4)]:  # 13 frames in blocks, like 1 + 3 * 4
-        sheet.add(_frames(n, start))
+    for block, (start, n) in enumerate([(0, 1), (1, 4), (5, 4), (9, 4)]):  # 13 frames in blocks, like 1 + 3 * 4
+        sheet.add(_frames(n, start), block)
     image = sheet.image()
-    # Frames 0, 4, 8, 12 -> 4 thumbnails of 48x32 in a 3-column grid of 2 rows.
-    assert image.shape == (2 * 32, 3 * 48, 3)
-    cells = [image[r * 32:(r + 1) * 32, c * 48:(c + 1) * 48].mean() for r, c in [(0, 0), (0, 1), (0, 2), (1, 0)]]
+    # Frames 0, 4, 8, 12 -> 4 thumbnails of 48x32, each over a label strip, in a full 2 x 2 grid (no empty cell).
+    h = 32 + ContactSheet.LABEL_HEIGHT
+    assert image.shape == (2 * h, 2 * 48, 3)
+    cells = [image[r * h:r * h + 32, c * 48:(c + 1) * 48].mean() for r, c in [(0, 0), (0, 1), (1, 0), (1, 1)]]
     np.testing.assert_allclose(cells, [0, 40, 80, 120], atol=1)
-    assert image[32:, 48:].max() == 0  # unused cells stay black
+    labels = [image[r * h + 32:(r + 1) * h, c * 48:(c + 1) * 48] for r in range(2) for c in range(2)]
+    assert all(label.max() > 128 for label in labels)  # every thumbnail carries its text
+    assert not np.array_equal(labels[1], labels[2])  # "frame 4 block 1" vs "frame 8 block 2"
     path = tmp_path / "out" / "sheet.png"
     sheet.save(path)
-    assert iio.imread(path).shape == (64, 144, 3)
+    assert iio.imread(path).shape == (2 * h, 96, 3)
 
 
-def test_contact_sheet_narrower_than_columns_and_empty() -> None:
-    sheet = ContactSheet(every=8, columns=6, thumb_width=48)
+@pytest.mark.parametrize("thumbs, columns", [(1, 1), (7, 7), (8, 4), (12, 6), (14, 7), (10, 5)])
+def test_contact_sheet_grid_has_no_empty_cells(thumbs: int, columns: int) -> None:
+    sheet = ContactSheet(every=1, columns=6, thumb_width=16)
+    sheet.add(_frames(thumbs))
+    assert sheet.grid_columns() == columns
+    assert sheet.image().shape[1] == columns * 16
+
+
+def test_contact_sheet_empty() -> None:
     with pytest.raises(ValueError, match="no frames"):
-        sheet.image()
-    sheet.add(_frames(9))
-    assert sheet.image().shape == (32, 2 * 48, 3)
+        ContactSheet().image()
 
 
 def test_synthetic_image() -> None:

@@ -72,7 +72,8 @@ def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monk
     coordinator.submit(tiny_request(decode=False, num_frames=9, seed=13), bad)
     coordinator.submit(tiny_request(decode=False, num_frames=9, seed=1), good)
     wait([bad, good])
-    assert "opening the session failed" in bad.error and "out of memory" in bad.error
+    # A plain sentence on what to do; the exception text goes to the log only.
+    assert "no memory for this video" in bad.error and "CUDA" not in bad.error
     assert good.blocks == [0] and good.error is None
 
 
@@ -88,7 +89,8 @@ def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoor
     broken = RecordingResponder()
     coordinator.submit(tiny_request(decode=False, num_frames=129, seed=13), broken)
     wait([broken])
-    assert broken.blocks == [0] and "decoder broke" in broken.error
+    assert broken.blocks == [0] and "could not turn this block into video frames" in broken.error
+    assert "decoder broke" not in broken.error
     wait_until(lambda: not coordinator.sessions, 30, "the broken session to free its slot")
     others = [RecordingResponder() for _ in range(2)]  # both slots are free again
     for seed, r in enumerate(others):

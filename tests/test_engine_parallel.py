@@ -8,7 +8,7 @@ import pytest
 
 from backend.parallel.local import run_group
 from factories import tiny_config, tiny_request
-from sp_workers import rollout
+from sp_workers import prompt_states, rollout
 
 HEADS = 4  # tiny preset
 
@@ -68,3 +68,15 @@ def test_bfloat16_sp2_matches_sp1(tiny_checkpoint: str) -> None:
     assert np.isfinite(single).all()
     print(f"bf16 SP1 vs SP2: max abs diff {np.abs(single - double).max():.3g}")
     assert np.array_equal(single, double)
+
+
+def test_prompt_states_equal_on_every_rank_while_one_rank_encodes(tiny_checkpoint: str) -> None:
+    config = dataclasses.replace(tiny_config(tiny_checkpoint, decode_frames=False), sp_degree=2)
+    prompts = ["a castle", "a street at night", "a castle"]  # the repeat is an LRU hit on every rank
+    ranks = run_group(2, prompt_states, (config, prompts))
+    (single,) = run_group(1, prompt_states, (dataclasses.replace(config, sp_degree=1), prompts))
+    assert [r["has_encoder"] for r in ranks] == [True, False]  # rank 1 never loads the text encoder
+    assert [r["encoded"] for r in ranks] == [2, 0]
+    for rank in ranks:
+        for got, want in zip(rank["states"], single["states"]):
+            np.testing.assert_array_equal(got, want)

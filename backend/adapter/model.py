@@ -17,7 +17,8 @@ from ..api.errors import ConfigError, InputError
 from ..api.request import StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.validation import checked_spec
-from ..parallel.group import join_group
+from ..parallel.doorbell import StoreDoorbell
+from ..parallel.group import join_group, leave_group
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
 from ..serving.group_loop import GroupCoordinator
@@ -64,8 +65,10 @@ class TritonPythonModel:
         self.engine = WorldModelEngine(spec, SequenceParallel(groups.data))
         if world > 1:
             dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
-        control = groups.control
-        self.coordinator = GroupCoordinator(self.engine, limits, control, on_failure=self._on_group_failure)
+        doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \
+            if world > 1 else None
+        self.coordinator = GroupCoordinator(self.engine, limits, groups.control, on_failure=self._on_group_failure,
+                                            doorbell=doorbell)
         log.info("rank %d/%d ready (attention: %s)", rank, world, self.engine.attention_name)
 
     def execute(self, requests: list) -> None:
@@ -83,12 +86,20 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.coordinator.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
+        self.engine = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _on_group_failure(self, exc: BaseException) -> None:
-        """In-flight streams already got their error; unload the model so Triton reports it not ready."""
+        """In-flight streams already got their error; leave the group and unload the model.
+
+        Leaving now, not in finalize, matters when a peer that owned a stream died: Triton 2.51 keeps a
+        model loaded while a dead stub's response factory lives (forever), so finalize never runs here,
+        and a reload needs this rank's rendezvous port and sockets back.
+        """
         log.error("rank %d: sequence-parallel group failed (%r); unloading %s", self.rank, exc, self.model_name)
+        leave_group()
         try:
             pb_utils.unload_model(self.model_name)
         except Exception as unload_error:  # noqa: BLE001 - only explicit model control allows it

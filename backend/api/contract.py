@@ -118,7 +118,21 @@ SEQUENCE_END = 2
 
 # Video geometry shared by server and client.
 VAE_TEMPORAL_FACTOR = 4
+BLOCK_FRAMES = 3  # latent frames per AR block (the engine's default block_frames)
 
 
 def video_frames_for(latent_frames: int) -> int:
     return 1 + VAE_TEMPORAL_FACTOR * (latent_frames - 1)
+
+
+def whole_block_frames(blocks: int, block_frames: int = BLOCK_FRAMES) -> int:
+    """Video frames of `blocks` whole AR blocks: 9, 21, 33, ... 81 (7 blocks) at 3 latent frames a block."""
+    return video_frames_for(blocks * block_frames)
+
+
+def frames_rule(block_frames: int = BLOCK_FRAMES) -> str:
+    """The valid num_frames in words, with examples."""
+    step = VAE_TEMPORAL_FACTOR * block_frames
+    examples = ", ".join(str(whole_block_frames(b, block_frames)) for b in (1, 2, 4))
+    examples += f" or {whole_block_frames(7, block_frames)}"
+    return f"{whole_block_frames(1, block_frames)} + {step} x k, whole AR blocks (e.g. {examples})"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..api.contract import BLOCK_FRAMES
 from ..api.settings import runtime_field
 
 SUPPORTED_SP_MODES = ("ulysses",)
@@ -24,7 +25,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     attention_backend: str = "auto"
     device: str = runtime_field("cpu")  # set by the instance: "cpu" or "cuda:<id>"
-    block_frames: int = 3  # latent frames per AR block
+    block_frames: int = BLOCK_FRAMES  # latent frames per AR block
     denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward)
     timestep_shift: float = 0.0  # 0: the checkpoint's scheduler shift (5.0 without one)
     window_frames: int = 0  # latent frames a block attends to, itself included; 0: the checkpoint's (else 18)

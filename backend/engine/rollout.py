@@ -32,6 +32,7 @@ from ..parallel.sequence import SequenceParallel
 from .camera_track import CameraTrack, split_blocks
 from .config import EngineConfig
 from .geometry import VideoGeometry
+from .prompts import ENCODER_RANK, SharedPrompts
 from .validation import EngineSpec, checked_spec
 
 @dataclass
@@ -92,18 +93,20 @@ class EngineParts:
     (the random-weights benchmark). The transformer is in the spec's dtype, everything on the spec's device."""
 
     transformer: LingBotTransformer
-    prompts: PromptStates
+    prompts: PromptStates | None  # only where it runs (ENCODER_RANK)
     vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode and block decode
 
 
-def load_parts(spec: EngineSpec) -> EngineParts:
-    """The transformer, text encoder and VAE of the spec's checkpoint directory."""
+def load_parts(spec: EngineSpec, rank: int) -> EngineParts:
+    """The transformer, text encoder (on ENCODER_RANK only) and VAE of the spec's checkpoint directory."""
     config = spec.config
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
     root = Path(config.checkpoint)
     transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device)
-    encoder, tokenizer = load_text_encoder(root, dtype, device)
-    prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
+    prompts = None
+    if rank == ENCODER_RANK:
+        encoder, tokenizer = load_text_encoder(root, dtype, device)
+        prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
     return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))
 
 
@@ -119,12 +122,15 @@ class WorldModelEngine:
         self.dtype = TORCH_DTYPES[config.dtype]
         self.window_frames, self.sink_frames = spec.window_frames, spec.sink_frames
         self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
-        parts = parts or load_parts(spec)
+        parts = parts or load_parts(spec, self.sp.rank)
         self.transformer: LingBotTransformer = parts.transformer
         if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
             for block in self.transformer.blocks:
                 block.compile(dynamic=True)
-        self.prompts = parts.prompts
+        tcfg = self.ckpt.transformer
+        # One rank encodes prompts (the others receive the states and never load the text encoder).
+        self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
+                                     (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
         self.vae = StreamingVae(parts.vae, self.device)
         self.conditions = StreamingConditionEncoder(parts.vae)
         steps = config.denoise_steps
@@ -155,7 +161,7 @@ class WorldModelEngine:
         geometry = self.validate(request)
         tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
-        text = self.transformer.text_caches(self.prompts.encode(request.prompt), self.sp.head_slice(tcfg.num_heads))
+        text = self.transformer.text_caches(self.prompts.states(request.prompt), self.sp.head_slice(tcfg.num_heads))
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             # A clip shorter than the window never needs the whole window.

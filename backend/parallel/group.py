@@ -32,12 +32,20 @@ def join_group(
     collective_timeout_s: float,
 ) -> GroupHandles:
     """Rendezvous under the long start-up timeout; block-time groups get the short one, so a dead or hung
-    peer is detected in bounded time."""
+    peer is detected in bounded time. The control group gets half of it: an idle group exchanges at least
+    every half timeout (its heartbeat), so a peer that hangs while idle is found within the whole one."""
     if world_size == 1:
         return GroupHandles(None, None)
     init_process_group(rank, world_size, host, port, backend, init_timeout_s)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     return GroupHandles(
         data=dist.new_group(backend=backend, timeout=timeout),
-        control=dist.new_group(backend="gloo", timeout=timeout),
+        control=dist.new_group(backend="gloo", timeout=timeout / 2),
     )
+
+
+def leave_group() -> None:
+    """Destroy every process group of this process: peer sockets close and rank 0's store stops listening,
+    so the same rendezvous port serves the next load (also after a peer died)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

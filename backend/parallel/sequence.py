@@ -32,6 +32,12 @@ class SequenceParallel:
             return x
         return x.chunk(self.degree, dim=dim)[self.rank].contiguous()
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x as rank `src` holds it, on every rank (in place)."""
+        if self.degree > 1:
+            dist.broadcast(x, group_src=src, group=self.group)
+        return x
+
     def head_slice(self, num_heads: int) -> slice:
         local = num_heads // self.degree
         return slice(self.rank * local, (self.rank + 1) * local)

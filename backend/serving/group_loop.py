@@ -1,9 +1,10 @@
 """The group loop every rank runs: agree on one plan at each block boundary, run it together, answer.
 
-A rank that receives a request keeps its responder and sends the request to rank 0 at the next
-block boundary (gather); rank 0 plans (scheduler) and broadcasts; every rank opens, runs and closes
-the same sessions in the same order; the owning rank decodes and sends each block's response from
-a writer thread so the group does not wait for the VAE.
+A rank that receives a request keeps its responder, rings the doorbell and shares the request at the
+next block boundary (control_plane); every rank plans the same plan from the same events with its own
+scheduler; every rank opens, runs and closes the same sessions in the same order; the owning rank decodes
+and sends each block's response from a writer thread so the group does not wait for the VAE. An idle
+group blocks on the doorbell.
 """
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch.distributed as dist
 
-from collections import OrderedDict
-
 from ..api.errors import InputError
 from ..api.request import BLOCK_VIDEO_FRAMES, SessionRequest, StepRequest
 from ..engine.rollout import Session, WorldModelEngine
+from ..parallel.doorbell import Doorbell, LocalDoorbell
+from . import messages
 from .config import ServingConfig
+from .control_plane import ControlPlane
 from .response_writer import Responder, ResponseWriter
 from .scheduler import Plan, RankEvents, Scheduler, StepEvent, Submission
 from .steered_stream import SteeredStream
@@ -36,14 +39,17 @@ class GroupCoordinator:
         limits: ServingConfig,
         control_group: dist.ProcessGroup | None,
         on_failure: Callable[[BaseException], None],
+        doorbell: Doorbell | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine: WorldModelEngine | None = engine
         self.limits = limits
         self.rank = engine.sp.rank
         self.world = engine.sp.degree
         self.control_group = control_group
         self.on_failure = on_failure
-        self.scheduler = Scheduler(limits) if self.rank == 0 else None
+        self.control = ControlPlane(self.world, control_group, doorbell or LocalDoorbell(),
+                                    heartbeat_s=limits.collective_timeout_s / 2)
+        self.scheduler = Scheduler(limits)  # a copy on every rank: all plan alike from the same events
         self.writer = ResponseWriter(engine)
         self.sessions: dict[str, Session] = {}
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
@@ -61,12 +67,16 @@ class GroupCoordinator:
     # -- called from Triton's execute thread -------------------------------------------------------
 
     def submit(self, request: SessionRequest | StepRequest, responder: Responder) -> None:
+        engine = self.engine
+        if engine is None:  # the loop has ended and let the model go
+            responder.send_error(self._closed_reason or messages.MODEL_UNLOADING)
+            return
         if isinstance(request, StepRequest):
             self._step(request, responder)
             return
         try:
             self.limits.check_limits(request)
-            geometry = self.engine.validate(request)
+            geometry = engine.validate(request)
         except InputError as exc:
             responder.send_error(str(exc))
             return
@@ -84,6 +94,7 @@ class GroupCoordinator:
                 self.gone.pop(request.session_key, None)
             responder = stream
         self._inbox.put((Submission(sid, request, geometry.block_shape), responder))
+        self.control.doorbell.ring()
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
             self._refuse_inbox(self._closed_reason)
 
@@ -111,9 +122,11 @@ class GroupCoordinator:
             else:  # an end flag alone: the request is answered when the session closes
                 stream.add_closing(responder)
         self._steps.put(StepEvent(sid, step.controls, step.end))
+        self.control.doorbell.ring()
 
     def stop(self, timeout_s: float = 120.0) -> None:
         self._stop.set()
+        self.control.doorbell.ring()
         self._thread.join(timeout_s)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -121,16 +134,21 @@ class GroupCoordinator:
     def _run(self) -> None:
         try:
             while True:
-                plan = self._exchange(self._collect())
+                rings = self.control.doorbell.count()  # before collecting: a later ring ends the next wait
+                plan = self.scheduler.plan(self.control.exchange(self._collect(), rings))
                 if plan.stop:
-                    self._close("the model is being unloaded")
+                    self._close(messages.MODEL_UNLOADING)
                     return
                 self._apply(plan)
-                if plan.idle:
+                if not plan.idle:
+                    continue
+                if self.scheduler.active:  # every session waits for a slow client: poll the writers
                     time.sleep(self.limits.idle_poll_ms / 1000.0)
+                else:
+                    self.control.wait_idle()
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
-            self._close(self._failure_message(exc))
+            self._close(messages.GROUP_FAILED)
             self.on_failure(exc)
 
     def _close(self, reason: str) -> None:
@@ -143,6 +161,8 @@ class GroupCoordinator:
             self._end(sid, "aborted")
         self.writer.close()
         self._refuse_inbox(reason)
+        self.engine = self.writer.engine = None  # the weights go now: a reload may need the memory
+        self.control.doorbell = LocalDoorbell()  # close the store connections too
 
     def _refuse_inbox(self, reason: str) -> None:
         while True:
@@ -171,26 +191,42 @@ class GroupCoordinator:
             except queue.Empty:
                 return steps
 
+    def _expired(self) -> list[tuple[str, str]]:
+        """This rank's steered sessions past their idle or lifetime limit (the owner's clock decides, and the
+        decision travels as news, so every rank's scheduler ends them alike)."""
+        now, limits, out = time.monotonic(), self.limits, []
+        with self._steer_lock:
+            for sid, stream in self.steered.values():
+                if sid not in self.sessions or stream.expiring:
+                    continue
+                if now - stream.started_s > limits.max_session_s:
+                    why = messages.session_too_long(limits.max_session_s)
+                elif now - stream.last_step_s > limits.session_idle_timeout_s:
+                    why = messages.session_idle(limits.session_idle_timeout_s)
+                else:
+                    continue
+                stream.expiring = True
+                out.append((sid, why))
+        return out
+
     def _collect(self) -> RankEvents:
-        events = RankEvents(submissions=self._take_inbox(), steps=self._take_steps(), stop=self._stop.is_set())
+        events = RankEvents(submissions=self._take_inbox(), steps=self._take_steps(), expired=self._expired(),
+                            stop=self._stop.is_set())
         events.cancelled = [sid for sid, r in self.responders.items() if r.is_cancelled()]
         delivered = self.writer.delivered
         for sid in [s for s in list(delivered) if s not in self.responders]:  # streams that ended
             delivered.pop(sid, None)
+        # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch):
+        # report those that advanced, so a boundary where nothing changed carries no news.
+        sched, ahead = self.scheduler, self.limits.max_blocks_ahead
+        sent = {sid: r.sent if isinstance(r, SteeredStream) else delivered.get(sid, 0)
+                for sid, r in self.responders.items()}
         events.delivered = {
-            sid: r.sent if isinstance(r, SteeredStream) else delivered.get(sid, 0) for sid, r in self.responders.items()
+            sid: n for sid, n in sent.items()
+            if sid in sched.active and sched.computed[sid] - sched.delivered.get(sid, 0) >= ahead
+            and n > sched.delivered.get(sid, 0)
         }
         return events
-
-    def _exchange(self, events: RankEvents) -> Plan:
-        """Gather every rank's events on rank 0, which plans; broadcast the plan to all."""
-        if self.world == 1:
-            return self.scheduler.plan([events])
-        gathered: list[RankEvents] | None = [RankEvents()] * self.world if self.rank == 0 else None
-        dist.gather_object(events, gathered, dst=0, group=self.control_group)
-        box = [self.scheduler.plan(gathered) if self.scheduler else None]
-        dist.broadcast_object_list(box, src=0, group=self.control_group)
-        return box[0]
 
     def _apply(self, plan: Plan) -> None:
         for sid, message in plan.rejects:
@@ -233,8 +269,8 @@ class GroupCoordinator:
             try:
                 self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
-                log.warning("rank %d: opening session %s failed: %r", self.rank, sub.session_id, exc)
-                failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else f"opening the session failed: {exc!r}"
+                log.warning("rank %d: opening session %s failed", self.rank, sub.session_id, exc_info=True)
+                failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else messages.open_failed(exc)
         for sid, message in self._agree(failed).items():  # a session failed on any rank is dropped on all
             self._end(sid, "rejected")
             if (responder := self.responders.pop(sid, None)) is not None:
@@ -259,8 +295,7 @@ class GroupCoordinator:
                 self.rank, sid, reason, session.block_index, session.num_blocks, held,
                 session.cache_bytes(), len(self.sessions),
             )
-        if self.scheduler is not None:
-            self.scheduler.finished(sid)
+        self.scheduler.finished(sid)
 
     def _forget_steered(self, sid: str, why: str) -> None:
         """A steered session this rank owns ended: later steps for its key are told why."""
@@ -271,9 +306,3 @@ class GroupCoordinator:
                     self.gone[key] = why
             while len(self.gone) > 1024:
                 self.gone.popitem(last=False)
-
-    def _failure_message(self, exc: BaseException) -> str:
-        return (
-            f"the sequence-parallel group failed on rank {self.rank} ({exc!r}); "
-            f"this model is no longer ready, restart the server or reload the model"
-        )

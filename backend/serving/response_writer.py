@@ -11,6 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from ..engine.rollout import BlockOutput, Session, WorldModelEngine
+from .messages import DECODE_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class ResponseWriter:
             responder, task = item
             try:
                 task()
-            except Exception as exc:  # one stream's failure must not stop the others
+            except Exception:  # one stream's failure must not stop the others
                 log.exception("decoding or sending a response failed")
                 try:  # the stream ends with the error; the loop then sees it closed and drops the session
-                    responder.send_error(f"decoding or sending this block failed: {exc!r}")
+                    responder.send_error(DECODE_FAILED)
                 except Exception:
                     log.exception("sending the error response failed too")

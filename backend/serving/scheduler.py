@@ -4,7 +4,6 @@ Pure logic on plain data, so every rank can apply the same `Plan` in the same or
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ class RankEvents:
 
     submissions: list[Submission] = field(default_factory=list)
     steps: list[StepEvent] = field(default_factory=list)
+    expired: list[tuple[str, str]] = field(default_factory=list)  # (session id, why): the owner's limits
     cancelled: list[str] = field(default_factory=list)
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
     stop: bool = False
@@ -62,20 +62,17 @@ class Plan:
 
 @dataclass
 class Steering:
-    """Rank 0's view of a steered session: the cameras it was sent and has not run yet."""
+    """The planner's view of a steered session: the cameras it was sent and has not run yet."""
 
     on_starve: str
-    opened_s: float
-    last_step_s: float
     queue: deque[Controls] = field(default_factory=deque)
     requests: int = 1  # requests that want a block (the first one included)
     ending: bool = False
 
 
 class Scheduler:
-    def __init__(self, limits: ServingConfig, clock=time.monotonic) -> None:
+    def __init__(self, limits: ServingConfig) -> None:
         self.limits = limits
-        self.clock = clock
         self.steering: dict[str, Steering] = {}
         self.pending: deque[Submission] = deque()
         self.active: OrderedDict[str, tuple[int, int]] = OrderedDict()  # round-robin order
@@ -100,11 +97,9 @@ class Scheduler:
         new = [s for e in events for s in e.submissions]
         for sub in new:  # steps may arrive with their session's first request, before it has a slot
             if sub.request.steered:
-                now = self.clock()
-                self.steering[sub.session_id] = Steering(sub.request.on_starve, now, now,
-                                                         deque([sub.request.first_controls]))
+                self.steering[sub.session_id] = Steering(sub.request.on_starve, deque([sub.request.first_controls]))
         self._steps([step for e in events for step in e.steps], plan)
-        self._expire(plan)
+        self._expire([x for e in events for x in e.expired], plan)
         plan.batch = self._next_batch(plan)  # only sessions opened in earlier rounds
         while self.pending and self._has_slot():
             plan.opens.append(self._open(self.pending.popleft()))
@@ -127,8 +122,6 @@ class Scheduler:
     def _open(self, sub: Submission) -> Submission:
         self.active[sub.session_id] = sub.block_shape
         self.computed[sub.session_id] = 0
-        if (steer := self.steering.get(sub.session_id)) is not None:
-            steer.opened_s = steer.last_step_s = self.clock()  # time in the queue does not count
         return sub
 
     def _steps(self, steps: list[StepEvent], plan: Plan) -> None:
@@ -136,7 +129,6 @@ class Scheduler:
             steer = self.steering.get(step.session_id)
             if steer is None:  # ended meanwhile: its owner answers the step
                 continue
-            steer.last_step_s = self.clock()
             if step.controls is not None:
                 steer.queue.append(step.controls)
                 steer.requests += 1
@@ -146,20 +138,12 @@ class Scheduler:
                 self.pending = deque(p for p in self.pending if p.session_id != step.session_id)
                 plan.ends.append(step.session_id)
 
-    def _expire(self, plan: Plan) -> None:
-        now, limits = self.clock(), self.limits
-        for sid, steer in list(self.steering.items()):
-            if sid not in self.active:  # still queued for a slot
-                continue
-            if now - steer.opened_s > limits.max_session_s:
-                reason = f"the session reached max_session_s={limits.max_session_s:g} s and was ended; start a new one"
-            elif not steer.queue and now - steer.last_step_s > limits.session_idle_timeout_s:
-                reason = (f"the session sent no step for session_idle_timeout_s={limits.session_idle_timeout_s:g} s "
-                          f"and was ended; start a new one")
-            else:
-                continue
-            self.finished(sid)
-            plan.expired.append((sid, reason))
+    def _expire(self, expired: list[tuple[str, str]], plan: Plan) -> None:
+        """Steered sessions their owner found idle or too long: ended with the owner's reason."""
+        for sid, reason in expired:
+            if sid in self.active:
+                self.finished(sid)
+                plan.expired.append((sid, reason))
 
     def finished(self, session_id: str) -> None:
         """A session ended (last block, failed open, cancelled): free its slot."""

@@ -6,6 +6,7 @@ the client is late and the session holds its motion) waits here and answers the 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -21,6 +22,8 @@ class SteeredStream:
         self.key = key
         self.sent = 0  # blocks delivered to clients
         self.ending = False  # the client sent the end flag
+        self.expiring = False  # this rank has told the group to end it (idle or too long)
+        self.started_s = self.last_step_s = time.monotonic()
         self._waiting: deque[Responder] = deque([first])
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
         self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes
@@ -30,6 +33,7 @@ class SteeredStream:
     def add(self, responder: Responder) -> None:
         """A step's request: answered by the next block (at once if one is ready)."""
         with self._lock:
+            self.last_step_s = time.monotonic()
             if self._ready:
                 self._deliver(responder, *self._ready.popleft())
             else:
@@ -37,6 +41,7 @@ class SteeredStream:
 
     def add_closing(self, responder: Responder) -> None:
         with self._lock:
+            self.last_step_s = time.monotonic()
             self._closing.append(responder)
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
