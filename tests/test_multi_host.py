@@ -20,11 +20,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.api import contract
-from client.stream import StreamError
 from factories import tiny_request
 from mpi_harness import MPIRUN_ENV, RankServer, mpirun_servers
 from polling import wait_until
-from triton_harness import latents_of, running_server, stream
+from triton_harness import latents_of, running_server, stream, stream_in_background
 
 SEEDS = (0, 1)  # one request per server
 TIMEOUT_S = 5  # collective_timeout_s of the groups under test
@@ -154,24 +153,14 @@ def fail_one_server(servers: list[RankServer], failure: signal.Signals) -> float
     """Send `failure` to rank 1's server and stub while rank 0's server streams two sessions; assert those
     streams error and rank 0's model unloads; returns the seconds that took."""
     survivor, victim = servers
-    errors: list[str] = []
-
-    def one(seed: int) -> None:
-        try:
-            stream(survivor.url, tiny_request(num_frames=129, seed=seed), timeout=TIMEOUT_S + 30)
-        except StreamError as exc:
-            errors.append(str(exc))
-
-    threads = [threading.Thread(target=one, args=(s,)) for s in range(2)]
-    for t in threads:
-        t.start()
+    threads, errors = stream_in_background(survivor.url, range(2), TIMEOUT_S + 30)
     before = blocks_sent(survivor, 0)
     wait_until(lambda: blocks_sent(survivor, 0) > before, 60, "blocks streaming from the surviving server")
     os.killpg(victim.pid, failure)
     failed = time.monotonic()
     for t in threads:
         t.join()
-    assert len(errors) == 2 and all("sequence-parallel group failed" in e for e in errors), errors
+    assert len(errors) == 2 and all("lost one of its model instances" in e for e in errors), errors
     with grpcclient.InferenceServerClient(survivor.url) as client:
         wait_until(lambda: not client.is_model_ready(contract.MODEL_NAME), 15, "the survivor's model unloaded")
     return time.monotonic() - failed

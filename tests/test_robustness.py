@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from backend.api import contract
 from client.stream import StreamError, StreamingSession
 from factories import forward_poses, sample_image, tiny_request
 from polling import wait_until
-from triton_harness import inputs_with, metrics, running_server, stream
+from triton_harness import inputs_with, metrics, running_server, stream, stream_in_background
 
 MODEL = contract.MODEL_NAME
 
@@ -46,17 +45,7 @@ def wait_not_ready(url: str, timeout: float) -> float:
 def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint: str, failure: int) -> None:
     timeout_s = 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
-        errors: list[str] = []
-
-        def one(seed: int) -> None:  # Triton alternates streams between the two instances
-            try:
-                stream(server.grpc_url, tiny_request(num_frames=129, seed=seed), timeout=timeout_s + 10)
-            except StreamError as exc:
-                errors.append(str(exc))
-
-        threads = [threading.Thread(target=one, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
+        threads, errors = stream_in_background(server.grpc_url, range(4), timeout_s + 10)
         # Streams are running on both instances (Triton alternates them).
         wait_until(lambda: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > 0 for r in (0, 1)), 60,
                    "blocks sent by both instances")
@@ -95,17 +84,7 @@ def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: P
     """Rank 0 (the planner, the rendezvous host and the owner of a stream) is killed outright."""
     timeout_s = 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
-        errors: list[str] = []
-
-        def one(seed: int) -> None:
-            try:
-                stream(server.grpc_url, tiny_request(num_frames=129, seed=seed), timeout=timeout_s + 10)
-            except StreamError as exc:
-                errors.append(str(exc))
-
-        threads = [threading.Thread(target=one, args=(s,)) for s in range(2)]
-        for t in threads:
-            t.start()
+        threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)
         wait_until(lambda: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > 0 for r in (0, 1)), 60,
                    "blocks sent by both instances")
         os.kill(server.stub_pids()[0], signal.SIGKILL)

@@ -81,3 +81,23 @@ def metrics(server: TritonServer, rank: int | None = None) -> dict[str, float]:
             key = name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])
             values[key] = values.get(key, 0.0) + float(value)
     return values
+
+
+def stream_in_background(url: str, seeds: range, timeout: float, num_frames: int = 129) -> tuple[list, list[str]]:
+    """Start one long stream per seed on its own thread; returns (threads, the errors they end with)."""
+    import threading
+
+    from client.stream import StreamError
+
+    errors: list[str] = []
+
+    def one(seed: int) -> None:
+        try:
+            stream(url, tiny_request(num_frames=num_frames, seed=seed), timeout=timeout)
+        except StreamError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    return threads, errors

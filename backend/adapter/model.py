@@ -72,6 +72,10 @@ class TritonPythonModel:
         log.info("rank %d/%d ready (attention: %s)", rank, world, self.engine.attention_name)
 
     def execute(self, requests: list) -> None:
+        with TritonResponder.process_lock:  # no response is sent while the stub is in here (see responder)
+            self._execute(requests)
+
+    def _execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
             key = str(request.correlation_id() or "")

@@ -31,11 +31,12 @@ class TritonLogHandler(logging.Handler):
 class TritonResponder:
     """Replies of one request through its decoupled response sender; nothing is sent after the final flag.
 
-    Sends are serialised across the process: the writer thread and Triton's execute thread (a steered step
-    answered at once) may both send, and concurrent sends crashed the 2.51 stub's IPC (boost lock_exception).
+    Sends are serialised across the process, and with `execute` (which holds `process_lock` too): a send
+    from the writer thread while the stub's main thread was inside or leaving `execute` crashed the 2.51
+    Python backend's IPC (boost lock_exception, or a segfault) when steered steps came fast.
     """
 
-    _process_lock = threading.Lock()
+    process_lock = threading.RLock()
 
     def __init__(
         self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics, step: bool = False
@@ -85,7 +86,7 @@ class TritonResponder:
 
     def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> bool:
         """Send unless the stream is closed; returns whether it was sent."""
-        with self._process_lock, self._lock:
+        with self.process_lock, self._lock:
             if self.closed:
                 return False
             self.closed = bool(flags & FINAL)
