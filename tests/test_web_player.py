@@ -121,7 +121,7 @@ def test_play_steer_stop_and_download(player_url, sp1_server, browser, first_fra
     page.screenshot(path=str(tmp_path / "player.png"))
     if os.environ.get("UPDATE_SCREENSHOT"):
         SCREENSHOT.parent.mkdir(exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT))
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert "real-time factor" in page.inner_text("#status") and "held blocks" in page.inner_text("#status")
 
     page.click("#stop")
