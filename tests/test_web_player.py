@@ -158,3 +158,13 @@ def test_tabs_play_at_once_and_closing_one_frees_its_session(player_url, sp1_ser
     wait_until(lambda: blocks(b) > reached, BLOCK_S, "the other tab to keep playing")
     b.close()
     wait_until(lambda: len(session_ends(log, "cancelled")) > cancelled_before + 1, 30, "the second session to end")
+
+
+def test_a_refused_start_shows_in_plain_words(player_url, browser) -> None:
+    page = browser.new_page()
+    page.goto(player_url)
+    page.click("#start")  # no prompt: the bridge refuses before asking the server
+    wait_until(lambda: page.is_visible("#error"), 30, "the missing prompt error")
+    assert page.inner_text("#error") == "type a prompt before starting"
+    assert status(page, "state") == "failed"
+    page.close()
