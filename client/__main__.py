@@ -2,6 +2,7 @@
 
     python -m client --prompt "a sunny street" --camera forward --out out/session.mp4
     python -m client play --prompt "a sunny street" --keys "w*6,wa*2,j*3"   (a steered session)
+    python -m client serve --url localhost:8001 --port 8080                  (the browser player)
 """
 from __future__ import annotations
 
@@ -125,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         from client.play import main as play
 
         return play(argv[1:])
+    if argv[:1] == ["serve"]:  # the browser player (client/web/)
+        from client.web.serve import main as serve
+
+        return serve(argv[1:])
     args = parse_args(argv)
     try:
         image, poses, intrinsics = request_arrays(args)

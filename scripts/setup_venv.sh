@@ -17,6 +17,6 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet "torch==$TORCH"
-.venv/bin/python -m pip install --quiet -e '.[server,test,mpi]'
+.venv/bin/python -m pip install --quiet -e '.[server,web,test,mpi]'
 echo "$WANT" >"$STAMP"
 echo ".venv ready" >&2

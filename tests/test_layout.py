@@ -71,6 +71,7 @@ class Refuse:
             raise ImportError(f"{name} is not installed here")
 sys.meta_path.insert(0, Refuse())
 import client, client.stream, client.camera, client.video, client.action, client.images
+import client.web.app, client.web.bridge, client.web.frames, client.web.serve
 import client.__main__ as cli
 import backend.api.contract, backend.api.codec, backend.api.request, backend.api.settings
 print("ok", "torch" in sys.modules)

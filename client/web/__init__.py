@@ -1,0 +1,1 @@
+"""`python -m client serve`: a browser player that watches and steers sessions as they stream (aiohttp bridge)."""

@@ -1,0 +1,103 @@
+"""One page session: a steered session on Triton, stepped with the page's held keys, its blocks relayed as JPEG.
+
+Lookahead 1, like `python -m client play`: when a block arrives the next step is sent at once with the keys
+held at that moment, so the server always has the camera of the block after the one it is computing.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from backend.api.controls import parse_keys
+from backend.api.request import Controls, SessionRequest
+from client.images import synthetic_image
+from client.steer import SteeredSession
+from client.stream import StreamError
+from client.video import DEFAULT_FPS, Mp4Writer
+from client.web.frames import decode_upload, encode_jpeg
+
+Send = Callable[[dict[str, Any] | bytes], Awaitable[None]]
+MAX_SIDE = 2048  # the page's size fields; the server applies its own max_pixels
+
+
+def start_request(message: dict[str, Any]) -> SessionRequest:
+    """The session a page's start message asks for; ValueError names what is wrong in plain words."""
+    prompt = str(message.get("prompt") or "").strip()
+    if not prompt:
+        raise ValueError("type a prompt before starting")
+    try:
+        height, width, seed = (int(message.get(k, d)) for k, d in (("height", 480), ("width", 832), ("seed", 42)))
+    except (TypeError, ValueError):
+        raise ValueError("height, width and seed must be whole numbers") from None
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise ValueError(f"height and width must be between 1 and {MAX_SIDE}, got {height}x{width}")
+    image = decode_upload(message["image"]) if message.get("image") else synthetic_image(height, width)
+    return SessionRequest(image=image, prompt=prompt, poses=None, num_frames=None, seed=seed, height=height,
+                          width=width, keys=parse_keys(str(message.get("keys") or "-")), return_latents=False)
+
+
+def plain(exc: Exception) -> str:
+    """An error as the page shows it: the server's words without the client's sequence-id prefix."""
+    return re.sub(r"^session \d+: ", "", str(exc))
+
+
+class Player:
+    """Plays one steered session for one page: `hold` keys, `stop`, and `close` when the page goes."""
+
+    def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float) -> None:
+        self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
+        self.keys = ""
+        self.stopping = False
+        self._session: SteeredSession | None = None
+
+    def hold(self, keys: str) -> None:
+        self.keys = parse_keys(keys or "-")
+
+    def stop(self) -> None:
+        """End the session after the blocks already asked for."""
+        if self._session is not None and not self.stopping:
+            self.stopping = True
+            self._session.end()
+
+    def close(self) -> None:
+        """Cancel the Triton stream: the server frees the session's caches. Safe to call twice."""
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    async def play(self, request: SessionRequest) -> None:
+        """Run the session to its end, relaying every block; errors go to the page."""
+        self._session = SteeredSession(self.url, model_name=self.model)
+        try:
+            with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
+                await self._relay(self._session, request, mp4)
+            await self.send({"type": "ended", "frames": mp4.frames_written})
+        except (StreamError, ValueError) as exc:
+            await self.send({"type": "error", "message": plain(exc)})
+        finally:
+            await asyncio.to_thread(self.close)
+
+    async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer) -> None:
+        session.start(request)
+        session.step(Controls(keys=self.keys))
+        sent_keys = [request.keys or "", self.keys]  # the keys of every request, in order
+        received = 0
+        while (block := await asyncio.to_thread(session.next_block, self.timeout)) is not None:
+            latency = block.arrival_s - session.sent_s[received]
+            if not self.stopping:
+                session.step(Controls(keys=self.keys))
+                sent_keys.append(self.keys)
+            await asyncio.to_thread(mp4.append, block.frames)
+            jpegs = await asyncio.to_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
+            await self.send({
+                "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
+                "keys": sent_keys[received], "step_latency_s": latency,
+                "first_block_s": block.arrival_s - session.sent_s[0] if received == 0 else None,
+                "realtime_factor": len(jpegs) / DEFAULT_FPS / latency,
+            })
+            for jpeg in jpegs:
+                await self.send(jpeg)
+            received += 1

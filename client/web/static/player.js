@@ -1,0 +1,146 @@
+// The browser player: one websocket per session; blocks arrive as a JSON header and their frames as JPEG
+// messages, which play at 16 fps from a queue; the keys held now are sent whenever they change.
+"use strict";
+const FPS = 16;
+const KEYS = "wasdijkl";
+const $ = (id) => document.getElementById(id);
+const screen = $("screen");
+const ctx = screen.getContext("2d");
+let ws = null;
+let held = new Set();
+let queue = [];        // decoding or decoded frames, oldest first: {bitmap}
+let stats = null;
+
+function show(state, extra = "") {
+  const s = $("status");
+  s.dataset.state = state;
+  if (stats) {
+    s.dataset.blocks = stats.blocks;
+    s.dataset.frames = stats.frames;
+    s.dataset.keys = stats.keys.join(",");
+  }
+  const parts = [`state: ${state}`];
+  if (stats && stats.blocks) {
+    parts.push(`blocks ${stats.blocks}`, `frames ${stats.frames}`,
+      `first block ${stats.first.toFixed(2)} s`, `step latency ${stats.latency.toFixed(2)} s`,
+      `real-time factor ${stats.rtf.toFixed(2)}x`, `held blocks ${stats.held}`);
+  }
+  s.textContent = parts.join(" · ") + extra;
+}
+
+function fail(message) {
+  $("error").textContent = message;
+  $("error").hidden = false;
+}
+
+function heldKeys() { return [...held].sort().join(""); }
+
+function sendKeys() {
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "keys", keys: heldKeys()}));
+}
+
+function onKey(event, down) {
+  const key = event.key.toLowerCase();
+  if (!KEYS.includes(key) || event.target.tagName === "INPUT") return;
+  event.preventDefault();
+  const before = heldKeys();
+  down ? held.add(key) : held.delete(key);
+  if (heldKeys() !== before) sendKeys();
+}
+document.addEventListener("keydown", (e) => onKey(e, true));
+document.addEventListener("keyup", (e) => onKey(e, false));
+window.addEventListener("blur", () => { held.clear(); sendKeys(); });
+
+function readImage() {
+  const file = $("image").files[0];
+  if ($("source").value !== "upload") return Promise.resolve(null);
+  if (!file) return Promise.reject(new Error("choose a picture to upload, or use the generated test scene"));
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error("the picture could not be read"));
+    reader.readAsDataURL(file);
+  });
+}
+
+function onMessage(event) {
+  if (event.data instanceof Blob) {
+    const slot = {bitmap: null};
+    queue.push(slot);
+    createImageBitmap(event.data).then((b) => { slot.bitmap = b; });
+    return;
+  }
+  const msg = JSON.parse(event.data);
+  if (msg.type === "session") {
+    $("download").href = msg.video;
+  } else if (msg.type === "block") {
+    stats.blocks += 1;
+    stats.frames += msg.frames;
+    stats.held += msg.held ? 1 : 0;
+    stats.keys.push(msg.keys || "-");
+    stats.latency = msg.step_latency_s;
+    stats.rtf = msg.realtime_factor;
+    if (msg.first_block_s !== null) stats.first = msg.first_block_s;
+    show(stats.stopping ? "stopping" : "playing");
+  } else if (msg.type === "ended") {
+    show("ended");
+    $("download").hidden = msg.frames === 0;
+    finish();
+  } else if (msg.type === "error") {
+    fail(msg.message);
+    show(stats ? "failed" : "idle");
+    finish();
+  }
+}
+
+function finish() {
+  $("start").disabled = false;
+  $("stop").disabled = true;
+}
+
+async function start(event) {
+  event.preventDefault();
+  $("error").hidden = true;
+  $("download").hidden = true;
+  let image;
+  try { image = await readImage(); } catch (e) { fail(e.message); return; }
+  if (ws) ws.close();
+  queue = [];
+  stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: 0, keys: [], stopping: false};
+  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
+  ws.binaryType = "blob";
+  ws.onmessage = onMessage;
+  ws.onclose = () => { if (stats && !["ended", "failed"].includes($("status").dataset.state)) {
+    fail("the connection to the player closed"); show("closed"); finish(); } };
+  ws.onopen = () => ws.send(JSON.stringify({
+    type: "start", prompt: $("prompt").value, image, keys: heldKeys(),
+    width: Number($("width").value), height: Number($("height").value),
+  }));
+  $("start").disabled = true;
+  $("stop").disabled = false;
+  screen.focus();
+  show("starting");
+}
+
+$("setup").addEventListener("submit", start);
+$("stop").addEventListener("click", () => {
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "stop"}));
+  stats.stopping = true;
+  $("stop").disabled = true;
+  show("stopping");
+});
+$("source").addEventListener("change", () => { $("image").hidden = $("source").value !== "upload"; });
+screen.tabIndex = 0;
+
+// Play decoded frames at 16 fps, in order; a frame still decoding holds the queue.
+setInterval(() => {
+  if (queue.length && queue[0].bitmap) {
+    const {bitmap} = queue.shift();
+    if (screen.width !== bitmap.width || screen.height !== bitmap.height) {
+      screen.width = bitmap.width;
+      screen.height = bitmap.height;
+    }
+    ctx.drawImage(bitmap, 0, 0);
+    bitmap.close();
+  }
+}, 1000 / FPS);

@@ -1,0 +1,170 @@
+"""The browser player end to end: real headless Chromium, the bridge (`python -m client serve`), real tritonserver."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import imageio.v3 as iio
+import pytest
+
+from backend.parallel.local import free_port
+from factories import TINY_SIZE, sample_image
+from polling import wait_until
+from triton_harness import metrics
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "player.png"
+BLOCK_S = 60  # generous bound for one tiny block on a busy CPU
+FIRST_FRAMES, STEP_FRAMES = 9, 12
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
+                                reason=f"no Chromium at {CHROMIUM} (.ci/run installs Debian's chromium)")
+
+
+@pytest.fixture(scope="module")
+def player_url(sp1_server) -> Iterator[str]:
+    """`python -m client serve` against the tiny server, as a user starts it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", sp1_server.grpc_url, "--port", str(port)],
+                            cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_until(lambda: _answers(url) or proc.poll() is not None, 60, "the player to serve its page")
+        assert proc.poll() is None, "the player exited at start-up"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(OSError):
+        return urllib.request.urlopen(url, timeout=2).status == 200
+    return False
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                                       headless=True, accept_downloads=True)
+        yield context
+        context.close()
+
+
+def status(page, name: str) -> str:
+    return page.get_attribute("#status", f"data-{name}")
+
+
+def blocks(page) -> int:
+    return int(status(page, "blocks"))
+
+
+def start(page, url: str, image: Path) -> None:
+    page.goto(url)
+    page.select_option("#source", "upload")
+    page.set_input_files("#image", str(image))
+    page.fill("#prompt", "a castle on a hill")
+    page.fill("#width", str(TINY_SIZE))
+    page.fill("#height", str(TINY_SIZE))
+    page.click("#start")
+
+
+def hold(page, key: str, count: int) -> None:
+    """Hold `key` until `count` more blocks have arrived."""
+    target = blocks(page) + count
+    page.keyboard.down(key)
+    wait_until(lambda: blocks(page) >= target, BLOCK_S * count, f"{count} blocks with {key} held")
+    page.keyboard.up(key)
+
+
+def canvas_pixels(page) -> list[int]:
+    return page.evaluate("() => { const c = document.getElementById('screen');"
+                         " return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data); }")
+
+
+@pytest.fixture
+def first_frame(tmp_path: Path) -> Path:
+    path = tmp_path / "first.png"
+    iio.imwrite(path, sample_image())
+    return path
+
+
+def session_ends(log: Path, how: str) -> list[tuple[str, int]]:
+    return [(sid, int(n)) for sid, n in re.findall(rf"session (r\d-\d+) {how} after (\d+)/0 blocks; freed \d+ cache "
+                                                   r"bytes \(left: 0\)", log.read_text())]
+
+
+def test_play_steer_stop_and_download(player_url, sp1_server, browser, first_frame: Path, tmp_path: Path) -> None:
+    steps_before = metrics(sp1_server).get("lingbot_world_step_latency_seconds_count", 0.0)
+    ended_before = len(session_ends(Path(sp1_server.log_path), "ended by its client"))
+    page = browser.new_page()
+    start(page, player_url, first_frame)
+    wait_until(lambda: blocks(page) >= 1, BLOCK_S * 2, "the first block")
+    hold(page, "w", 2)
+    hold(page, "j", 1)
+    seen = [canvas_pixels(page)]
+    wait_until(lambda: seen.append(canvas_pixels(page)) or len({bytes(p) for p in seen}) >= 3, 30,
+               "the canvas to play changing frames")
+    assert all(len(set(p)) > 8 for p in seen[-3:]), "the canvas shows blank frames"
+    page.screenshot(path=str(tmp_path / "player.png"))
+    if os.environ.get("UPDATE_SCREENSHOT"):
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert "real-time factor" in page.inner_text("#status") and "held blocks" in page.inner_text("#status")
+
+    page.click("#stop")
+    wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
+    played, frames = blocks(page), int(status(page, "frames"))
+    keys = status(page, "keys").split(",")
+    assert "w" in keys and "j" in keys, keys  # the steps the bridge sent for the page's held keys
+    assert frames == FIRST_FRAMES + STEP_FRAMES * (played - 1)
+    with page.expect_download() as download:
+        page.click("#download")
+    mp4 = tmp_path / "played.mp4"
+    download.value.save_as(mp4)
+    assert len(list(iio.imiter(mp4, plugin="FFMPEG"))) == frames
+
+    # The server received every step and ended the session after exactly the blocks the page played.
+    ends = wait_until(lambda: session_ends(Path(sp1_server.log_path), "ended by its client")[ended_before:], 30,
+                      "the server to end the session")
+    assert ends[-1][1] == played
+    steps = metrics(sp1_server)["lingbot_world_step_latency_seconds_count"] - steps_before
+    assert steps >= played - 1
+    page.close()
+
+
+def test_tabs_play_at_once_and_closing_one_frees_its_session(player_url, sp1_server, browser, first_frame: Path) -> None:
+    log = Path(sp1_server.log_path)
+    cancelled_before = len(session_ends(log, "cancelled"))
+    a, b = browser.new_page(), browser.new_page()
+    for page in (a, b):
+        start(page, player_url, first_frame)
+    wait_until(lambda: blocks(a) >= 1 and blocks(b) >= 1, BLOCK_S * 2, "a block in each tab")
+    a.close()
+    wait_until(lambda: len(session_ends(log, "cancelled")) > cancelled_before, 30, "the closed tab's session to end")
+    reached = blocks(b)
+    wait_until(lambda: blocks(b) > reached, BLOCK_S, "the other tab to keep playing")
+    b.close()
+    wait_until(lambda: len(session_ends(log, "cancelled")) > cancelled_before + 1, 30, "the second session to end")
+
+
+def test_a_refused_start_shows_in_plain_words(player_url, browser) -> None:
+    page = browser.new_page()
+    page.goto(player_url)
+    page.click("#start")  # no prompt: the bridge refuses before asking the server
+    wait_until(lambda: page.is_visible("#error"), 30, "the missing prompt error")
+    assert page.inner_text("#error") == "type a prompt before starting"
+    assert status(page, "state") == "failed"
+    page.close()
