@@ -17,7 +17,7 @@ from triton_harness import tiny_parameters
 
 # mpirun refuses root without both (CI runs as root).
 MPIRUN_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-_STARTED = re.compile(r"tritonserver pid (\d+) grpc \S+ log (\S+)")
+_STARTED = re.compile(r"tritonserver pid (\d+) grpc \S+ log (\S+?\.log)")  # two ranks may print on one line
 
 
 @dataclass(frozen=True)
