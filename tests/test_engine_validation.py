@@ -36,7 +36,7 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
 
     for name in ("load_transformer", "load_text_encoder", "load_vae"):
         monkeypatch.setattr(backend.engine.rollout, name, refuse)
-    monkeypatch.setattr("backend.model.checkpoint.safe_open", refuse)
+    monkeypatch.setattr("backend.model.checkpoint.read_tensor", refuse)
     monkeypatch.setattr("backend.model.weight_files.read_header", refuse)
     return str(root)
 

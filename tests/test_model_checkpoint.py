@@ -89,30 +89,18 @@ def test_fp32_shards_load_into_bf16_one_tensor_at_a_time(fp32_shards, monkeypatc
     directory, cfg = fp32_shards
     live: dict[int, int] = {}
     peak = [0]
-    real_open = checkpoint.safe_open
+    real_read = checkpoint.read_tensor
 
-    class Watched:
-        """safe_open that records every FP32 tensor it hands out until the tensor is freed."""
+    def watched(*args) -> torch.Tensor:
+        """read_tensor, recording every FP32 tensor it hands out until the tensor is freed."""
+        tensor = real_read(*args)
+        assert tensor.dtype == torch.float32
+        live[id(tensor)] = tensor.numel()
+        weakref.finalize(tensor, live.pop, id(tensor), None)
+        peak[0] = max(peak[0], len(live))
+        return tensor
 
-        def __init__(self, *args, **kwargs) -> None:
-            self._file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self._handle = self._file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._file.__exit__(*exc)
-
-        def get_tensor(self, name: str) -> torch.Tensor:
-            tensor = self._handle.get_tensor(name)
-            assert tensor.dtype == torch.float32
-            live[id(tensor)] = tensor.numel()
-            weakref.finalize(tensor, live.pop, id(tensor), None)
-            peak[0] = max(peak[0], len(live))
-            return tensor
-
-    monkeypatch.setattr(checkpoint, "safe_open", Watched)
+    monkeypatch.setattr(checkpoint, "read_tensor", watched)
     model = checkpoint.load_transformer(directory, cfg, torch.bfloat16, torch.device("cpu"))
     assert peak[0] == 1 and not live  # never more than one FP32 tensor alive, let alone one shard's
     assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in model.parameters())

@@ -1,15 +1,16 @@
 """Loading a diffusers-format model directory: transformer shards, Wan VAE, umT5 text encoder.
 
-The transformer is built on the meta device and filled tensor by tensor, shard by shard: each tensor is cast
-to the serving dtype as it is read and placed straight on its device, so the checkpoint's FP32 state is
-never held in host memory (at most one source tensor at a time).
+The transformer is built on the meta device and filled tensor by tensor, shard by shard: each tensor is read
+into its own buffer, cast to the serving dtype and placed straight on its device, so the checkpoint's FP32 state
+is never held in host memory (at most one source tensor at a time).
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
 
 from ..api.errors import ConfigError
 from .config import TransformerConfig
@@ -45,15 +46,36 @@ def load_into(module: torch.nn.Module, directory: Path, dtype: torch.dtype, devi
                 raise ConfigError(
                     f"{path}: {name} has shape {header.get(name, {}).get('shape')}, the config expects {expected[name]}"
                 )
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as shard:
-                for name in names:
-                    tensor = shard.get_tensor(name)
-                    target = dtype if tensor.is_floating_point() else tensor.dtype
-                    assign(module, name, tensor.to(device=device, dtype=target))
-                    del tensor
-        except (OSError, RuntimeError, ValueError) as exc:  # safetensors raises its own errors on bad data
-            raise ConfigError(f"cannot read {path}: {exc}") from exc
+        largest = max(end - begin for begin, end in (header[n]["data_offsets"] for n in names))
+        scratch = torch.empty(largest, dtype=torch.uint8)  # one read buffer per shard, reused by every tensor
+        with path.open("rb") as shard:
+            data_start = 8 + struct.unpack("<Q", shard.read(8))[0]
+            for name in names:
+                tensor = read_tensor(shard, data_start, header[name], path, name, scratch)
+                target = dtype if tensor.is_floating_point() else tensor.dtype
+                assign(module, name, tensor.to(device=device, dtype=target, copy=True))
+                del tensor
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_tensor(
+    shard: BinaryIO, data_start: int, entry: dict, path: Path, name: str, scratch: torch.Tensor
+) -> torch.Tensor:
+    """One tensor, read into the front of `scratch` and viewed there (a plain read, not a memory map: a mapped
+    shard would count its whole FP32 data in the process's memory while it is open)."""
+    begin, end = entry["data_offsets"]
+    buffer = scratch[: end - begin]
+    shard.seek(data_start + begin)
+    if shard.readinto(buffer.numpy()) != end - begin:
+        raise ConfigError(f"cannot read {path}: {name} is cut short (the file is truncated)")
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise ConfigError(f"{path}: {name} has dtype {entry['dtype']}, which this loader does not read")
+    return buffer.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def load_transformer(
