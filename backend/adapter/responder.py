@@ -48,7 +48,6 @@ class TritonResponder:
         self.arrival = time.perf_counter()
         self.last_block: float | None = None
         self.closed = False
-        self._lock = threading.Lock()
         metrics.streams_open.increment(1)
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
@@ -86,7 +85,7 @@ class TritonResponder:
 
     def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> bool:
         """Send unless the stream is closed; returns whether it was sent."""
-        with self.process_lock, self._lock:
+        with self.process_lock:
             if self.closed:
                 return False
             self.closed = bool(flags & FINAL)

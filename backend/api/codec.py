@@ -12,10 +12,14 @@ from .errors import InputError
 from .request import Controls, SessionRequest, StepRequest
 
 
+def _keys_array(keys: str) -> np.ndarray:
+    return np.array([(keys or NO_KEYS).encode("utf-8")], dtype=np.object_)
+
+
 def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
     """The input arrays of one block's camera."""
     if controls.keys is not None:
-        return {c.ACTION: np.array([(controls.keys or NO_KEYS).encode("utf-8")], dtype=np.object_)}
+        return {c.ACTION: _keys_array(controls.keys)}
     return {c.CAMERA_POSES: np.ascontiguousarray(controls.poses, dtype=np.float32)}
 
 
@@ -26,7 +30,7 @@ def request_arrays(request: SessionRequest) -> dict[str, np.ndarray]:
         c.PROMPT: np.array([request.prompt.encode("utf-8")], dtype=np.object_),
         c.CAMERA_POSES: request.poses,
         c.CAMERA_INTRINSICS: request.intrinsics,
-        c.ACTION: None if request.keys is None else np.array([(request.keys or NO_KEYS).encode()], dtype=np.object_),
+        c.ACTION: None if request.keys is None else _keys_array(request.keys),
         c.NUM_FRAMES: None if request.num_frames is None else [request.num_frames],
         c.SEED: [request.seed],
         c.HEIGHT: [request.height],

@@ -15,7 +15,7 @@ import torch
 
 from ..api.controls import integrate
 from ..api.request import BLOCK_VIDEO_FRAMES, FIRST_BLOCK_VIDEO_FRAMES, Controls
-from ..model.camera import framewise_deltas, interpolate_poses, normalise_translations, se3_inverse
+from ..model.camera import framewise_deltas, interpolate_poses, normalise_translations, se3_inverse, translation_scale
 
 
 class CameraTrack:
@@ -80,7 +80,7 @@ class CameraTrack:
             deltas = deltas[1:]
         self.last_motion = np.linalg.inv(window[-2].astype(np.float64)) @ window[-1].astype(np.float64)
         self.last_latent, self.last_video = relative[-1], video_poses[-1]
-        self.running_scale = max(self.running_scale, float(torch.norm(deltas[:, :3, 3], dim=-1).max()))
+        self.running_scale = max(self.running_scale, translation_scale(deltas))
         scale = self.running_scale if self.fixed_scale is None else self.fixed_scale
         return normalise_translations(deltas, scale)
 

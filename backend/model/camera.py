@@ -173,13 +173,6 @@ def normalise_translations(poses: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
-def clip_poses(c2ws: np.ndarray | torch.Tensor, latent_frames: int) -> torch.Tensor:
-    """The model's poses of a whole clip, in the reference's order: one per latent frame (interpolated),
-    relative to the first, frame to frame, translations divided by the clip's largest norm."""
-    poses = framewise_deltas(relative_to_first(interpolate_poses(c2ws, latent_frames)))
-    return normalise_translations(poses, translation_scale(poses))
-
-
 def pixel_directions(K: torch.Tensor, height: int, width: int, dtype=torch.float32) -> torch.Tensor:
     """Unit camera-space ray directions for pixel centres (+0.5): [H*W, 3]."""
     ys = torch.arange(height, dtype=dtype) + 0.5

@@ -230,20 +230,16 @@ class GroupCoordinator:
 
     def _apply(self, plan: Plan) -> None:
         for sid, message in plan.rejects:
-            if (responder := self.responders.pop(sid, None)) is not None:
-                self.writer.error(responder, message)
+            self._reply_last(sid, message)
         for sid in plan.cancels:
             self._end(sid, "cancelled")
-            if (responder := self.responders.pop(sid, None)) is not None:
-                self.writer.finish(responder)
+            self._reply_last(sid)
         for sid, message in plan.expired:
             self._end(sid, "expired", message)
-            if (responder := self.responders.pop(sid, None)) is not None:
-                self.writer.error(responder, message)
+            self._reply_last(sid, message)
         for sid in plan.ends:
             self._end(sid, "ended by its client")
-            if (responder := self.responders.pop(sid, None)) is not None:
-                self.writer.finish(responder)
+            self._reply_last(sid)
         if plan.opens:
             self._open_all(plan.opens)
         if not plan.batch:
@@ -273,8 +269,15 @@ class GroupCoordinator:
                 failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else messages.open_failed(exc)
         for sid, message in self._agree(failed).items():  # a session failed on any rank is dropped on all
             self._end(sid, "rejected")
-            if (responder := self.responders.pop(sid, None)) is not None:
-                self.writer.error(responder, message)
+            self._reply_last(sid, message)
+
+    def _reply_last(self, sid: str, error: str | None = None) -> None:
+        """This rank's stream of a session that ended: answered with `error`, or closed without data."""
+        if (responder := self.responders.pop(sid, None)) is not None:
+            if error is None:
+                self.writer.finish(responder)
+            else:
+                self.writer.error(responder, error)
 
     def _agree(self, failed: dict[str, str]) -> dict[str, str]:
         """The union of every rank's failures (a collective: every rank calls it for the same opens)."""
