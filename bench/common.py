@@ -121,7 +121,8 @@ class RankResult:
     attention: str
     block_ms: list[float]  # run_block wall time (DiT forwards + all-to-all) per block
     a2a_bytes: list[int]  # bytes this rank sent by all-to-all, per block
-    request_s: float  # open_session .. last block decoded (rank 0 decodes, as the serving rank does)
+    decode_ms: list[float]  # this rank's VAE decode per block (its band of rows with split_decode)
+    request_s: float  # open_session .. last block decoded (every rank its band, rank 0 the frames)
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
 
 
@@ -135,8 +136,13 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
             pass
     start = time.perf_counter()
     with engine.session(request) as session:
-        # Rank 0 decodes, as the serving rank does; the others wait for it in the next block's first all-to-all.
-        outputs = [out for out, _ in engine.blocks(session, decode=sp.rank == 0)]
+        # Every rank decodes its band of each block (split_decode); rank 0 gets the frames, as an owner does.
+        outputs, decode_ms = [], []
+        for out in (out for out, _ in engine.blocks(session, decode=False)):
+            outputs.append(out)
+            begin = time.perf_counter()
+            engine.decode(session, out)
+            decode_ms.append((time.perf_counter() - begin) * 1000.0)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -144,6 +150,7 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
         attention=engine.attention_name,
         block_ms=[o.dit_ms for o in outputs],
         a2a_bytes=[o.all_to_all_bytes for o in outputs],
+        decode_ms=decode_ms,
         request_s=time.perf_counter() - start,
         peak_cuda_bytes=torch.cuda.max_memory_allocated(engine.device) if cuda else None,
     )
@@ -221,6 +228,7 @@ def sp_table(results: dict[int, list[RankResult]]) -> str:
     rows.append(["mean block (ms)", *[f"{statistics.fmean(lead[sp].block_ms):.1f}" for sp in degrees]])
     rows.append([f"speedup vs SP{degrees[0]} (mean block)",
                  *[f"{base_mean / statistics.fmean(lead[sp].block_ms):.2f}x" for sp in degrees]])
+    rows.append(["VAE decode per block, mean (ms)", *[f"{statistics.fmean(lead[sp].decode_ms):.1f}" for sp in degrees]])
     rows.append(["whole request (s)", *[f"{lead[sp].request_s:.2f}" for sp in degrees]])
     rows.append([f"speedup vs SP{degrees[0]} (request)", *[f"{base_request / lead[sp].request_s:.2f}x" for sp in degrees]])
     rows.append(["all-to-all sent per rank per block", *[_a2a_cell(results[sp]) for sp in degrees]])

@@ -5,6 +5,7 @@ import numpy as np
 
 from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
+from backend.model.vae import StreamingVae
 from backend.parallel.sequence import SequenceParallel
 from backend.api.request import SessionRequest
 
@@ -23,6 +24,9 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest)
             "self_v": [v[:, :n].float().numpy() for v in session.cache.values],
             "text_k": [k.float().numpy() for k in session.text.keys],
             "text_v": [v.float().numpy() for v in session.text.values],
+            # condition chunks this rank's VAE encoder ran (None: it holds no encoder)
+            "condition_chunks": session.condition.stats["encoded"] if session.condition is not None else None,
+            "vae_encoder": engine.vae.vae.encoder is not None,
         }
 
 
@@ -31,3 +35,20 @@ def prompt_states(sp: SequenceParallel, config: EngineConfig, prompts: list[str]
     engine = WorldModelEngine.load(config, sp)
     states = [engine.prompts.states(p).float().numpy() for p in prompts]
     return {"states": states, "has_encoder": engine.prompts.encoder is not None, "encoded": engine.prompts.encoded}
+
+
+def split_decode(sp: SequenceParallel, config: EngineConfig, request: SessionRequest) -> dict:
+    """A session's blocks decoded split across the ranks (frames on rank 0), and on rank 0 the same latents
+    decoded whole by a VAE without a decode group."""
+    engine = WorldModelEngine.load(config, sp)
+    whole = StreamingVae(engine.vae.vae, engine.device)  # the same weights; no group: whole frames
+    whole_state = whole.new_decode_state()
+    with engine.session(request) as session:
+        shared = engine.shares_decode(session)
+        blocks = []
+        for out, frames in engine.blocks(session):
+            if sp.rank == 0:
+                blocks.append((frames, whole.decode_block(out.latents, whole_state)))
+            else:
+                assert frames is None
+    return {"shared": shared, "blocks": blocks}

@@ -62,10 +62,10 @@ def test_streams_complete_in_order(coordinator: GroupCoordinator) -> None:
 def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monkeypatch) -> None:
     real_open = coordinator.engine.open_session
 
-    def open_session(request, session_id=None):
+    def open_session(request, session_id=None, owner=0):
         if request.seed == 13:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real_open(request, session_id)
+        return real_open(request, session_id, owner)
 
     monkeypatch.setattr(coordinator.engine, "open_session", open_session)
     bad, good = RecordingResponder(), RecordingResponder()

@@ -38,6 +38,15 @@ def test_latents_match_single_rank(rollouts: dict[int, list[dict]], sp: int) -> 
 
 
 @pytest.mark.parametrize("sp", [2, 4])
+def test_condition_is_encoded_once_and_shared(rollouts: dict[int, list[dict]], sp: int) -> None:
+    """Rank 0 encodes the first-frame condition (as SP1 does) and broadcasts it; the others hold no VAE
+    encoder, and their latents still match SP1's (test above)."""
+    single, ranks = rollouts[1][0], rollouts[sp]
+    assert ranks[0]["vae_encoder"] and ranks[0]["condition_chunks"] == single["condition_chunks"] > 0
+    assert all(r["condition_chunks"] is None and not r["vae_encoder"] for r in ranks[1:])
+
+
+@pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("kind", ["text_k", "text_v", "self_k", "self_v"])
 def test_cache_shards_are_head_slices(rollouts: dict[int, list[dict]], sp: int, kind: str) -> None:
     local = HEADS // sp

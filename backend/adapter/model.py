@@ -62,7 +62,7 @@ class TritonPythonModel:
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
                             limits.init_timeout_s, limits.collective_timeout_s)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
-        self.engine = WorldModelEngine(spec, SequenceParallel(groups.data))
+        self.engine = WorldModelEngine(spec, SequenceParallel(groups.data, groups.decode))
         if world > 1:
             dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
         doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \

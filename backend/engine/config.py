@@ -33,4 +33,5 @@ class EngineConfig:
     default_height: int = 480  # the resolution checked at start-up; requests may ask for others
     default_width: int = 832
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)
+    split_decode: bool = True  # SP ranks share each block's decode, a band of image rows each (else the owner's)
     compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical

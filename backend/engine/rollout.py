@@ -1,7 +1,10 @@
 """The AR-diffusion rollout: sessions advance one block of latent frames at a time on every SP rank.
 
 Every rank calls `open_session`, `run_block` and `close_session` in the same order with the same
-arguments (the Triton coordinator guarantees it); only the rank that answers a request decodes.
+arguments (the Triton coordinator guarantees it). Work that every rank would repeat is done once: the
+prompt and the first-frame condition are encoded on ENCODER_RANK and broadcast. A block's decode is split
+by image rows across the ranks (every rank calls `decode` for the same blocks in the same order) and its
+frames come back on the session's owner, the rank that answers its request.
 """
 from __future__ import annotations
 
@@ -43,10 +46,11 @@ class Session:
     generator: torch.Generator
     camera: CameraTrack
     planned: list[np.ndarray]  # a whole trajectory's video poses per block; empty for a steered session
-    condition: ConditionState  # the first-frame condition's encoder, one block ahead at most
+    condition: ConditionState | None  # the first-frame condition's encoder (on ENCODER_RANK only)
     text: TextCache
     cache: SelfAttentionCache
     decode_state: DecodeState | None
+    owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
     block_index: int = 0
     ended: bool = False  # a steered session's last block has run
 
@@ -94,7 +98,8 @@ class EngineParts:
 
     transformer: LingBotTransformer
     prompts: PromptStates | None  # only where it runs (ENCODER_RANK)
-    vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode and block decode
+    vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode (on
+    # ENCODER_RANK; the other ranks drop its encoder) and block decode
 
 
 def load_parts(spec: EngineSpec, rank: int) -> EngineParts:
@@ -131,8 +136,11 @@ class WorldModelEngine:
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
                                      (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
-        self.vae = StreamingVae(parts.vae, self.device)
-        self.conditions = StreamingConditionEncoder(parts.vae)
+        self.vae = StreamingVae(parts.vae, self.device, self.sp.decode_group if config.split_decode else None)
+        # The first-frame condition is encoded on ENCODER_RANK and broadcast, like the prompt.
+        self.conditions = StreamingConditionEncoder(parts.vae) if self.sp.rank == ENCODER_RANK else None
+        if self.conditions is None:
+            parts.vae.encoder = None  # never runs here
         steps = config.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
@@ -157,7 +165,8 @@ class WorldModelEngine:
         return geometry
 
     @torch.no_grad()
-    def open_session(self, request: SessionRequest, session_id: str | None = None) -> Session:
+    def open_session(self, request: SessionRequest, session_id: str | None = None, owner: int = 0) -> Session:
+        """owner: the rank that answers the request (its decoded frames come back there)."""
         geometry = self.validate(request)
         tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
@@ -182,10 +191,12 @@ class WorldModelEngine:
             camera=(CameraTrack(request.camera_intrinsics()) if request.steered
                     else CameraTrack.whole(request.poses, request.camera_intrinsics())),
             planned=[] if request.steered else split_blocks(request.poses),
-            condition=self.conditions.start(prepare_image(image, request.height, request.width)),
+            condition=(self.conditions.start(prepare_image(image, request.height, request.width))
+                       if self.conditions is not None else None),
             text=text,
             cache=cache,
             decode_state=self.vae.new_decode_state() if self.config.decode_frames and request.decode else None,
+            owner=owner,
         )
 
     # -- rollout ----------------------------------------------------------------------------------
@@ -209,7 +220,7 @@ class WorldModelEngine:
         for s in sessions:
             s.cache.make_room()
         ctx = self._context(sessions, starts, geometry)
-        condition = torch.cat([self._condition(s, f, geometry) for s, f in zip(sessions, starts)])
+        condition = self._conditions(sessions, starts, geometry)
         fold = self.ckpt.vae.spatial_factor
         steps = [controls[s.id] if s.steered else BlockControls(None) for s in sessions]
         camera = torch.stack([
@@ -254,11 +265,16 @@ class WorldModelEngine:
             )
         return outputs
 
-    def decode(self, session: Session, output: BlockOutput) -> np.ndarray:
-        """uint8 frames [n, H, W, 3] of one block (in block order); empty when the session does not decode."""
+    def shares_decode(self, session: Session) -> bool:
+        """Whether every rank takes part in decoding the session's blocks (else only its owner decodes)."""
+        return session.decode_state is not None and self.vae.splits(session.geometry.latent_height)
+
+    def decode(self, session: Session, output: BlockOutput) -> np.ndarray | None:
+        """uint8 frames [n, H, W, 3] of one block (in block order) on the session's owner; empty when the
+        session does not decode; None on a rank that only helped (see `shares_decode`)."""
         if session.decode_state is None:
             return _no_frames(session)
-        return self.vae.decode_block(output.latents, session.decode_state)
+        return self.vae.decode_block(output.latents, session.decode_state, session.owner)
 
     def close_session(self, session: Session) -> None:
         """Drop the session's KV caches now (they are large). Its decode state stays until the session
@@ -267,7 +283,8 @@ class WorldModelEngine:
         session.cache.values.clear()
         session.text.keys.clear()
         session.text.values.clear()
-        session.condition.feature_cache = session.condition.previous = None
+        if session.condition is not None:
+            session.condition.feature_cache = session.condition.previous = None
 
     @contextlib.contextmanager
     def session(self, request: SessionRequest, session_id: str | None = None) -> Iterator[Session]:
@@ -278,8 +295,9 @@ class WorldModelEngine:
         finally:
             self.close_session(session)
 
-    def blocks(self, session: Session, decode: bool = True) -> Iterator[tuple[BlockOutput, np.ndarray]]:
-        """The session's remaining blocks, one at a time, each with its decoded frames (empty without decode).
+    def blocks(self, session: Session, decode: bool = True) -> Iterator[tuple[BlockOutput, np.ndarray | None]]:
+        """The session's remaining blocks, one at a time, each with its decoded frames (empty without decode;
+        None on a rank that helped decode another's frames). Every rank of a group calls it alike.
 
         The one rollout loop of tests and benchmarks; the serving loop batches sessions instead.
         """
@@ -294,12 +312,18 @@ class WorldModelEngine:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _condition(self, session: Session, first_frame: int, g: VideoGeometry) -> torch.Tensor:
-        """[1, 4 + z, block_frames, h, w]: the mask and the condition latents of the session's next block."""
+    def _conditions(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> torch.Tensor:
+        """[B, 4 + z, block_frames, h, w]: the masks and condition latents of the sessions' next block,
+        encoded on ENCODER_RANK and broadcast (one broadcast per block for the whole batch)."""
         bf = g.block_frames
-        latents = self.conditions.encode_next(session.condition, bf).float()
-        mask = condition_mask(first_frame, bf, g.latent_height, g.latent_width, self.device)
-        return torch.cat([mask, latents], dim=1)
+        if self.conditions is not None:
+            latents = torch.cat([self.conditions.encode_next(s.condition, bf) for s in sessions]).float()
+        else:
+            shape = (len(sessions), self.ckpt.vae.z_dim, bf, g.latent_height, g.latent_width)
+            latents = torch.empty(shape, device=self.device)
+        latents = self.sp.broadcast(latents.contiguous(), src=ENCODER_RANK)
+        masks = torch.cat([condition_mask(f, bf, g.latent_height, g.latent_width, self.device) for f in starts])
+        return torch.cat([masks, latents], dim=1)
 
     def _context(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> ForwardContext:
         head_dim = self.ckpt.transformer.head_dim

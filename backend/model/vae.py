@@ -1,4 +1,5 @@
-"""Wan VAE decode: each AR block decoded causally, as it is produced, with a per-session feature cache."""
+"""Wan VAE decode: each AR block decoded causally, as it is produced, with a per-session feature cache;
+split by image rows across the ranks of a decode group when there is one (see split_decoder)."""
 from __future__ import annotations
 
 import contextlib
@@ -6,21 +7,28 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+from ..parallel.rows import RowBands
+from .split_decoder import SplitDecoder
 
 
 @dataclass
 class DecodeState:
     """The causal decoder's per-session feature cache: blocks decoded one after another stream seamlessly."""
 
-    feature_cache: list
+    feature_cache: list  # of this rank's band of rows when the decode is split
     decoded_latent_frames: int = 0
 
 
 class StreamingVae:
-    def __init__(self, vae: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, vae: torch.nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        """group: the ranks that share each block's decode (see RowBands); None decodes whole frames."""
         self.vae = vae
         self.device = device
+        self.group = group
+        self.split = SplitDecoder(vae.decoder) if group is not None else None
         z = vae.config.z_dim
         self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
         self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
@@ -35,12 +43,27 @@ class StreamingVae:
     def new_decode_state(self) -> DecodeState:
         return DecodeState(feature_cache=[None] * self._conv_count)
 
+    def splits(self, latent_rows: int) -> bool:
+        """Whether blocks of this height are decoded in bands: every rank needs at least one latent row."""
+        return self.group is not None and latent_rows >= dist.get_world_size(self.group)
+
     @torch.no_grad()
-    def decode_block(self, latents: torch.Tensor, state: DecodeState) -> np.ndarray:
-        """Normalised latents [1, z, F, h, w] of the next block -> uint8 frames [n, H, W, 3]."""
+    def decode_block(self, latents: torch.Tensor, state: DecodeState, owner: int = 0) -> np.ndarray | None:
+        """Normalised latents [1, z, F, h, w] of the next block -> uint8 frames [n, H, W, 3] on rank `owner`.
+
+        With a decode group every rank calls it for the same blocks in the same order; each decodes its
+        band, and the frames come back on `owner` (None on the others). Without one it decodes alone.
+        """
+        bands = RowBands(self.group, latents.shape[-2]) if self.splits(latents.shape[-2]) else None
+        if bands is None and self.group is not None and dist.get_rank(self.group) != owner:
+            return None  # too few rows to split: the owner decodes alone
         side = torch.cuda.stream(self._decode_stream) if self._decode_stream else contextlib.nullcontext()
-        with side:
-            x = self.vae.post_quant_conv((latents.to(self.device).float() * self.std + self.mean).to(self.dtype))
+        split = self.split.bands(bands) if bands is not None else contextlib.nullcontext()
+        with side, split:
+            x = latents.to(self.device).float()
+            if bands is not None:
+                x = bands.local(x)
+            x = self.vae.post_quant_conv((x * self.std + self.mean).to(self.dtype))
             outs = []
             for i in range(x.shape[2]):
                 outs.append(
@@ -52,6 +75,10 @@ class StreamingVae:
                     )
                 )
                 state.decoded_latent_frames += 1
-            video = torch.cat(outs, dim=2).clamp(-1.0, 1.0)[0]  # [3, n, H, W]
-            frames = ((video.float() + 1.0) * 127.5).round().to(torch.uint8)
-            return frames.permute(1, 2, 3, 0).cpu().numpy()  # .cpu() waits for the side stream
+            video = torch.cat(outs, dim=2).clamp(-1.0, 1.0)[0]  # [3, n, H or band, W]
+            frames = ((video.float() + 1.0) * 127.5).round().to(torch.uint8).cpu()  # .cpu() waits for the stream
+        if bands is not None:
+            frames = bands.gather(frames, owner)
+            if frames is None:
+                return None
+        return frames.permute(1, 2, 3, 0).numpy()

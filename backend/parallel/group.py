@@ -20,6 +20,7 @@ class GroupHandles:
 
     data: dist.ProcessGroup | None  # the SP exchanges: NCCL on GPU, gloo on CPU
     control: dist.ProcessGroup | None  # small control messages: always gloo
+    decode: dist.ProcessGroup | None  # the split VAE decode's rows (parallel/rows): always gloo
 
 
 def join_group(
@@ -35,12 +36,13 @@ def join_group(
     peer is detected in bounded time. The control group gets half of it: an idle group exchanges at least
     every half timeout (its heartbeat), so a peer that hangs while idle is found within the whole one."""
     if world_size == 1:
-        return GroupHandles(None, None)
+        return GroupHandles(None, None, None)
     init_process_group(rank, world_size, host, port, backend, init_timeout_s)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     return GroupHandles(
         data=dist.new_group(backend=backend, timeout=timeout),
         control=dist.new_group(backend="gloo", timeout=timeout / 2),
+        decode=dist.new_group(backend="gloo", timeout=timeout),
     )
 
 

@@ -29,7 +29,7 @@ def _rank_main(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         groups = join_group(rank, world, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600)
-        sp = SequenceParallel(groups.data)
+        sp = SequenceParallel(groups.data, groups.decode)
         results.put((rank, fn(sp, *args), None))
     except BaseException:  # report every failure to the parent instead of hanging it
         results.put((rank, None, traceback.format_exc()))

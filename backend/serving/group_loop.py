@@ -2,9 +2,9 @@
 
 A rank that receives a request keeps its responder, rings the doorbell and shares the request at the
 next block boundary (control_plane); every rank plans the same plan from the same events with its own
-scheduler; every rank opens, runs and closes the same sessions in the same order; the owning rank decodes
-and sends each block's response from a writer thread so the group does not wait for the VAE. An idle
-group blocks on the doorbell.
+scheduler; every rank opens, runs and closes the same sessions in the same order. Each rank's writer thread
+decodes its band of every block (in plan order, so the ranks meet in the same decodes) while the group runs
+the next block; the owning rank sends the frames. An idle group blocks on the doorbell.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class GroupCoordinator:
         self.control = ControlPlane(self.world, control_group, doorbell or LocalDoorbell(),
                                     heartbeat_s=limits.collective_timeout_s / 2)
         self.scheduler = Scheduler(limits)  # a copy on every rank: all plan alike from the same events
-        self.writer = ResponseWriter(engine)
+        self.writer = ResponseWriter(engine, on_failure=lambda: self.control.doorbell.ring())
         self.sessions: dict[str, Session] = {}
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
         self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
@@ -93,7 +93,7 @@ class GroupCoordinator:
                 self.steered[request.session_key] = (sid, stream)
                 self.gone.pop(request.session_key, None)
             responder = stream
-        self._inbox.put((Submission(sid, request, geometry.block_shape), responder))
+        self._inbox.put((Submission(sid, request, geometry.block_shape, self.rank), responder))
         self.control.doorbell.ring()
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
             self._refuse_inbox(self._closed_reason)
@@ -134,6 +134,8 @@ class GroupCoordinator:
     def _run(self) -> None:
         try:
             while True:
+                if self.writer.failure is not None:  # a shared decode failed: the ranks no longer agree
+                    raise RuntimeError("a block's shared decode failed") from self.writer.failure
                 rings = self.control.doorbell.count()  # before collecting: a later ring ends the next wait
                 plan = self.scheduler.plan(self.control.exchange(self._collect(), rings))
                 if plan.stop:
@@ -252,7 +254,7 @@ class GroupCoordinator:
             sid = output.session_id
             session = self.sessions[sid]
             responder = self.responders.get(sid)
-            if responder is not None:
+            if responder is not None or self.engine.shares_decode(session):
                 self.writer.block(responder, session, output, final=session.done)
             if session.done:
                 if isinstance(self.responders.pop(sid, None), SteeredStream):
@@ -263,7 +265,7 @@ class GroupCoordinator:
         failed: dict[str, str] = {}
         for sub in subs:
             try:
-                self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id)
+                self.sessions[sub.session_id] = self.engine.open_session(sub.request, sub.session_id, sub.owner)
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
                 log.warning("rank %d: opening session %s failed", self.rank, sub.session_id, exc_info=True)
                 failed[sub.session_id] = str(exc) if isinstance(exc, InputError) else messages.open_failed(exc)

@@ -1,4 +1,5 @@
-"""Each rank's writer thread: decodes its sessions' blocks and sends them, in order, off the group loop."""
+"""Each rank's writer thread: decodes blocks (its sessions', and its band of every shared decode) and sends
+its own, in order, off the group loop."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from ..engine.rollout import BlockOutput, Session, WorldModelEngine
-from .messages import DECODE_FAILED
+from .messages import DECODE_FAILED, GROUP_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -31,27 +32,45 @@ class Responder(Protocol):
 class ResponseWriter:
     """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
 
-    def __init__(self, engine: WorldModelEngine) -> None:
+    def __init__(self, engine: WorldModelEngine, on_failure: Callable[[], None] = lambda: None) -> None:
+        """on_failure: called when a shared decode fails (the group loop must wake and fail)."""
         self.engine = engine
+        self.on_failure = on_failure
         self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
-        self._queue: queue.SimpleQueue[tuple[Responder, Callable[[], None]] | None] = queue.SimpleQueue()
+        self.failure: Exception | None = None  # a shared decode failed: its ranks' exchanges are out of step
+        # (responder, task, the error its stream gets if the task fails); None stops the thread
+        self._queue: queue.SimpleQueue[tuple[Responder | None, Callable[[], None], str | None] | None] = (
+            queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
         self._thread.start()
 
-    def block(self, responder: Responder, session: Session, output: BlockOutput, final: bool) -> None:
+    def block(self, responder: Responder | None, session: Session, output: BlockOutput, final: bool) -> None:
+        """Decode a block (this rank's band when the decode is shared) and send it if this rank answers it."""
+        shared = self.engine.shares_decode(session)
+
         def send() -> None:
             start = time.perf_counter()
-            frames = self.engine.decode(session, output)
-            responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
-            self.delivered[session.id] = output.block_index + 1
+            if shared and self.failure is not None:  # the group is failing: do not wait on its exchanges again
+                raise RuntimeError("an earlier shared decode failed") from self.failure
+            try:
+                frames = self.engine.decode(session, output)
+            except Exception as exc:
+                if shared:  # the other ranks wait in this decode's exchanges: the group must fail
+                    self.failure = exc
+                    self.on_failure()
+                raise
+            if responder is not None:
+                responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
+                self.delivered[session.id] = output.block_index + 1
 
-        self._queue.put((responder, send))
+        # A shared decode fails with its group (a peer died, or left the exchanges): say so to the client.
+        self._queue.put((responder, send, GROUP_FAILED if shared else DECODE_FAILED))
 
     def error(self, responder: Responder, message: str) -> None:
-        self._queue.put((responder, lambda: responder.send_error(message)))
+        self._queue.put((responder, lambda: responder.send_error(message), None))
 
     def finish(self, responder: Responder) -> None:
-        self._queue.put((responder, responder.finish))
+        self._queue.put((responder, responder.finish, None))
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._queue.put(None)
@@ -59,12 +78,14 @@ class ResponseWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            responder, task = item
+            responder, task, failed = item
             try:
                 task()
             except Exception:  # one stream's failure must not stop the others
                 log.exception("decoding or sending a response failed")
+                if responder is None:
+                    continue
                 try:  # the stream ends with the error; the loop then sees it closed and drops the session
-                    responder.send_error(DECODE_FAILED)
+                    responder.send_error(failed or DECODE_FAILED)
                 except Exception:
                     log.exception("sending the error response failed too")

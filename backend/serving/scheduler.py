@@ -19,6 +19,7 @@ class Submission:
     session_id: str  # "r{rank that holds the response sender}-{n}": unique in the group
     request: SessionRequest
     block_shape: tuple[int, int]  # VideoGeometry.block_shape: sessions that share it can share a forward
+    owner: int = 0  # the rank that holds the response sender
 
 
 @dataclass
