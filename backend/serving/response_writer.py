@@ -12,6 +12,7 @@ import numpy as np
 
 from ..engine.rollout import BlockOutput, Session, WorldModelEngine
 from .messages import DECODE_FAILED
+from .threads import use_threads
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ class Responder(Protocol):
 class ResponseWriter:
     """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
 
-    def __init__(self, engine: WorldModelEngine) -> None:
+    def __init__(self, engine: WorldModelEngine, threads: int | None = None) -> None:
         self.engine = engine
+        self.threads = threads  # torch threads of the decode (see threads.CoreSplit); None: as they are
         self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
         self._queue: queue.SimpleQueue[tuple[Responder, Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
@@ -58,6 +60,7 @@ class ResponseWriter:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        use_threads(self.threads)
         while (item := self._queue.get()) is not None:
             responder, task = item
             try:
