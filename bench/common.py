@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -16,8 +17,10 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.paths import REPO_ROOT
+from backend.launch.server import STUB_THREAD_ENVIRONMENT
 from backend.parallel.local import free_port, run_group
 from backend.parallel.sequence import SequenceParallel
+from backend.serving.threads import instance_cores
 from backend.api.contract import video_frames_for
 from backend.api.request import SessionRequest
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
@@ -156,7 +159,20 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
     )
 
 
-# ---------------------------------------------------------------- NCCL group, one process per GPU
+# ---------------------------------------------------------------- process groups: CPU (gloo), one process per GPU (NCCL)
+
+
+def use_stub_thread_environment() -> None:
+    """Processes spawned from now on (ranks, the direct engine) start with the server stubs' thread settings."""
+    for key, value in STUB_THREAD_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+def run_cpu_group(world: int, fn: Callable[..., Any], args: tuple = ()) -> list:
+    """fn(sp, *args) on `world` processes joined by gloo, each with its share of the cores' torch threads and the
+    stubs' thread settings, as a server's CPU instances run (SP1 gets every core, SPn's ranks share them)."""
+    use_stub_thread_environment()
+    return run_group(world, fn, args, threads=instance_cores(world))
 
 
 def sp_parser(doc: str, default: Workload, preset: str) -> argparse.ArgumentParser:
@@ -177,7 +193,7 @@ def sweep_sp(
     warmup_blocks: int,
     device: str = "cpu",
 ) -> dict[int, list[RankResult]]:
-    """The same request at each SP degree, one group after another; `run` is run_group or run_cuda_group."""
+    """The same request at each SP degree, one group after another; `run` is run_cpu_group or run_cuda_group."""
     request = make_request(w)
     results: dict[int, list[RankResult]] = {}
     for sp in degrees:

@@ -2,16 +2,17 @@
 
     python -m bench.engine [--sp 1 2 4] [--blocks 5] [--preset tiny] [--dtype float32]
 
-Each SP degree runs as its own gloo group (backend.local_group.run_group), one torch thread per rank,
-one after another: a warm-up block, then one timed request. Block times are rank 0's (the rank that
-also decodes, as the serving rank does).
+Each SP degree runs as its own gloo group (bench.common.run_cpu_group), one after another: a warm-up block,
+then one timed request. The ranks share the machine's cores as a server's CPU instances do (torch threads
+per rank = cores // sp, at least 1), so SP1 gets every core. Block times are rank 0's (the rank that also
+decodes, as the serving rank does).
 """
 from __future__ import annotations
 
 import os
 
-from backend.parallel.local import run_group
-from bench.common import TINY, ensure_checkpoint, sp_parser, sp_table, sweep_sp, workload_from_args
+from backend.serving.threads import instance_cores
+from bench.common import TINY, ensure_checkpoint, run_cpu_group, sp_parser, sp_table, sweep_sp, workload_from_args
 
 
 def main() -> None:
@@ -21,9 +22,10 @@ def main() -> None:
     cores = os.cpu_count()
     print(f"checkpoint {checkpoint} ({args.preset if args.checkpoint is None else 'given'}), {w.height}x{w.width}, "
           f"{w.num_frames} frames = {w.blocks} blocks, {w.dtype}, window {w.window_frames}, sink {w.sink_frames}")
-    print(f"CPU, gloo: torch threads = 1 per rank so SP ranks don't oversubscribe each other "
-          f"({cores} cores: SP ranks > {cores} share cores)", flush=True)
-    print(sp_table(sweep_sp(args.sp, run_group, checkpoint, w, args.warmup_blocks)))
+    threads = ", ".join(f"SP{sp} {sp} x {instance_cores(sp)}" for sp in args.sp)
+    print(f"CPU, gloo, {cores} cores shared by the ranks: torch threads per rank = cores // sp ({threads})"
+          + (f"; SP ranks > {cores} oversubscribe the cores" if max(args.sp) > cores else ""), flush=True)
+    print(sp_table(sweep_sp(args.sp, run_cpu_group, checkpoint, w, args.warmup_blocks)))
 
 
 if __name__ == "__main__":

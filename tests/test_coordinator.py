@@ -1,13 +1,17 @@
-"""The group loop with one rank and recording responders: streams, per-session failures, cancellation."""
+"""The group loop with one rank and recording responders: streams, per-session failures, cancellation,
+its threads' torch threads and the control plane's CPU."""
 from __future__ import annotations
 
 import threading
 
 import numpy as np
 import pytest
+import torch
 
 from backend.serving.config import ServingConfig
 from backend.serving.group_loop import GroupCoordinator
+from backend.serving.loop_cpu import LoopCpu
+from backend.serving.threads import CoreSplit
 from backend.engine.rollout import BlockOutput, WorldModelEngine
 from factories import tiny_request
 from polling import wait_until
@@ -107,3 +111,39 @@ def test_cancelled_stream_is_dropped(coordinator: GroupCoordinator) -> None:
     wait([responder])
     assert len(responder.blocks) < 11 and responder.error is None
     assert not coordinator.sessions
+
+
+def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_cpu(engine: WorldModelEngine,
+                                                                                   monkeypatch) -> None:
+    seen: dict[str, set[int]] = {"dit": set(), "decode": set()}
+    real_run, real_decode = engine.run_block, engine.decode
+
+    def run_block(sessions, controls=None):
+        seen["dit"].add(torch.get_num_threads())
+        return real_run(sessions, controls)
+
+    def decode(session, output):
+        seen["decode"].add(torch.get_num_threads())
+        return real_decode(session, output)
+
+    monkeypatch.setattr(engine, "run_block", run_block)
+    monkeypatch.setattr(engine, "decode", decode)
+    reports: list[tuple[float, int]] = []
+    failures: list[BaseException] = []
+    before = torch.get_num_threads()
+    group = GroupCoordinator(engine, ServingConfig(max_sessions=2), None, on_failure=failures.append,
+                             threads=CoreSplit(dit=1, decode=2), cpu=LoopCpu(lambda s, n: reports.append((s, n))))
+    try:
+        responder = RecordingResponder()
+        group.submit(tiny_request(decode=True, num_frames=21), responder)
+        wait([responder])
+    finally:
+        group.stop()
+        torch.set_num_threads(before)  # torch's count is also the default of threads that start later
+    assert not failures and responder.blocks == [0, 1] and seen == {"dit": {1}, "decode": {2}}
+    assert [n for _, n in reports] == [1, 1] and all(0.0 <= s < 5.0 for s, _ in reports) and reports[0][0] > 0.0
+
+
+@pytest.mark.parametrize(("cores", "dit", "decode"), [(1, 1, 1), (2, 1, 1), (3, 1, 2), (16, 8, 8)])
+def test_core_split_adds_up_to_the_instance_cores(cores: int, dit: int, decode: int) -> None:
+    assert CoreSplit.of(cores) == CoreSplit(dit=dit, decode=decode)

@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.api import contract
 from backend.engine.rollout import WorldModelEngine
+from backend.launch.server import STUB_THREAD_ENVIRONMENT
 from client.stream import StreamError, StreamingSession, StreamRequest, request_inputs, run_sessions
 from factories import forward_poses, tiny_request
 from polling import wait_until
@@ -201,3 +202,11 @@ def test_prometheus_metrics_count_streams(server) -> None:
     assert delta("lingbot_world_block_dit_seconds_count") == 3
     assert delta("lingbot_world_stream_errors_total") == 1
     assert after["lingbot_world_streams_open"] == 0
+    assert delta("lingbot_world_blocks_run_total") == 3
+    assert 0.0 < delta("lingbot_world_loop_cpu_seconds_total") < 3.0  # the control plane's, outside run_block
+
+
+def test_backend_stub_starts_with_the_thread_environment(server) -> None:
+    (pid,) = server.stub_pids().values()
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    assert all(environ.get(key) == value for key, value in STUB_THREAD_ENVIRONMENT.items())

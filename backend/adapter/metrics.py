@@ -23,8 +23,12 @@ class StreamMetrics:
                    family.HISTOGRAM),
             family("lingbot_world_held_blocks_total", "steered blocks run on held controls (late steps)",
                    family.COUNTER),
+            family("lingbot_world_blocks_run_total", "session blocks this rank computed (every rank runs every block)",
+                   family.COUNTER),
+            family("lingbot_world_loop_cpu_seconds_total",
+                   "CPU of the group loop's thread outside run_block (the control plane)", family.COUNTER),
         ]
-        blocks, errors, streams, first, inter, dit, step, held = self._families
+        blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu = self._families
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
@@ -33,3 +37,10 @@ class StreamMetrics:
         self.block_dit = dit.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.step_latency = step.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.held_blocks = held.Metric(labels=labels)
+        self.blocks_run = run.Metric(labels=labels)
+        self.loop_cpu = loop_cpu.Metric(labels=labels)
+
+    def loop_block(self, cpu_s: float, blocks: int) -> None:
+        """The group loop's report before each run_block (serving.loop_cpu.Report)."""
+        self.loop_cpu.increment(cpu_s)
+        self.blocks_run.increment(blocks)

@@ -22,6 +22,8 @@ from ..parallel.group import join_group, leave_group
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
 from ..serving.group_loop import GroupCoordinator
+from ..serving.loop_cpu import LoopCpu
+from ..serving.threads import CoreSplit, instance_cores
 from .metrics import StreamMetrics
 from .responder import TritonLogHandler, TritonResponder
 from .placement import instance_rank
@@ -49,14 +51,16 @@ class TritonPythonModel:
             )
         # Fail fast, alone, before waiting for peers or reading weights.
         spec = checked_spec(engine_config, world)
+        threads = None
         if on_gpu:
             torch.cuda.set_device(device)
             # On an NCCL timeout abort the communicators but keep the process, so the loop's next
             # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
-            local_instances = world // limits.host_count  # share this host's cores among its own instances
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_instances))
+            cores = instance_cores(world // limits.host_count)  # this host's cores shared among its own instances
+            torch.set_num_threads(cores)  # this thread's (loading); the loop and the writer set their own
+            threads = CoreSplit.of(cores)
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
@@ -68,8 +72,9 @@ class TritonPythonModel:
         doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, limits, groups.control, on_failure=self._on_group_failure,
-                                            doorbell=doorbell)
-        log.info("rank %d/%d ready (attention: %s)", rank, world, self.engine.attention_name)
+                                            doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block))
+        log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
+                 f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 
     def execute(self, requests: list) -> None:
         with TritonResponder.process_lock:  # no response is sent while the stub is in here (see responder)

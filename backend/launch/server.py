@@ -24,6 +24,12 @@ from .wheel import PytritonWheel, find_pytriton_wheel
 _PR_SET_PDEATHSIG = 1
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
 
+# Thread settings the backend stubs need before they import numpy (the Python backend does, before the model), so in
+# the server's environment; a value already set wins. numpy there does 4x4 pose math only, but np.linalg.inv wakes
+# OpenBLAS's thread pool, whose worker then spins on sched_yield for 0.1 s of CPU a call, on the cores the instance's
+# torch threads use (backend/serving/threads.py).
+STUB_THREAD_ENVIRONMENT = {"OPENBLAS_NUM_THREADS": "1"}
+
 
 def _libpython_dir() -> Path | None:
     """The directory holding this interpreter's shared libpython (None for a static build)."""
@@ -117,7 +123,7 @@ class TritonServer:
         # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),
         # and must embed this interpreter's own libpython: a different 3.11 patch release (the system
         # one) fails on the venv's stdlib extensions (`import ssl`: undefined symbol _PyModule_Add).
-        env = dict(os.environ)
+        env = STUB_THREAD_ENVIRONMENT | dict(os.environ)
         libs = [str(_libpython_dir() or ""), str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))

@@ -25,9 +25,11 @@ from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import messages
 from .config import ServingConfig
 from .control_plane import ControlPlane
+from .loop_cpu import LoopCpu
 from .response_writer import Responder, ResponseWriter
 from .scheduler import Plan, RankEvents, Scheduler, StepEvent, Submission
 from .steered_stream import SteeredStream
+from .threads import CoreSplit, use_threads
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class GroupCoordinator:
         control_group: dist.ProcessGroup | None,
         on_failure: Callable[[BaseException], None],
         doorbell: Doorbell | None = None,
+        threads: CoreSplit | None = None,  # torch threads of the loop (DiT) and the writer (decode); None: as they are
+        cpu: LoopCpu | None = None,
     ) -> None:
         self.engine: WorldModelEngine | None = engine
         self.limits = limits
@@ -50,7 +54,10 @@ class GroupCoordinator:
         self.control = ControlPlane(self.world, control_group, doorbell or LocalDoorbell(),
                                     heartbeat_s=limits.collective_timeout_s / 2)
         self.scheduler = Scheduler(limits)  # a copy on every rank: all plan alike from the same events
-        self.writer = ResponseWriter(engine, on_failure=lambda: self.control.doorbell.ring())
+        self.threads = threads
+        self.cpu = cpu or LoopCpu()
+        self.writer = ResponseWriter(engine, threads.decode if threads else None,
+                                     on_failure=lambda: self.control.doorbell.ring())
         self.sessions: dict[str, Session] = {}
         self.responders: dict[str, Responder] = {}  # this rank's requests, waiting or running
         self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
@@ -132,6 +139,8 @@ class GroupCoordinator:
     # -- the loop ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        use_threads(self.threads.dit if self.threads else None)
+        self.cpu.start()
         try:
             while True:
                 if self.writer.failure is not None:  # a shared decode failed: the ranks no longer agree
@@ -250,7 +259,9 @@ class GroupCoordinator:
             if controls.controls is None:
                 log.info("rank %d: block %d of session %s runs on held controls (its step is late)",
                          self.rank, self.sessions[sid].block_index, sid)
-        for output in self.engine.run_block([self.sessions[sid] for sid in plan.batch], plan.controls):
+        with self.cpu.run_block(len(plan.batch)):
+            outputs = self.engine.run_block([self.sessions[sid] for sid in plan.batch], plan.controls)
+        for output in outputs:
             sid = output.session_id
             session = self.sessions[sid]
             responder = self.responders.get(sid)

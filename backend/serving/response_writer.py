@@ -13,6 +13,7 @@ import numpy as np
 
 from ..engine.rollout import BlockOutput, Session, WorldModelEngine
 from .messages import DECODE_FAILED, GROUP_FAILED
+from .threads import use_threads
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,12 @@ class Responder(Protocol):
 class ResponseWriter:
     """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
 
-    def __init__(self, engine: WorldModelEngine, on_failure: Callable[[], None] = lambda: None) -> None:
-        """on_failure: called when a shared decode fails (the group loop must wake and fail)."""
+    def __init__(self, engine: WorldModelEngine, threads: int | None = None,
+                 on_failure: Callable[[], None] = lambda: None) -> None:
+        """threads: torch threads of the decode (see threads.CoreSplit), None leaves them as they are;
+        on_failure: called when a shared decode fails (the group loop must wake and fail)."""
         self.engine = engine
+        self.threads = threads
         self.on_failure = on_failure
         self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
         self.failure: Exception | None = None  # a shared decode failed: its ranks' exchanges are out of step
@@ -77,6 +81,7 @@ class ResponseWriter:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        use_threads(self.threads)
         while (item := self._queue.get()) is not None:
             responder, task, failed = item
             try:
