@@ -9,7 +9,6 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import triton_python_backend_utils as pb_utils
 
 from ..api.codec import parse_request
@@ -64,11 +63,10 @@ class TritonPythonModel:
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
-                            limits.init_timeout_s, limits.collective_timeout_s)
+                            limits.init_timeout_s, limits.collective_timeout_s, engine_config.split_decode)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
         self.engine = WorldModelEngine(spec, SequenceParallel(groups.data, groups.decode))
-        if world > 1:
-            dist.barrier()  # every rank has loaded (under the long start-up timeout) before the loop starts
+        groups.all_arrived("loaded")  # every rank has loaded before the loop starts
         doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, limits, groups.control, on_failure=self._on_group_failure,

@@ -5,7 +5,6 @@ import ctypes
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +17,7 @@ from types import TracebackType
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ..parallel.ports import free_port
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
 
@@ -48,12 +48,6 @@ def _temp_log_path() -> Path:
 def _terminate_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class TritonServer:

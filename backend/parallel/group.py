@@ -7,20 +7,29 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 
-def init_process_group(rank: int, world_size: int, host: str, port: int, backend: str, timeout_s: float) -> None:
-    """Join the default process group through a TCP store that rank 0 hosts at host:port."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+def _all_arrived(store: dist.Store, world_size: int, key: str) -> None:
+    """Wait until every rank has called this with `key`, under the store's own (start-up) timeout."""
+    if store.add(f"lingbot/{key}", 1) == world_size:
+        store.set(f"lingbot/{key}/all", b"1")
+    store.wait([f"lingbot/{key}/all"])
 
 
 @dataclass(frozen=True)
 class GroupHandles:
-    """The groups one rank works with; both None in a group of one."""
+    """The groups one rank works with; all None in a group of one.
 
-    data: dist.ProcessGroup | None  # the SP exchanges: NCCL on GPU, gloo on CPU
+    Each gloo group runs a thread that wakes every 10 ms (gloo's TCP event loop), so an idle CPU instance
+    costs about 0.3 % of a core per gloo group: the default group is the data group, not a fourth one."""
+
+    data: dist.ProcessGroup | None  # the SP exchanges: NCCL on GPU, gloo on CPU (the default group)
     control: dist.ProcessGroup | None  # small control messages: always gloo
-    decode: dist.ProcessGroup | None  # the split VAE decode's rows (parallel/rows): always gloo
+    decode: dist.ProcessGroup | None  # the split VAE decode's rows (parallel/rows): gloo, when the decode is split
+    store: dist.Store | None = None  # the rendezvous store, hosted by rank 0
+
+    def all_arrived(self, key: str) -> None:
+        """A barrier under the long start-up timeout (the groups' own have the short one), e.g. after loading."""
+        if self.store is not None:
+            _all_arrived(self.store, dist.get_world_size(), key)
 
 
 def join_group(
@@ -31,18 +40,24 @@ def join_group(
     backend: str,
     init_timeout_s: float,
     collective_timeout_s: float,
+    split_decode: bool = True,
 ) -> GroupHandles:
-    """Rendezvous under the long start-up timeout; block-time groups get the short one, so a dead or hung
-    peer is detected in bounded time. The control group gets half of it: an idle group exchanges at least
-    every half timeout (its heartbeat), so a peer that hangs while idle is found within the whole one."""
+    """Rendezvous under the long start-up timeout; the groups get the short one, so a dead or hung peer is
+    detected in bounded time. The control group gets half of it: an idle group exchanges at least every half
+    timeout (its heartbeat), so a peer that hangs while idle is found within the whole one. The decode group
+    exists only with `split_decode` (every rank must pass the same)."""
     if world_size == 1:
         return GroupHandles(None, None, None)
-    init_process_group(rank, world_size, host, port, backend, init_timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
+                          timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=True)
+    _all_arrived(store, world_size, "joined")  # every rank is here: connecting needs no long timeout
     timeout = datetime.timedelta(seconds=collective_timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return GroupHandles(
-        data=dist.new_group(backend=backend, timeout=timeout),
+        data=dist.group.WORLD,
         control=dist.new_group(backend="gloo", timeout=timeout / 2),
-        decode=dist.new_group(backend="gloo", timeout=timeout),
+        decode=dist.new_group(backend="gloo", timeout=timeout) if split_decode else None,
+        store=store,
     )
 
 

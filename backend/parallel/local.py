@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import traceback
 from typing import Any
 from collections.abc import Callable
@@ -12,13 +11,8 @@ import torch
 import torch.distributed as dist
 
 from .group import join_group
+from .ports import free_port
 from .sequence import SequenceParallel
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(

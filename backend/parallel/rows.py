@@ -43,10 +43,16 @@ class RowBands:
 
     def halo(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The band with `rows` rows of each neighbour's band above and below; zeros past the image edge
-        (the zero padding the unsplit convolution applies there)."""
-        above = self._from_neighbour(x[..., -rows:, :], source=self.rank - 1, target=self.rank + 1)
-        below = self._from_neighbour(x[..., :rows, :], source=self.rank + 1, target=self.rank - 1)
-        return torch.cat([above, x, below], dim=-2)
+        (the zero padding the unsplit convolution applies there). Both directions travel in one batch."""
+        above, below = (torch.zeros((*x.shape[:-2], rows, x.shape[-1]), dtype=x.dtype) for _ in range(2))
+        ops = []
+        if self.rank > 0:
+            ops += [self._send(x[..., :rows, :], self.rank - 1), self._recv(above, self.rank - 1)]
+        if self.rank < self.degree - 1:
+            ops += [self._send(x[..., -rows:, :], self.rank + 1), self._recv(below, self.rank + 1)]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return torch.cat([above.to(x.device), x, below.to(x.device)], dim=-2)
 
     def all_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's band of the same tensor, stacked into the full height, on every rank."""
@@ -71,17 +77,11 @@ class RowBands:
         factor = self.factor(band)
         return [n * factor for n in self.sizes]
 
-    def _from_neighbour(self, mine: torch.Tensor, source: int, target: int) -> torch.Tensor:
-        """Send `mine` to rank `target` and receive the same-shaped rows from rank `source` (ranks outside
-        the group are the image edge: nothing is sent there, zeros come from there)."""
-        ops, received = [], torch.zeros(mine.shape, dtype=mine.dtype)
-        if 0 <= target < self.degree:
-            ops.append(dist.P2POp(dist.isend, mine.contiguous().cpu(), group=self.group, group_peer=target))
-        if 0 <= source < self.degree:
-            ops.append(dist.P2POp(dist.irecv, received, group=self.group, group_peer=source))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        return received.to(mine.device)
+    def _send(self, rows: torch.Tensor, peer: int) -> dist.P2POp:
+        return dist.P2POp(dist.isend, rows.contiguous().cpu(), group=self.group, group_peer=peer)
+
+    def _recv(self, into: torch.Tensor, peer: int) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, into, group=self.group, group_peer=peer)
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
