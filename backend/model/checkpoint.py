@@ -102,5 +102,6 @@ def load_text_encoder(root: Path, dtype: torch.dtype, device: torch.device) -> t
     transformers_logging.disable_progress_bar()  # no progress bars in the server log
 
     tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-    encoder = UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=dtype)
+    # Eager attention is the reference T5Encoder's math bit for bit (float32 and bfloat16); SDPA, the default, is not.
+    encoder = UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=dtype, attn_implementation="eager")
     return encoder.to(device).eval(), tokenizer

@@ -102,6 +102,9 @@ def write_vae(out: Path, preset: dict, seed: int) -> None:
 def write_text_encoder(root: Path, preset: dict, seed: int) -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its "Writing model shards" bar writes to stderr
 
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

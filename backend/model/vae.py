@@ -31,7 +31,8 @@ class StreamingVae:
         self.split = SplitDecoder(vae.decoder) if group is not None else None
         z = vae.config.z_dim
         self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
-        self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
+        self.inv_std = 1.0 / std  # the reference's scale[1]: it decodes z / (1 / std) + mean, bit for bit
         self._conv_count = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         # Decoding runs on the response writer's thread: a side stream lets it overlap the DiT on GPU.
         self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -63,7 +64,7 @@ class StreamingVae:
             x = latents.to(self.device).float()
             if bands is not None:
                 x = bands.local(x)
-            x = self.vae.post_quant_conv((x * self.std + self.mean).to(self.dtype))
+            x = self.vae.post_quant_conv((x / self.inv_std + self.mean).to(self.dtype))
             outs = []
             for i in range(x.shape[2]):
                 outs.append(
