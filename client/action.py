@@ -2,7 +2,8 @@
 
     DIR/image.jpg        first frame (or image.jpeg / image.png)
     DIR/poses.npy        [N, 4, 4] camera-to-world, OpenCV axes
-    DIR/intrinsics.npy   [N, 4] fx, fy, cx, cy in pixels of image.jpg
+    DIR/intrinsics.npy   [N, 4] fx, fy, cx, cy in pixels of a 480x832 frame, whatever image.jpg's size
+                         (the reference scales them from 480x832 to the output size)
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from client.images import load_image
 IMAGE_NAMES = ("image.jpg", "image.jpeg", "image.png")
 POSES_NAME = "poses.npy"
 INTRINSICS_NAME = "intrinsics.npy"
+INTRINSICS_HW = (480, 832)  # the frame size intrinsics.npy is given for (the reference's get_Ks_transformed)
 
 
 class ActionDirError(ValueError):
@@ -51,7 +53,7 @@ def _load_array(path: Path, row_shape: tuple[int, ...], num_frames: int) -> np.n
 
 
 def load_action_dir(path: str | Path, num_frames: int, height: int, width: int) -> Action:
-    """Load the first `num_frames` poses and intrinsics, the latter rescaled to (height, width)."""
+    """Load the first `num_frames` poses and intrinsics, the latter rescaled from 480x832 to (height, width)."""
     path = Path(path)
     if not path.is_dir():
         raise ActionDirError(f"action directory not found: {path}")
@@ -61,4 +63,4 @@ def load_action_dir(path: str | Path, num_frames: int, height: int, width: int) 
     image = load_image(image_path)
     poses = _load_array(path / POSES_NAME, (4, 4), num_frames)
     intrinsics = _load_array(path / INTRINSICS_NAME, (4,), num_frames)
-    return Action(image, poses, scale_intrinsics(intrinsics, image.shape[:2], (height, width)))
+    return Action(image, poses, scale_intrinsics(intrinsics, INTRINSICS_HW, (height, width)))

@@ -69,7 +69,8 @@ def camera_preset(
 
 
 def scale_intrinsics(intrinsics: np.ndarray, src_hw: tuple[int, int], dst_hw: tuple[int, int]) -> np.ndarray:
-    """Rescale fx, fy, cx, cy from a `src_hw` image to a `dst_hw` one (a plain resize, no crop)."""
-    sy = dst_hw[0] / src_hw[0]
-    sx = dst_hw[1] / src_hw[1]
-    return (np.asarray(intrinsics, dtype=np.float64) * np.array([sx, sy, sx, sy])).astype(np.float32)
+    """Rescale fx, fy, cx, cy from a `src_hw` image to a `dst_hw` one (a plain resize, no crop), in float32 as
+    the reference's get_Ks_transformed does (a float32 tensor times the Python scale factors)."""
+    sy = np.float32(dst_hw[0] / src_hw[0])
+    sx = np.float32(dst_hw[1] / src_hw[1])
+    return np.asarray(intrinsics, dtype=np.float32) * np.array([sx, sy, sx, sy], dtype=np.float32)

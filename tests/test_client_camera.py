@@ -6,6 +6,7 @@ from pathlib import Path
 import imageio.v3 as iio
 import numpy as np
 import pytest
+import torch
 
 from client.action import ActionDirError, load_action_dir
 from backend.api.request import default_intrinsics
@@ -73,9 +74,22 @@ def test_default_intrinsics_from_fov() -> None:
     assert default_intrinsics(1, 480, 832)[0, 0] == pytest.approx(416.0 / np.tan(np.pi / 6))
 
 
+def reference_ks_transformed(ks: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The reference's get_Ks_transformed(Ks, 480, 832, height, width, height, width) on a float32 tensor."""
+    k = torch.from_numpy(ks).float()
+    fx, fy, cx, cy = k.chunk(4, dim=-1)
+    sx, sy = width / 832, height / 480
+    crop_x, crop_y = (width - width) / 2, (height - height) / 2
+    return torch.cat([fx * sx, fy * sy, cx * sx - crop_x, cy * sy - crop_y], dim=-1).numpy()
+
+
 def test_scale_intrinsics() -> None:
     scaled = scale_intrinsics(np.array([[1000.0, 900.0, 960.0, 540.0]]), (1080, 1920), (480, 832))
     np.testing.assert_allclose(scaled[0], [1000 * 832 / 1920, 900 * 480 / 1080, 416, 240], rtol=1e-6)
+
+
+# An official example's intrinsics: given for 480x832 (cx about 416, cy about 240), whatever the image's size.
+OFFICIAL_KS = np.array([481.33, 479.87, 415.73, 239.41], dtype=np.float32)
 
 
 def _write_action_dir(root: Path, frames: int = 20, image_hw: tuple[int, int] = (720, 1280)) -> Path:
@@ -84,18 +98,22 @@ def _write_action_dir(root: Path, frames: int = 20, image_hw: tuple[int, int] = 
     poses = np.tile(np.eye(4), (frames, 1, 1))
     poses[:, 2, 3] = np.arange(frames)
     np.save(root / "poses.npy", poses)
-    h, w = image_hw
-    np.save(root / "intrinsics.npy", np.tile([w * 0.8, w * 0.8, w / 2, h / 2], (frames, 1)))
+    np.save(root / "intrinsics.npy", OFFICIAL_KS[None] + np.arange(frames, dtype=np.float32)[:, None] * 0.01)
     return root
 
 
-def test_action_dir_takes_first_frames_and_scales_intrinsics(tmp_path: Path) -> None:
-    action = load_action_dir(_write_action_dir(tmp_path / "a"), num_frames=17, height=480, width=832)
+@pytest.mark.parametrize("height, width", [(64, 64), (480, 832), (720, 1280), (128, 224)])
+def test_action_dir_scales_intrinsics_from_480x832_not_from_the_image(tmp_path: Path, height, width) -> None:
+    root = _write_action_dir(tmp_path / "a")  # a 1280x720 image, as the official examples are
+    action = load_action_dir(root, num_frames=17, height=height, width=width)
     assert action.image.shape == (720, 1280, 3)
     assert action.poses.shape == (17, 4, 4) and action.poses.dtype == np.float32
     np.testing.assert_array_equal(action.poses[:, 2, 3], np.arange(17))
     assert action.intrinsics.shape == (17, 4) and action.intrinsics.dtype == np.float32
-    np.testing.assert_allclose(action.intrinsics[0], [1024 * 832 / 1280, 1024 * 480 / 720, 416, 240], rtol=1e-6)
+    expected = reference_ks_transformed(np.load(root / "intrinsics.npy")[:17], height, width)
+    np.testing.assert_array_equal(action.intrinsics, expected)  # bit for bit, float32 as the reference
+    # the principal point stays at the centre of the output frame
+    np.testing.assert_allclose(action.intrinsics[0, 2:], [width / 2, height / 2], rtol=5e-3)
 
 
 def test_action_dir_accepts_png(tmp_path: Path) -> None:
@@ -104,7 +122,7 @@ def test_action_dir_accepts_png(tmp_path: Path) -> None:
     iio.imwrite(root / "image.png", np.zeros((240, 416, 4), dtype=np.uint8))  # RGBA: alpha is dropped
     action = load_action_dir(root, num_frames=5, height=480, width=832)
     assert action.image.shape == (240, 416, 3)
-    np.testing.assert_allclose(action.intrinsics[0], [332.8 * 2, 332.8 * 2, 416, 240], rtol=1e-6)
+    np.testing.assert_array_equal(action.intrinsics[0], OFFICIAL_KS)  # 480x832 asked: unchanged
 
 
 @pytest.mark.parametrize(
