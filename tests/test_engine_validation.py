@@ -6,9 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import backend.engine.rollout
 from backend.engine.rollout import WorldModelEngine
+from backend.engine.validation import checked_spec
+from backend.model.kv_cache import SelfAttentionCache
 from backend.api.errors import ConfigError, InputError
 from backend.parallel.sequence import SequenceParallel
 from backend.serving.config import ServingConfig
@@ -56,7 +59,10 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         ({"sp_degree": 4}, 2, r"sp_degree=4 is larger than the process group's world size 2"),
         ({"default_height": 72}, 1, r"height x width = 72 x 64 must be positive multiples of VAE x patch factors"),
         ({"dtype": "int8"}, 1, r"dtype='int8'"),
-        ({"window_frames": 5}, 1, r"window_frames=5 must hold sink_frames=3 plus two blocks"),
+        ({"window_frames": 5, "sink_frames": 3}, 1,
+         r"window_frames=5 must hold sink_frames=3 plus one block of block_frames=3 \(sink_frames from 0 to "
+         r"window_frames - block_frames = 2\)"),
+        ({"window_frames": 2, "sink_frames": 0}, 1, r"window_frames=2 must hold sink_frames=0 plus one block"),
     ],
 )
 def test_config_errors_before_weights(
@@ -124,3 +130,44 @@ def test_request_errors(engine: WorldModelEngine, overrides: dict, message: str)
     with pytest.raises(InputError, match=message):
         ServingConfig().check_limits(request)  # the serving layer's limits first, as the group loop does
         engine.validate(request)
+
+
+def reference_visible_frames(window: int, sink: int, block: int, blocks: int, forwards: int) -> list[list[float]]:
+    """The frames each forward attends to under the reference's cache (model_fast.py's CausalWanSelfAttention,
+    one token per frame): evict on a new block's first write when it does not fit, keep the sink, roll the rest."""
+    cache = np.zeros(window)
+    global_end = local_end = 0
+    seen = []
+    for b in range(blocks):
+        start, end = b * block, (b + 1) * block
+        for step in range(forwards):
+            evicted = 0
+            if end > global_end and block + local_end > window:
+                evicted = block + local_end - window
+                rolled = local_end - evicted - sink
+                cache[sink:sink + rolled] = cache[sink + evicted:sink + evicted + rolled].copy()
+            local_end = local_end + end - evicted - global_end
+            cache[local_end - block:local_end] = np.arange(start, end) + step / 10  # this forward's K
+            seen.append(cache[:local_end].tolist())
+            global_end = end
+    return seen
+
+
+@pytest.mark.parametrize(("window", "sink"), [(6, 3), (18, 6), (7, 2), (3, 0), (9, 6), (18, 0)])
+def test_every_reference_geometry_is_accepted_and_cached_as_the_reference_does(
+    unreadable_checkpoint: str, window: int, sink: int
+) -> None:
+    spec = checked_spec(tiny_config(unreadable_checkpoint, window_frames=window, sink_frames=sink), 1)
+    assert (spec.window_frames, spec.sink_frames) == (window, sink)
+
+    block, blocks, forwards = 3, 8, 5  # 4 denoising steps and the commit
+    cache = SelfAttentionCache(1, window, block, sink, 1, 1, torch.float64, torch.device("cpu"))
+    seen = []
+    for b in range(blocks):
+        cache.make_room()
+        for step in range(forwards):
+            k = torch.arange(b * block, (b + 1) * block, dtype=torch.float64).view(1, block, 1, 1) + step / 10
+            keys, _ = cache.layer(0).attend_over(k, k)
+            seen.append(keys.flatten().tolist())
+        cache.commit()
+    assert seen == reference_visible_frames(window, sink, block, blocks, forwards)

@@ -77,13 +77,14 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
     if spec.shift <= 0:
         raise ConfigError(f"timestep_shift={spec.shift} must be positive")
     window, sink = spec.window_frames, spec.sink_frames
-    if not 0 <= sink <= window - 2 * config.block_frames:
+    # The reference's eviction keeps the sink and rolls the rest so that the new block fits the window:
+    # it needs sink + block <= window (a larger sink would be overwritten by the block); any such sink and
+    # window run, multiples of the block or not (e.g. window 6 / sink 3 with 3-frame blocks).
+    if not 0 <= sink <= window - config.block_frames:
         raise ConfigError(
-            f"window_frames={window} must hold sink_frames={sink} plus two blocks of "
-            f"block_frames={config.block_frames} (the cached history and the current block)"
+            f"window_frames={window} must hold sink_frames={sink} plus one block of block_frames="
+            f"{config.block_frames} (sink_frames from 0 to window_frames - block_frames = {window - config.block_frames})"
         )
-    if sink % config.block_frames != 0:
-        raise ConfigError(f"sink_frames={sink} must be a multiple of block_frames={config.block_frames}")
     camera_channels = 6 * vae.spatial_factor**2  # Pluecker [origin, direction] x the VAE's pixels per latent pixel
     if t.camera_channels != camera_channels:
         raise ConfigError(
