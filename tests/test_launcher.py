@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,11 @@ from tritonclient.grpc import model_config_pb2
 from backend.api import contract
 from backend.api.settings import format_value, parameter_fields
 from backend.engine.config import EngineConfig
-from backend.launch.launcher import build_parser, parse_param, render
+from backend.launch.launcher import build_parser, main, parse_param, render
 from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
 from backend.launch.paths import TEMPLATE_DIR
+from backend.parallel.ports import port_in_use
 from backend.serving.config import ServingConfig, split_parameters
 
 
@@ -146,3 +149,25 @@ def test_rendezvous_address_follows_gloo_socket_ifname(monkeypatch: pytest.Monke
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0,lo")
     with pytest.raises(ValueError, match="GLOO_SOCKET_IFNAME=nosuch0: interface has no IPv4 address"):
         own_address(hosts=2)
+
+
+def test_one_host_picks_a_free_rendezvous_port(tmp_path: Path) -> None:
+    ports = set()
+    for name in ("a", "b"):
+        args = build_parser().parse_args(["--kind", "cpu", "--sp", "2", "--repository-out", str(tmp_path / name)])
+        _, serving = split_parameters(params_of((render(args)[0] / contract.MODEL_NAME / "config.pbtxt").read_text()))
+        assert not port_in_use(serving.rendezvous_port)
+        ports.add(serving.rendezvous_port)
+    assert ServingConfig.rendezvous_port not in ports  # not the fixed default a second server would share
+
+
+def test_busy_rendezvous_port_fails_at_once_naming_port_and_parameter(tmp_path: Path, capsys) -> None:
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        rc = main(["--kind", "cpu", "--sp", "2", "--param", f"rendezvous_port={port}",
+                   "--repository-out", str(tmp_path)])
+    assert rc == 1 and time.monotonic() - started < 10
+    assert f"rendezvous_port={port} is in use on this host" in capsys.readouterr().err

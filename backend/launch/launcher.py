@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..api.contract import MODEL_NAME
 from ..api.settings import from_parameters
+from ..parallel.ports import free_port, port_in_use
 from ..serving.config import ServingConfig
 from .model_repository import write_model_repository
 from .mpi import SET_BY_MPI, host_parameters
@@ -105,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_rendezvous_port(parameters: dict[str, str], hosts: int) -> None:
+    """On one host pick a free rendezvous port unless one is given: with a fixed default a second server
+    would join (or wait on) the first one's store. The server hosting global rank 0 refuses a busy port."""
+    if hosts == 1 and "rendezvous_port" not in parameters:
+        parameters["rendezvous_port"] = str(free_port())
+    keys = (*SET_BY_MPI, "rendezvous_port")
+    settings = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in keys})
+    if settings.host_rank == 0 and port_in_use(settings.rendezvous_port):
+        leave_out = ", or leave it out to have a free one picked" if hosts == 1 else ""
+        raise ValueError(
+            f"rendezvous_port={settings.rendezvous_port} is in use on this host (another server's group?): "
+            f"pass --param rendezvous_port=PORT with a free port{leave_out}"
+        )
+
+
 def render(args: argparse.Namespace) -> tuple[Path, str]:
     kind, device_ids = resolve_placement(args.kind, args.sp)
     parameters = dict(args.param)
@@ -120,6 +136,8 @@ def render(args: argparse.Namespace) -> tuple[Path, str]:
         parameters.update(host_parameters(shared, ports_and_paths))
     hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
     parameters["sp_degree"] = str(args.sp * hosts)  # one SP rank per instance of every server
+    if args.sp * hosts > 1 and not args.render_only:
+        check_rendezvous_port(parameters, hosts)
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,

@@ -34,3 +34,14 @@ def free_port(attempts: int = 200) -> int:
     with socket.socket() as sock:  # no room below the ephemeral range: let the kernel pick
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a listener holds `port` on this host (the probe binds as a server would, with SO_REUSEADDR)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+        return False
