@@ -10,7 +10,7 @@ WANT="$(cat pyproject.toml scripts/setup_venv.sh | sha256sum | cut -d' ' -f1) to
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
-echo "setting up .venv: CPU torch $TORCH, this project, the tritonserver wheel (about 45 s the first time)..." >&2
+echo "setting up .venv: CPU torch $TORCH, this project, the tritonserver wheel (a few minutes the first time: 2 min 40 s on a fresh machine)..." >&2
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

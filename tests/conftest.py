@@ -7,6 +7,17 @@ import pytest
 import client  # noqa: F401  (first: it sets gRPC's fork handling before tritonclient loads)
 
 from backend.model.tiny_checkpoint import write_checkpoint
+from system_tools import MISSING, REQUIRE_TOOLS, tools_required
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Where the whole suite must run (scripts/test.sh), a test skipped for a missing system tool fails."""
+    report = (yield).get_result()
+    if report.skipped and tools_required() and MISSING in str(report.longrepr):
+        report.outcome = "failed"
+        report.longrepr = f"{report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr} " \
+                          f"and {REQUIRE_TOOLS}=1 says the whole suite must run"
 
 
 @pytest.fixture(scope="session")

@@ -23,11 +23,12 @@ from backend.api import contract
 from factories import tiny_request
 from mpi_harness import MPIRUN_ENV, RankServer, mpirun_servers
 from polling import wait_until
+from system_tools import require_tool, requires_tool
 from triton_harness import latents_of, running_server, stream, stream_in_background
 
 SEEDS = (0, 1)  # one request per server
 TIMEOUT_S = 5  # collective_timeout_s of the groups under test
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun (.ci/run installs it)")
+pytestmark = requires_tool(shutil.which("mpirun") is not None, "Open MPI's mpirun (Debian's openmpi-bin)")
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +81,7 @@ def two_namespaces(tag: str) -> Iterator[tuple[str, str]]:
     """Network namespaces <tag>a (10.77.0.1) and <tag>b (10.77.0.2) joined by a veth pair named lbw0 in both;
     skips where namespaces cannot be made (not root, no iproute2, no CAP_SYS_ADMIN)."""
     names = (f"{tag}a", f"{tag}b")
-    if shutil.which("ip") is None:
-        pytest.skip("network namespaces need iproute2's `ip`")
+    require_tool(shutil.which("ip") is not None, "iproute2's ip (Debian's iproute2)")
     made = subprocess.run(["ip", "netns", "add", names[0]], capture_output=True, text=True)
     if made.returncode != 0:
         pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")

@@ -17,6 +17,7 @@ import pytest
 from backend.parallel.local import free_port
 from factories import TINY_SIZE, sample_image
 from polling import wait_until
+from system_tools import requires_tool
 from triton_harness import metrics
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -26,8 +27,7 @@ SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "player.png"
 BLOCK_S = 60  # generous bound for one tiny block on a busy CPU
 FIRST_FRAMES, STEP_FRAMES = 9, 12
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
-                                reason=f"no Chromium at {CHROMIUM} (.ci/run installs Debian's chromium)")
+pytestmark = requires_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")
 
 
 @pytest.fixture(scope="module")
