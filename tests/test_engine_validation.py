@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import backend.engine.rollout
+from backend.engine.geometry import sizes_near
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import checked_spec
 from backend.model.kv_cache import SelfAttentionCache
@@ -51,13 +52,13 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         ({"tp_degree": 3}, 1, r"num_heads=4 is not divisible by tp_degree x sp_degree = 3 x 1 = 3"),
         ({"tp_degree": 2}, 1, r"tp_degree=2: tensor parallelism is not supported"),
         ({"sp_degree": 2, "default_height": 16, "default_width": 16}, 2,
-         r"block token count 3 .* not divisible by sp_degree=2"),
+         r"block token count 3 .* not divisible by sp_degree=2; sizes near it that are: 16 x 32, 32 x 16, 32 x 32"),
         ({"sp_mode": "ring"}, 1, r"mode 'ring' is not supported"),
         ({"sp_mode": "all_gather"}, 1, r"mode 'all_gather' is not supported"),
         ({"sp_mode": "a2a_permute"}, 1, r"mode 'a2a_permute' is not supported"),
         ({"sp_mode": "zigzag"}, 1, r"unknown sequence-parallel mode 'zigzag'"),
         ({"sp_degree": 4}, 2, r"sp_degree=4 is larger than the process group's world size 2"),
-        ({"default_height": 72}, 1, r"height x width = 72 x 64 must be positive multiples of VAE x patch factors"),
+        ({"default_height": 72}, 1, r"width x height = 64 x 72: each must be a positive multiple of the VAE x patch factor"),
         ({"dtype": "int8"}, 1, r"dtype='int8'"),
         ({"window_frames": 5, "sink_frames": 3}, 1,
          r"window_frames=5 must hold sink_frames=3 plus one block of block_frames=3 \(sink_frames from 0 to "
@@ -108,8 +109,8 @@ def bad_poses(kind: str) -> np.ndarray:
         ({"num_frames": 10, "poses": forward_poses(10)}, r"num_frames=10 must be 1 \+ 4 x k"),
         ({"num_frames": 13, "poses": forward_poses(13)}, r"gives 4 latent frames, not a multiple of block_frames=3"),
         ({"num_frames": 2000, "poses": forward_poses(2000)}, r"num_frames=2000 must be between 1 and max_frames"),
-        ({"height": 40}, r"height x width = 40 x 64 must be positive multiples"),
-        ({"height": 1 << 20}, r"height x width = 1048576 x 64 is more than max_pixels=1638400"),
+        ({"height": 40}, r"width x height = 64 x 40: each must be a positive multiple"),
+        ({"height": 1 << 20}, r"width x height = 64 x 1048576 = 67108864 pixels is more than max_pixels=1638400"),
         ({"prompt": "   "}, r"prompt is empty"),
         ({"image": np.zeros((64, 64), np.uint8)}, r"image must be UINT8 \[H, W, 3\]"),
         ({"image": np.zeros((64, 64, 3), np.float32)}, r"image must be UINT8"),
@@ -171,3 +172,12 @@ def test_every_reference_geometry_is_accepted_and_cached_as_the_reference_does(
             seen.append(keys.flatten().tolist())
         cache.commit()
     assert seen == reference_visible_frames(window, sink, block, blocks, forwards)
+
+
+@pytest.mark.parametrize("sp", [2, 4, 8])
+def test_the_sp_size_error_names_near_sizes_that_work(sp: int) -> None:
+    near = sizes_near(48, 48, 16, 16, block_frames=3, sp=sp)
+    assert len(near) == 3
+    for width, height in near:
+        assert width % 16 == 0 and height % 16 == 0 and (3 * (width // 16) * (height // 16)) % sp == 0
+        assert abs(width - 48) + abs(height - 48) <= 2 * sp * 16

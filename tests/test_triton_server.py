@@ -112,7 +112,7 @@ def _raw_stream_error(url: str, inputs: list, parameters: dict | None = None) ->
         ({contract.PROMPT: np.array([b"\xff\xfe bad"], dtype=object)}, r"not valid UTF-8"),
         ({contract.CAMERA_POSES: forward_poses(9) * np.float32(np.nan)}, r"NaN or Inf"),
         ({contract.CAMERA_POSES: forward_poses(5)}, r"camera_poses must be FP32 \[9, 4, 4\]"),
-        ({contract.HEIGHT: np.array([72], np.int32)}, r"height x width = 72 x 64"),
+        ({contract.HEIGHT: np.array([72], np.int32)}, r"width x height = 64 x 72"),
         ({contract.NUM_FRAMES: np.array([100001], np.int32)}, r"max_frames=129"),
     ],
     ids=["missing", "dtype", "image_dtype", "pose_shape", "frames", "blocks", "empty_prompt", "utf8", "nan",

@@ -52,8 +52,8 @@ class VideoGeometry:
         factor_w = ckpt.vae.spatial_factor * patch_w
         if height <= 0 or width <= 0 or height % factor_h or width % factor_w:
             raise error(
-                f"height x width = {height} x {width} must be positive multiples of VAE x patch factors "
-                f"{factor_h} x {factor_w}"
+                f"width x height = {width} x {height}: each must be a positive multiple of the VAE x patch "
+                f"factor (width {factor_w}, height {factor_h})"
             )
         latent_frames = 0
         if num_frames is not None:
@@ -80,9 +80,26 @@ class VideoGeometry:
             sp_degree=config.sp_degree,
         )
         if geometry.block_tokens % config.sp_degree != 0:
+            near = ", ".join(f"{w} x {h}" for w, h in sizes_near(width, height, factor_w, factor_h,
+                                                                   config.block_frames, config.sp_degree))
             raise error(
                 f"block token count {geometry.block_tokens} ({config.block_frames} frames x "
-                f"{geometry.grid_height} x {geometry.grid_width} tokens at {height} x {width}) is not divisible by "
-                f"sp_degree={config.sp_degree}"
+                f"{geometry.grid_height} x {geometry.grid_width} tokens at width x height = {width} x {height}) is "
+                f"not divisible by sp_degree={config.sp_degree}; sizes near it that are: {near}"
             )
         return geometry
+
+
+def sizes_near(
+    width: int, height: int, factor_w: int, factor_h: int, block_frames: int, sp: int, count: int = 3
+) -> list[tuple[int, int]]:
+    """The `count` sizes (width, height) closest to the asked one whose block token count `sp` divides."""
+    grid_w, grid_h = max(width // factor_w, 1), max(height // factor_h, 1)
+    reach = 2 * sp  # every sp-th grid width divides, so this always finds some
+    found = [
+        (abs(gw - grid_w) * factor_w + abs(gh - grid_h) * factor_h, gw * factor_w, gh * factor_h)
+        for gw in range(max(grid_w - reach, 1), grid_w + reach + 1)
+        for gh in range(max(grid_h - reach, 1), grid_h + reach + 1)
+        if (block_frames * gw * gh) % sp == 0
+    ]
+    return [(w, h) for _, w, h in sorted(found)[:count]]

@@ -40,7 +40,8 @@ class ServingConfig:
             raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
         if request.height * request.width > self.max_pixels:
             raise InputError(
-                f"height x width = {request.height} x {request.width} is more than max_pixels={self.max_pixels}"
+                f"width x height = {request.width} x {request.height} = {request.width * request.height} pixels "
+                f"is more than max_pixels={self.max_pixels}"
             )
 
 

@@ -306,10 +306,11 @@ class GroupCoordinator:
         if (session := self.sessions.pop(sid, None)) is not None:
             held = session.cache_bytes()
             self.engine.close_session(session)
+            done = f"{session.block_index} of {session.num_blocks} blocks" if session.num_blocks else \
+                f"{session.block_index} blocks (steered: no set length)"
             log.info(
-                "rank %d: session %s %s after %d/%d blocks; freed %d cache bytes (left: %d); open sessions: %d",
-                self.rank, sid, reason, session.block_index, session.num_blocks, held,
-                session.cache_bytes(), len(self.sessions),
+                "rank %d: session %s %s after %s; freed %d cache bytes (left: %d); open sessions: %d",
+                self.rank, sid, reason, done, held, session.cache_bytes(), len(self.sessions),
             )
         self.scheduler.finished(sid)
 
