@@ -94,7 +94,8 @@ def test_idle_session_expires_and_frees_its_caches(server) -> None:
     with SteeredSession(server.grpc_url) as session:
         session.start(steered(Controls(keys="w")))
         session.next_block(60)
-        pattern = re.compile(r"session (r\d-\d+) expired after 1/0 blocks; freed (\d+) cache bytes \(left: 0\)")
+        pattern = re.compile(r"session (r\d-\d+) expired after 1 block \(steered: no set length\); "
+                             r"freed (\d+) cache bytes \(left: 0\)")
         found = wait_until(lambda: pattern.findall(log.read_text()), IDLE_S + 30, "the idle session to expire")
         assert int(found[-1][1]) > 0
         session.step(Controls(keys="w"))

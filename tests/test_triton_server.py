@@ -68,7 +68,7 @@ def test_concurrent_streams_all_complete_correctly(server, engine: WorldModelEng
 
 def test_cancel_mid_stream_frees_the_session(server, engine: WorldModelEngine) -> None:
     log = Path(server.log_path)
-    pattern = re.compile(r"session (r0-\d+) cancelled after (\d+)/11 blocks; freed (\d+) cache bytes \(left: 0\)")
+    pattern = re.compile(r"session (r0-\d+) cancelled after (\d+) of 11 blocks; freed (\d+) cache bytes \(left: 0\)")
     for attempt in range(3):
         with StreamingSession(server.grpc_url) as session:
             session.send(request_inputs(tiny_request(num_frames=129)))

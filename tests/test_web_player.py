@@ -102,8 +102,8 @@ def first_frame(tmp_path: Path) -> Path:
 
 
 def session_ends(log: Path, how: str) -> list[tuple[str, int]]:
-    return [(sid, int(n)) for sid, n in re.findall(rf"session (r\d-\d+) {how} after (\d+)/0 blocks; freed \d+ cache "
-                                                   r"bytes \(left: 0\)", log.read_text())]
+    return [(sid, int(n)) for sid, n in re.findall(rf"session (r\d-\d+) {how} after (\d+) blocks? \(steered: no set "
+                                                   r"length\); freed \d+ cache bytes \(left: 0\)", log.read_text())]
 
 
 def test_play_steer_stop_and_download(player_url, sp1_server, browser, first_frame: Path, tmp_path: Path) -> None:

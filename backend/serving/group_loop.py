@@ -307,7 +307,7 @@ class GroupCoordinator:
             held = session.cache_bytes()
             self.engine.close_session(session)
             done = f"{session.block_index} of {session.num_blocks} blocks" if session.num_blocks else \
-                f"{session.block_index} blocks (steered: no set length)"
+                f"{session.block_index} block{'' if session.block_index == 1 else 's'} (steered: no set length)"
             log.info(
                 "rank %d: session %s %s after %s; freed %d cache bytes (left: %d); open sessions: %d",
                 self.rank, sid, reason, done, held, session.cache_bytes(), len(self.sessions),
