@@ -34,6 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m client",
         description="Stream one camera-controlled generation from Triton, writing the MP4 as blocks arrive.",
+        epilog="other commands:\n"
+               "  python -m client play ...   a steered session from a key script (play --help)\n"
+               "  python -m client serve ...  the browser player (serve --help)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
     p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")

@@ -4,8 +4,8 @@
 
 Each step of the script is one block (see backend/api/controls.py for the keys and step sizes). The client
 keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
-Per block it prints the step latency (request sent to block received) and the real-time factor: the block's
-play time at 16 fps over its step latency (>= 1 keeps up with playback).
+Per block it prints the step latency (request sent to block received) and the real-time factor: seconds of
+video at 16 fps delivered per second since the first block (>= 1 keeps up with playback).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from backend.api.controls import parse_key_script
 from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest
 from client.images import load_image, synthetic_image
+from client.pace import DeliveryRate
 from client.steer import SteeredSession
 from client.stream import StreamError
 from client.video import DEFAULT_FPS, Mp4Writer
@@ -26,18 +27,20 @@ from client.video import DEFAULT_FPS, Mp4Writer
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client play", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", default=contract.MODEL_NAME)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+    p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
     p.add_argument("--keys", default="w*6", help='key script, e.g. "w*6,wa*2,j*3" (default: %(default)s)')
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
+    p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
     p.add_argument("--on-starve", choices=("wait", "hold"), default="wait",
                    help="when a step is late: the server waits, or holds the last motion (default: %(default)s)")
-    p.add_argument("--lookahead", type=int, default=1, help="steps sent ahead of the block on screen")
-    p.add_argument("--out", default="out/play.mp4")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one block")
+    p.add_argument("--lookahead", type=int, default=1,
+                   help="steps sent ahead of the block on screen (default: %(default)s)")
+    p.add_argument("--out", default="out/play.mp4", help="MP4 written as blocks arrive (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for any one block (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -52,6 +55,7 @@ def main(argv: list[str]) -> int:
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
                              height=args.height, width=args.width, keys=steps[0], on_starve=args.on_starve)
     latencies: list[float] = []
+    rate = DeliveryRate(DEFAULT_FPS)
     try:
         with SteeredSession(args.url, model_name=args.model) as session, Mp4Writer(args.out, DEFAULT_FPS) as mp4:
             session.start(request)
@@ -64,8 +68,8 @@ def main(argv: list[str]) -> int:
                 latency = block.arrival_s - session.sent_s[received]
                 latencies.append(latency)
                 mp4.append(block.frames)
-                play_s = len(block.frames) / DEFAULT_FPS
-                rtf = f"{play_s / latency:.2f}x" if len(block.frames) else "n/a"
+                factor = rate.add(len(block.frames), block.arrival_s)
+                rtf = "n/a" if factor is None else f"{factor:.2f}x"
                 print(f"block {block.block_index}: keys {steps[received] or '-'!r:6} {len(block.frames)} frames, "
                       f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
                       f"{', HELD (step late)' if block.held else ''}", flush=True)

@@ -248,3 +248,15 @@ def test_cli_rejects_bad_input_before_connecting(tmp_path: Path, capsys) -> None
     assert "num_frames must be 9 + 12 x k, whole AR blocks (e.g. 9, 21, 45 or 81), got 77" in capsys.readouterr().err
     assert main(["--prompt", "x", "--action-dir", str(tmp_path / "none")]) == 2
     assert "action directory not found" in capsys.readouterr().err
+
+
+def test_cli_help_lists_the_commands_and_play_shows_its_defaults(capsys) -> None:
+    for argv in (["--help"], ["play", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0
+    main_help, play_help = capsys.readouterr().out.split("usage: python -m client play", 1)
+    assert "python -m client play" in main_help and "python -m client serve" in main_help
+    for default in ("(default: 480)", "(default: 832)", "(default: 42)", "(default: w*6)", "(default: out/play.mp4)",
+                    "(default: localhost:8001)", "(default: wait)", "(default: 1)", "(default: 600.0)"):
+        assert default in play_help

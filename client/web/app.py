@@ -26,6 +26,10 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
+async def favicon(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "favicon.svg", headers={"Content-Type": "image/svg+xml"})
+
+
 async def video(request: web.Request) -> web.FileResponse:
     path = request.app[VIDEOS] / f"{request.match_info['sid']}.mp4"
     if not path.is_file():
@@ -75,6 +79,7 @@ def make_app(url: str, model: str, timeout: float) -> web.Application:
     app.on_cleanup.append(lambda app: asyncio.to_thread(shutil.rmtree, app[VIDEOS], True))
     app.router.add_get("/", index)
     app.router.add_get("/ws", websocket)
+    app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/sessions/{sid}/video.mp4", video)
     app.router.add_static("/static", STATIC)
     return app

@@ -14,6 +14,7 @@ from typing import Any
 from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest
 from client.images import synthetic_image
+from client.pace import DeliveryRate
 from client.steer import SteeredSession
 from client.stream import StreamError
 from client.video import DEFAULT_FPS, Mp4Writer
@@ -84,7 +85,7 @@ class Player:
         session.start(request)
         session.step(Controls(keys=self.keys))
         sent_keys = [request.keys or "", self.keys]  # the keys of every request, in order
-        received = 0
+        received, rate = 0, DeliveryRate()
         while (block := await asyncio.to_thread(session.next_block, self.timeout)) is not None:
             latency = block.arrival_s - session.sent_s[received]
             if not self.stopping:
@@ -96,7 +97,7 @@ class Player:
                 "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
                 "keys": sent_keys[received], "step_latency_s": latency,
                 "first_block_s": block.arrival_s - session.sent_s[0] if received == 0 else None,
-                "realtime_factor": len(jpegs) / DEFAULT_FPS / latency,
+                "realtime_factor": rate.add(len(jpegs), block.arrival_s),
             })
             for jpeg in jpegs:
                 await self.send(jpeg)

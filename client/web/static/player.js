@@ -10,6 +10,7 @@ let ws = null;
 let held = new Set();
 let queue = [];        // decoding or decoded frames, oldest first: {bitmap}
 let stats = null;
+let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
 
 function show(state, extra = "") {
   const s = $("status");
@@ -20,10 +21,15 @@ function show(state, extra = "") {
     s.dataset.keys = stats.keys.join(",");
   }
   const parts = [`state: ${state}`];
+  if (state === "starting") {
+    const waited = Math.round((performance.now() - startedAt) / 1000);
+    parts.push(`${waited} s: the server opens the session and computes its first block ` +
+      `(on a CPU server that takes minutes at 832x480, seconds at 128x128)`);
+  }
   if (stats && stats.blocks) {
     parts.push(`blocks ${stats.blocks}`, `frames ${stats.frames}`,
       `first block ${stats.first.toFixed(2)} s`, `step latency ${stats.latency.toFixed(2)} s`,
-      `real-time factor ${stats.rtf.toFixed(2)}x`, `held blocks ${stats.held}`);
+      `real-time factor ${stats.rtf === null ? "n/a" : stats.rtf.toFixed(2) + "x"}`, `held blocks ${stats.held}`);
   }
   s.textContent = parts.join(" · ") + extra;
 }
@@ -104,21 +110,26 @@ async function start(event) {
   $("download").hidden = true;
   let image;
   try { image = await readImage(); } catch (e) { fail(e.message); return; }
-  if (ws) ws.close();
+  if (ws) {  // the previous session's socket: its late events must not touch this session
+    ws.onmessage = ws.onclose = null;
+    ws.close();
+  }
   queue = [];
-  stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: 0, keys: [], stopping: false};
-  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
-  ws.binaryType = "blob";
-  ws.onmessage = onMessage;
-  ws.onclose = () => { if (stats && !["ended", "failed"].includes($("status").dataset.state)) {
+  stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], stopping: false};
+  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
+  ws = socket;
+  socket.binaryType = "blob";
+  socket.onmessage = (e) => { if (socket === ws) onMessage(e); };
+  socket.onclose = () => { if (socket === ws && !["ended", "failed"].includes($("status").dataset.state)) {
     fail("the connection to the player closed"); show("closed"); finish(); } };
-  ws.onopen = () => ws.send(JSON.stringify({
+  socket.onopen = () => socket.send(JSON.stringify({
     type: "start", prompt: $("prompt").value, image, keys: heldKeys(),
     width: Number($("width").value), height: Number($("height").value),
   }));
   $("start").disabled = true;
   $("stop").disabled = false;
   screen.focus();
+  startedAt = performance.now();
   show("starting");
 }
 
@@ -129,6 +140,7 @@ $("stop").addEventListener("click", () => {
   $("stop").disabled = true;
   show("stopping");
 });
+setInterval(() => { if ($("status").dataset.state === "starting") show("starting"); }, 1000);
 $("source").addEventListener("change", () => { $("image").hidden = $("source").value !== "upload"; });
 screen.tabIndex = 0;
 
