@@ -168,3 +168,28 @@ def test_a_refused_start_shows_in_plain_words(player_url, browser) -> None:
     assert page.inner_text("#error") == "type a prompt before starting"
     assert status(page, "state") == "failed"
     page.close()
+
+
+def test_two_sessions_in_one_tab(player_url, browser, first_frame: Path) -> None:
+    """A second Start after the first session ended: the old socket's close must not fail the new session."""
+    page = browser.new_page()
+    start(page, player_url, first_frame)
+    wait_until(lambda: blocks(page) >= 1, BLOCK_S * 2, "the first session's first block")
+    page.click("#stop")
+    wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the first session to end")
+
+    page.click("#start")  # same tab, same form
+    wait_until(lambda: status(page, "state") == "playing" and blocks(page) >= 2 or status(page, "state") == "closed",
+               BLOCK_S * 3, "the second session's second block")
+    assert status(page, "state") == "playing" and not page.is_visible("#error"), page.inner_text("#error")
+    assert page.is_enabled("#stop") and not page.is_enabled("#start")
+    assert re.search(r"real-time factor \d+\.\d\dx", page.inner_text("#status"))  # from the second block on
+    page.click("#stop")
+    wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the second session to end")
+    page.close()
+
+
+def test_the_page_has_a_favicon(player_url) -> None:
+    response = urllib.request.urlopen(player_url + "favicon.ico", timeout=10)
+    assert response.status == 200 and response.headers["Content-Type"].startswith("image/svg+xml")
+    assert response.read().startswith(b"<svg")
