@@ -18,6 +18,7 @@ from backend.launch.launcher import build_parser, main, parse_param, render
 from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
 from backend.launch.paths import TEMPLATE_DIR
+from backend.launch.server import CPU_ONLY_ARGS, TritonServer
 from backend.parallel.ports import port_in_use
 from backend.serving.config import ServingConfig, split_parameters
 
@@ -171,3 +172,13 @@ def test_busy_rendezvous_port_fails_at_once_naming_port_and_parameter(tmp_path: 
                    "--repository-out", str(tmp_path)])
     assert rc == 1 and time.monotonic() - started < 10
     assert f"rendezvous_port={port} is in use on this host" in capsys.readouterr().err
+
+
+def test_cpu_start_lines_are_no_error_excerpt(tmp_path: Path) -> None:
+    log = tmp_path / "tritonserver.log"
+    log.write_text('I1203 13:52:58.385043 1 cuda_memory_manager.cc:117] "CUDA memory pool disabled"\n'
+                   'E1203 13:52:58.385104 1 server.cc:241] "CudaDriverHelper has not been initialized."\n'
+                   'E1203 13:53:00.000000 1 model_lifecycle.cc:1] "failed to load lingbot_world: boom"\n')
+    server = TritonServer(tmp_path, log_path=log, extra_args=CPU_ONLY_ARGS)
+    assert server.log_excerpt() == 'E1203 13:53:00.000000 1 model_lifecycle.cc:1] "failed to load lingbot_world: boom"'
+    assert "--pinned-memory-pool-byte-size=0" in server.command() and "--allow-gpu-metrics=false" in server.command()

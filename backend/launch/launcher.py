@@ -27,7 +27,7 @@ from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
-from .server import TritonServer
+from .server import CPU_ONLY_ARGS, CPU_START_LINES, TritonServer
 
 
 def gpu_count() -> int:
@@ -160,10 +160,13 @@ def serve(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         log_path=args.log_file,
         die_with_parent=True,  # a launcher killed outright (mpirun's teardown) takes its server along
+        extra_args=CPU_ONLY_ARGS if kind == "KIND_CPU" else (),
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
     with server:
         print(f"tritonserver pid {server.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)
+        if kind == "KIND_CPU":
+            print(f"(without a GPU its log starts with {' and '.join(CPU_START_LINES)}: harmless)", flush=True)
         try:
             if args.wait:
                 server.wait_ready(MODEL_NAME, args.wait_timeout)

@@ -30,6 +30,12 @@ _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and 
 # torch threads use (backend/serving/threads.py).
 STUB_THREAD_ENVIRONMENT = {"OPENBLAS_NUM_THREADS": "1"}
 
+# On a host without a GPU: no pinned-memory pool (its CUDA warning goes too) and no GPU metrics (NVML, DCGM).
+CPU_ONLY_ARGS = ("--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false")
+# What the GPU build of tritonserver still logs at start on a CPU-only host; harmless there, and no error excerpt
+# shows it (it would read as the cause of a failure).
+CPU_START_LINES = ('"CUDA memory pool disabled"', '"CudaDriverHelper has not been initialized."')
+
 
 def _libpython_dir() -> Path | None:
     """The directory holding this interpreter's shared libpython (None for a static build)."""
@@ -171,7 +177,7 @@ class TritonServer:
     def log_excerpt(self, lines: int = 30) -> str:
         """The log's error lines (`E...` records, `error: ...`), else its last lines."""
         text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.is_file() else []
-        errors = [line for line in text if _LOG_ERROR.match(line)]
+        errors = [line for line in text if _LOG_ERROR.match(line) and not line.endswith(CPU_START_LINES)]
         return "\n".join((errors or text)[-lines:])
 
     def wait_ready(self, model: str, timeout: float = 300.0) -> None:
