@@ -1,0 +1,35 @@
+"""scripts/run_demo.sh reports a failed start as a failure (never "ready"), and refuses busy ports by name."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+from backend.parallel.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_demo(**env: str) -> subprocess.CompletedProcess:
+    ports = {"GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+    return subprocess.run(["bash", "scripts/run_demo.sh"], cwd=ROOT, env=os.environ | ports | env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_busy_port_is_refused_by_name() -> None:
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        done = run_demo(GRPC_PORT=str(port))
+    assert done.returncode == 1
+    assert f"port {port} (GRPC_PORT) is in use on this host" in done.stderr
+    assert "ready" not in done.stdout
+
+
+def test_a_launcher_that_fails_is_a_failure_not_ready() -> None:
+    done = run_demo(SP="0")  # the launcher refuses 0 instances and exits 1
+    assert done.returncode == 1
+    assert "the server failed to start (launcher exit status 1)" in done.stderr
+    assert "instances must be >= 1" in done.stderr and "server ready" not in done.stdout
