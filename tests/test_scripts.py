@@ -1,9 +1,11 @@
-"""scripts/run_demo.sh reports a failed start as a failure (never "ready"), and refuses busy ports by name."""
+"""The command lines a user runs first: scripts/run_demo.sh (a failed start is a failure, never "ready"; busy ports
+refused by name) and the tiny checkpoint writer (no progress bar through `>/dev/null`)."""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 from backend.parallel.ports import free_port
@@ -33,3 +35,10 @@ def test_a_launcher_that_fails_is_a_failure_not_ready() -> None:
     assert done.returncode == 1
     assert "the server failed to start (launcher exit status 1)" in done.stderr
     assert "instances must be >= 1" in done.stderr and "server ready" not in done.stdout
+
+
+def test_writing_the_tiny_checkpoint_prints_no_progress_bar(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "backend.model.tiny_checkpoint", str(tmp_path / "tiny")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == str(tmp_path / "tiny")
+    assert "Writing model shards" not in done.stderr and "it/s" not in done.stderr, done.stderr

@@ -179,6 +179,8 @@ def test_two_sessions_in_one_tab(player_url, browser, first_frame: Path) -> None
     wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the first session to end")
 
     page.click("#start")  # same tab, same form
+    wait_until(lambda: "the server opens the session" in page.inner_text("#status"), 30,
+               "the starting status to say what the server is doing")
     wait_until(lambda: status(page, "state") == "playing" and blocks(page) >= 2 or status(page, "state") == "closed",
                BLOCK_S * 3, "the second session's second block")
     assert status(page, "state") == "playing" and not page.is_visible("#error"), page.inner_text("#error")
