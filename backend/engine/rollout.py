@@ -145,8 +145,8 @@ class WorldModelEngine:
         self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
         parts = parts or load_parts(spec, self.sp.rank, TensorPart(self.mesh.tp.rank, self.mesh.tp.degree))
         self.transformer: LingBotTransformer = parts.transformer
-        log.info("rank %d: transformer weights %.3f GB on this rank (tp_degree=%d, tp rank %d)", self.sp.rank,
-                 self.transformer.weight_bytes() / 1e9, self.mesh.tp.degree, self.mesh.tp.rank)
+        log.info("rank %d: transformer weights %d bytes on this rank (tp_degree=%d, tp rank %d)", self.sp.rank,
+                 self.transformer.weight_bytes(), self.mesh.tp.degree, self.mesh.tp.rank)
         if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
             for block in self.transformer.blocks:
                 block.compile(dynamic=True)
