@@ -137,3 +137,14 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(tiny_checkpoint: str, tiny
         "cross_attn.norm_q.weight", "cross_attn.norm_k.weight", "ffn.0.weight", "ffn.0.bias", "ffn.2.weight",
         "cam_injector_layer1.weight", "cam_injector_layer1.bias", "cam_injector_layer2.weight",
         "cam_scale_layer.weight", "cam_scale_layer.bias", "cam_shift_layer.weight", "cam_shift_layer.bias"}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_14b_weight_bytes_per_rank_from_the_manifest_equal_the_formula(tp: int) -> None:
+    """bench.memory's table: the published 1,421 tensors at a TP rank's shapes against the closed form."""
+    from backend.model.config import TransformerConfig
+    from bench.memory import weight_bytes_from_manifest
+
+    cfg = TransformerConfig.lingbot_14b()
+    assert weight_bytes_from_manifest(cfg, tp) == weight_parameters(cfg, tp) * 2
+    assert weight_parameters(cfg) == 18_544_332_864  # 18.54 B parameters, TP1
