@@ -164,3 +164,31 @@ def test_bfloat16_tp2_sp2_stays_as_close_to_float32_as_sp1(tiny_checkpoint: str)
           f"{tp_vs_sp1.max():.3g} mean {tp_vs_sp1.mean():.3g}; TP2xSP2 vs float32 mean {tp_vs_exact.mean():.3g}")
     assert tp_vs_sp1.max() < own.max() and tp_vs_sp1.mean() < own.mean()
     assert tp_vs_exact.mean() < 1.1 * own.mean()
+
+
+def _bytes_read() -> int:
+    """This process's bytes read by read syscalls so far (/proc/self/io rchar; page-cache hits included)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"])
+
+
+def _load_and_count(directory: Path, cfg, part: TensorPart) -> int:
+    before = _bytes_read()
+    load_transformer(directory, cfg, torch.float32, torch.device("cpu"), part)
+    return _bytes_read() - before
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tp_rank_reads_only_its_slices(tiny_checkpoint: str, tiny_transformer, tp: int) -> None:
+    """A TP rank reads its own weight bytes (the formula) and no more besides than a whole-model load reads
+    besides the weights (headers, the index, read-ahead on small tensors): never the other ranks' slices."""
+    directory = Path(tiny_checkpoint) / "transformer"
+    _load_and_count(directory, tiny_transformer, TensorPart(0, 1))  # first-use imports read files too
+    overhead = _load_and_count(directory, tiny_transformer, TensorPart(0, 1)) - weight_parameters(tiny_transformer) * 4
+    # The other ranks' slices: what a rank reading whole tensors and slicing them would read on top.
+    others = (weight_parameters(tiny_transformer) - weight_parameters(tiny_transformer, tp)) * 4
+    for rank in range(tp):
+        extra = _load_and_count(directory, tiny_transformer, TensorPart(rank, tp)) - weight_parameters(
+            tiny_transformer, tp) * 4
+        print(f"TP{tp} rank {rank}: {extra} B besides its weights (a whole load: {overhead} B)")
+        assert 0 <= extra <= overhead < others

@@ -6,6 +6,7 @@ Which dim a tensor is split along is derived from the shapes alone: the module b
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -38,7 +39,8 @@ class TensorPart:
         dtype: torch.dtype | None, scratch: torch.Tensor,
     ) -> torch.Tensor:
         """This rank's slice along `dim` of one tensor, read run by run into the front of `scratch`: a C-order
-        slice along dim d is prod(shape[:d]) contiguous runs of shape[d]/degree x prod(shape[d+1:]) elements."""
+        slice along dim d is prod(shape[:d]) contiguous runs of shape[d]/degree x prod(shape[d+1:]) elements.
+        Positional reads on the descriptor, past the file object's buffer: only the slice's bytes are read."""
         if dtype is None:
             raise ConfigError(f"{path}: {name} has dtype {entry['dtype']}, which this loader does not read")
         shape = entry["shape"]
@@ -47,10 +49,10 @@ class TensorPart:
         run, stride = shape[dim] // self.degree * inner, shape[dim] * inner
         begin = data_start + entry["data_offsets"][0] + self.rank * run
         runs = math.prod(shape[:dim])
-        buffer = scratch[: runs * run].numpy()
+        buffer = memoryview(scratch[: runs * run].numpy())
+        fd = shard.fileno()
         for i in range(runs):
-            shard.seek(begin + i * stride)
-            if shard.readinto(buffer[i * run : (i + 1) * run]) != run:
+            if os.preadv(fd, [buffer[i * run : (i + 1) * run]], begin + i * stride) != run:
                 raise ConfigError(f"cannot read {path}: {name} is cut short (the file is truncated)")
         local = list(shape)
         local[dim] //= self.degree
