@@ -6,7 +6,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from backend.engine.rollout import WorldModelEngine
 from backend.launch.paths import REPO_ROOT
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
 from backend.parallel.local import free_port, run_group
+from backend.parallel.mesh import Mesh
 from backend.parallel.sequence import SequenceParallel
 from backend.serving.threads import instance_cores
 from backend.api.contract import video_frames_for
@@ -95,18 +96,17 @@ def ensure_checkpoint(path: Path | None, preset: str) -> Path:
     return root
 
 
-def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu") -> EngineConfig:
+def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu", tp: int = 1) -> EngineConfig:
     return EngineConfig(
-        checkpoint=str(checkpoint), sp_degree=sp, dtype=w.dtype, device=device, window_frames=w.window_frames,
-        sink_frames=w.sink_frames, default_height=w.height, default_width=w.width,
+        checkpoint=str(checkpoint), sp_degree=sp, tp_degree=tp, dtype=w.dtype, device=device,
+        window_frames=w.window_frames, sink_frames=w.sink_frames, default_height=w.height, default_width=w.width,
     )
 
 
 def server_parameters(config: EngineConfig) -> dict[str, str]:
     """config.pbtxt parameters serving exactly `config`, on a free rendezvous port (the instance group sets the
-    device; tp_degree is no template parameter: it must stay 1)."""
-    params = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)
-              if f.name not in ("device", "tp_degree")}
+    device)."""
+    params = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig) if f.name != "device"}
     return params | {"rendezvous_port": str(free_port())}
 
 
@@ -124,16 +124,21 @@ class RankResult:
     attention: str
     block_ms: list[float]  # run_block wall time (DiT forwards + all-to-all) per block
     a2a_bytes: list[int]  # bytes this rank sent by all-to-all, per block
+    all_reduce_bytes: list[int]  # this rank's TP all-reduce payload, per block
+    all_gather_bytes: list[int]  # this rank's TP all-gather payload, per block
+    weight_bytes: int  # the transformer's weights on this rank
+    cache_bytes: int  # the timed session's self-attention window and prompt K/V on this rank
     decode_ms: list[float]  # this rank's VAE decode per block (its band of rows with split_decode)
     request_s: float  # open_session .. last block decoded (every rank its band, rank 0 the frames)
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
 
 
 def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
-    """One warm-up session of `warmup_blocks`, then one timed full request. Importable for spawned ranks."""
+    """One warm-up session of `warmup_blocks`, then one timed full request (on config.tp_degree x sp_degree
+    ranks). Importable for spawned ranks."""
     if config.device == "cuda":
         config = dataclasses.replace(config, device=f"cuda:{torch.cuda.current_device()}")
-    engine = WorldModelEngine.load(config, sp)
+    engine = WorldModelEngine.load(config, sp, Mesh.build(sp, config.tp_degree, timeout_s=900))
     with engine.session(request) as warm:
         for _ in zip(range(warmup_blocks), engine.blocks(warm, decode=False)):
             pass
@@ -146,6 +151,7 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
             begin = time.perf_counter()
             engine.decode(session, out)
             decode_ms.append((time.perf_counter() - begin) * 1000.0)
+        cache_bytes = session.cache_bytes()
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -153,6 +159,10 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest,
         attention=engine.attention_name,
         block_ms=[o.dit_ms for o in outputs],
         a2a_bytes=[o.all_to_all_bytes for o in outputs],
+        all_reduce_bytes=[o.all_reduce_bytes for o in outputs],
+        all_gather_bytes=[o.all_gather_bytes for o in outputs],
+        weight_bytes=engine.transformer.weight_bytes(),
+        cache_bytes=cache_bytes,
         decode_ms=decode_ms,
         request_s=time.perf_counter() - start,
         peak_cuda_bytes=torch.cuda.max_memory_allocated(engine.device) if cuda else None,
@@ -180,27 +190,45 @@ def sp_parser(doc: str, default: Workload, preset: str) -> argparse.ArgumentPars
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP degrees, the first is the baseline")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1],
+                        help="TP degrees: every TP x SP pair runs on tp x sp ranks (TP1 first: the baseline)")
     parser.add_argument("--warmup-blocks", type=int, default=1, help="blocks of a throw-away session first")
     add_workload_args(parser, default, preset=preset)
     return parser
 
 
+Layout = tuple[int, int]  # (tp, sp)
+
+
+def layout_label(layout: Layout) -> str:
+    tp, sp = layout
+    return f"SP{sp}" if tp == 1 else f"TP{tp}xSP{sp}"
+
+
 def sweep_sp(
-    degrees: Sequence[int],
+    layouts: Sequence[Layout],
     run: Callable[..., list],
     checkpoint: Path,
     w: Workload,
     warmup_blocks: int,
     device: str = "cpu",
-) -> dict[int, list[RankResult]]:
-    """The same request at each SP degree, one group after another; `run` is run_cpu_group or run_cuda_group."""
+) -> dict[Layout, list[RankResult]]:
+    """The same request at each (tp, sp) layout, one group of tp x sp ranks after another; `run` is
+    run_cpu_group or run_cuda_group."""
     request = make_request(w)
-    results: dict[int, list[RankResult]] = {}
-    for sp in degrees:
-        results[sp] = run(sp, rollout, (engine_config(checkpoint, w, sp, device), request, warmup_blocks))
-        print(f"SP{sp} done: {results[sp][0].request_s:.2f} s, attention {results[sp][0].attention}", flush=True)
+    results: dict[Layout, list[RankResult]] = {}
+    for tp, sp in layouts:
+        config = engine_config(checkpoint, w, sp, device, tp)
+        results[tp, sp] = run(tp * sp, rollout, (config, request, warmup_blocks))
+        lead = results[tp, sp][0]
+        print(f"{layout_label((tp, sp))} done: {lead.request_s:.2f} s, attention {lead.attention}", flush=True)
     print()
     return results
+
+
+def layouts_of(args: argparse.Namespace, most_ranks: int | None = None) -> list[Layout]:
+    """Every --tp x --sp pair (TP outer), those with more than `most_ranks` ranks left out."""
+    return [(tp, sp) for tp in args.tp for sp in args.sp if most_ranks is None or tp * sp <= most_ranks]
 
 
 def cuda_device_count() -> int:
@@ -233,32 +261,42 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int
     return "\n".join([line(cells[0]), rule, *map(line, cells[1:])])
 
 
-def sp_table(results: dict[int, list[RankResult]]) -> str:
-    """Per-block ms (rank 0), mean, request s, speedups vs the first SP degree, a2a bytes, peak CUDA memory."""
-    degrees = sorted(results)
-    lead = {sp: results[sp][0] for sp in degrees}
-    base_mean = statistics.fmean(lead[degrees[0]].block_ms)
-    base_request = lead[degrees[0]].request_s
-    rows = [[f"block {i} (ms)", *[f"{lead[sp].block_ms[i]:.1f}" for sp in degrees]]
-            for i in range(len(lead[degrees[0]].block_ms))]
-    rows.append(["mean block (ms)", *[f"{statistics.fmean(lead[sp].block_ms):.1f}" for sp in degrees]])
-    rows.append([f"speedup vs SP{degrees[0]} (mean block)",
-                 *[f"{base_mean / statistics.fmean(lead[sp].block_ms):.2f}x" for sp in degrees]])
-    rows.append(["VAE decode per block, mean (ms)", *[f"{statistics.fmean(lead[sp].decode_ms):.1f}" for sp in degrees]])
-    rows.append(["whole request (s)", *[f"{lead[sp].request_s:.2f}" for sp in degrees]])
-    rows.append([f"speedup vs SP{degrees[0]} (request)", *[f"{base_request / lead[sp].request_s:.2f}x" for sp in degrees]])
-    rows.append(["all-to-all sent per rank per block", *[_a2a_cell(results[sp]) for sp in degrees]])
-    if lead[degrees[0]].peak_cuda_bytes is not None:
-        rows.append(["peak CUDA MiB per rank", *["/".join(f"{(r.peak_cuda_bytes or 0) / 2**20:.0f}" for r in results[sp])
-                                                 for sp in degrees]])
-    return format_table(["", *[f"SP{sp}" for sp in degrees]], rows)
+def sp_table(results: dict[Layout, list[RankResult]]) -> str:
+    """Per-block ms (rank 0), mean, request s, speedups vs the first layout, bytes per rank (weights, one
+    session's caches), exchange bytes per block (all-to-all sent; TP all-reduce and all-gather payload), peak
+    CUDA memory. Columns in the order run."""
+    layouts = list(results)
+    lead = {k: results[k][0] for k in layouts}
+    base = layout_label(layouts[0])
+    base_mean = statistics.fmean(lead[layouts[0]].block_ms)
+    base_request = lead[layouts[0]].request_s
+    rows = [[f"block {i} (ms)", *[f"{lead[k].block_ms[i]:.1f}" for k in layouts]]
+            for i in range(len(lead[layouts[0]].block_ms))]
+    rows.append(["mean block (ms)", *[f"{statistics.fmean(lead[k].block_ms):.1f}" for k in layouts]])
+    rows.append([f"speedup vs {base} (mean block)",
+                 *[f"{base_mean / statistics.fmean(lead[k].block_ms):.2f}x" for k in layouts]])
+    rows.append(["VAE decode per block, mean (ms)", *[f"{statistics.fmean(lead[k].decode_ms):.1f}" for k in layouts]])
+    rows.append(["whole request (s)", *[f"{lead[k].request_s:.2f}" for k in layouts]])
+    rows.append([f"speedup vs {base} (request)", *[f"{base_request / lead[k].request_s:.2f}x" for k in layouts]])
+    rows.append(["DiT weights per rank", *[_bytes_cell([r.weight_bytes] for r in results[k]) for k in layouts]])
+    rows.append(["one session's KV + text cache per rank", *[_bytes_cell([r.cache_bytes] for r in results[k])
+                                                             for k in layouts]])
+    for name, field in (("all-to-all sent", "a2a_bytes"), ("TP all-reduce", "all_reduce_bytes"),
+                        ("TP all-gather", "all_gather_bytes")):
+        rows.append([f"{name} per rank per block", *[_bytes_cell((getattr(r, field) for r in results[k]), per_block=True)
+                                                     for k in layouts]])
+    if lead[layouts[0]].peak_cuda_bytes is not None:
+        rows.append(["peak CUDA MiB per rank", *["/".join(f"{(r.peak_cuda_bytes or 0) / 2**20:.0f}" for r in results[k])
+                                                 for k in layouts]])
+    return format_table(["", *map(layout_label, layouts)], rows)
 
 
-def _a2a_cell(ranks: list[RankResult]) -> str:
-    sent = {b for r in ranks for b in r.a2a_bytes}
-    if len(sent) == 1:
-        return f"{sent.pop():,} B (constant)"
-    return f"{min(sent):,}..{max(sent):,} B (VARIES)"
+def _bytes_cell(per_rank: Iterable[list[int]], per_block: bool = False) -> str:
+    """Bytes equal on every rank (and block: 'constant') shown once, else their range."""
+    values = [b for rank in per_rank for b in rank]
+    if len(set(values)) == 1:
+        return f"{values[0]:,} B" + (" (constant)" if per_block and values[0] else "")
+    return f"{min(values):,}..{max(values):,} B (" + ("VARIES" if per_block else "differ by rank") + ")"
 
 
 def percentile(values: Sequence[float], q: float) -> float:

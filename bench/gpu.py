@@ -1,6 +1,6 @@
 """GPU benchmark of the real workload: 480x832, 81 frames, seed 42, forward camera, SP1/SP2/SP4 over NCCL.
 
-    python -m bench.gpu [--checkpoint PATH | --preset tiny|mid] [--sp 1 2 4]
+    python -m bench.gpu [--checkpoint PATH | --preset tiny|mid] [--sp 1 2 4] [--tp 1 2]
     python -m bench.gpu --random-weights [--dry-run] [--profile] ...   # bench/random_weights.py
 
 
@@ -20,6 +20,8 @@ from bench.common import (
     GPU,
     cuda_device_count,
     ensure_checkpoint,
+    layout_label,
+    layouts_of,
     run_cuda_group,
     sp_parser,
     sp_table,
@@ -38,18 +40,18 @@ def main(argv: list[str] | None = None) -> None:
         return random_weights.main(rest)
     args = sp_parser(__doc__, GPU, preset="mid").parse_args(rest)
     gpus = cuda_device_count()  # exits first where CUDA is absent
-    degrees = [sp for sp in args.sp if sp <= gpus]
-    if skipped := [sp for sp in args.sp if sp > gpus]:
-        print(f"skipping SP{skipped}: {gpus} GPU(s) visible, NCCL needs one GPU per rank")
-    if not degrees:
-        raise SystemExit("error: no SP degree fits the visible GPUs")
+    layouts = layouts_of(args, most_ranks=gpus)
+    if skipped := [layout_label(k) for k in layouts_of(args) if k not in layouts]:
+        print(f"skipping {', '.join(skipped)}: {gpus} GPU(s) visible, NCCL needs one GPU per rank")
+    if not layouts:
+        raise SystemExit("error: no layout fits the visible GPUs")
     w = workload_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint, args.preset)
     flash = importlib.util.find_spec("flash_attn") is not None
     print(f"checkpoint {checkpoint}, {w.height}x{w.width}, {w.num_frames} frames = {w.blocks} blocks, {w.dtype}, "
           f"window {w.window_frames}; {gpus} x {torch.cuda.get_device_name(0)}, "
           f"flash-attn {'installed' if flash else 'not installed'}", flush=True)
-    print(sp_table(sweep_sp(degrees, run_cuda_group, checkpoint, w, args.warmup_blocks, "cuda")))
+    print(sp_table(sweep_sp(layouts, run_cuda_group, checkpoint, w, args.warmup_blocks, "cuda")))
 
 
 if __name__ == "__main__":

@@ -6,19 +6,27 @@ import numpy as np
 from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
 from backend.model.vae import StreamingVae
+from backend.parallel.mesh import Mesh
 from backend.parallel.sequence import SequenceParallel
 from backend.api.request import SessionRequest
 
 
 def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest) -> dict:
-    """Full rollout on every rank; returns latents, per-block all-to-all bytes and the final cache shards."""
-    engine = WorldModelEngine.load(config, sp)
+    """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block exchange bytes, the
+    final cache shards and this rank's weight and cache bytes."""
+    engine = WorldModelEngine.load(config, sp, Mesh.build(sp, config.tp_degree, timeout_s=600))
     with engine.session(request) as session:
         outputs = [out for out, _ in engine.blocks(session, decode=False)]
         n = session.cache.length
         return {
             "latents": np.concatenate([out.latents.numpy() for out in outputs], axis=2),
             "a2a_bytes": [out.all_to_all_bytes for out in outputs],
+            "all_reduce_bytes": [out.all_reduce_bytes for out in outputs],
+            "all_gather_bytes": [out.all_gather_bytes for out in outputs],
+            "weight_bytes": engine.transformer.weight_bytes(),
+            "self_cache_bytes": session.cache.nbytes(),
+            "text_cache_bytes": session.text.nbytes(),
+            "window_tokens": session.cache.capacity,
             "evicted_tokens": session.cache.evicted_tokens,
             "self_k": [k[:, :n].float().numpy() for k in session.cache.keys],
             "self_v": [v[:, :n].float().numpy() for v in session.cache.values],

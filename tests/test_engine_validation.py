@@ -50,7 +50,9 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
     [
         ({"sp_degree": 3}, 3, r"num_heads=4 is not divisible by tp_degree x sp_degree = 1 x 3 = 3"),
         ({"tp_degree": 3}, 1, r"num_heads=4 is not divisible by tp_degree x sp_degree = 3 x 1 = 3"),
-        ({"tp_degree": 2}, 1, r"tp_degree=2: tensor parallelism is not supported"),
+        ({"tp_degree": 2}, 1, r"tp_degree x sp_degree = 2 x 1 = 2 must equal the process group's world size 1"),
+        ({"tp_degree": 2, "sp_degree": 2}, 2, r"tp_degree x sp_degree = 2 x 2 = 4 must equal .* world size 2"),
+        ({"tp_degree": 4, "sp_degree": 2}, 8, r"num_heads=4 is not divisible by tp_degree x sp_degree = 4 x 2 = 8"),
         ({"sp_degree": 2, "default_height": 16, "default_width": 16}, 2,
          r"block token count 3 .* not divisible by sp_degree=2; sizes near it that are: 16 x 32, 32 x 16, 32 x 32"),
         ({"sp_mode": "ring"}, 1, r"mode 'ring' is not supported"),
@@ -181,3 +183,10 @@ def test_the_sp_size_error_names_near_sizes_that_work(sp: int) -> None:
     for width, height in near:
         assert width % 16 == 0 and height % 16 == 0 and (3 * (width // 16) * (height // 16)) % sp == 0
         assert abs(width - 48) + abs(height - 48) <= 2 * sp * 16
+
+
+def test_ffn_width_not_divisible_by_tp_is_named(unreadable_checkpoint: str) -> None:
+    config_path = Path(unreadable_checkpoint) / "transformer" / "config.json"
+    config_path.write_text(config_path.read_text().replace('"ffn_dim": 128', '"ffn_dim": 130'))
+    with pytest.raises(ConfigError, match=r"ffn_dim=130 is not divisible by tp_degree=4 \(FFN column split\)"):
+        WorldModelEngine.load(tiny_config(unreadable_checkpoint, tp_degree=4), FakeGroup(4))

@@ -79,15 +79,30 @@ def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -
             continue  # the launcher sets it from --sp
         value = _other_value(f) if f.default is not dataclasses.MISSING else "/data/ckpt"
         hosts = ["--param", "host_count=4"] if f.name == "host_rank" else []  # host_rank=3 needs 4 hosts
+        instances = "4" if f.name == "tp_degree" else "2"  # tp_degree=4 needs 4 instances
         args = build_parser().parse_args(
-            ["--kind", "cpu", "--sp", "2", "--param", f"{f.name}={value}", *hosts, "--repository-out", str(tmp_path)]
+            ["--kind", "cpu", "--sp", instances, "--param", f"{f.name}={value}", *hosts, "--repository-out",
+             str(tmp_path)]
         )
         repository, _ = render(args)
         text = (repository / contract.MODEL_NAME / "config.pbtxt").read_text()
         engine, serving = split_parameters(params_of(text))
         settings = engine if cls is EngineConfig else serving
         assert format_value(getattr(settings, f.name)) == value, f.name
-        assert engine.sp_degree == 2 * serving.host_count  # --sp instances on each server
+        # --sp instances on each server, each one rank of tp x sp
+        assert engine.sp_degree * engine.tp_degree == int(instances) * serving.host_count
+
+
+def test_tp_degree_divides_the_instances_into_sp_groups(tmp_path: Path) -> None:
+    def sp_degree(*flags: str) -> int:
+        args = build_parser().parse_args(["--kind", "cpu", *flags, "--repository-out", str(tmp_path)])
+        repository, _ = render(args)
+        return split_parameters(params_of((repository / contract.MODEL_NAME / "config.pbtxt").read_text()))[0].sp_degree
+
+    assert sp_degree("--sp", "4", "--param", "tp_degree=2") == 2
+    assert sp_degree("--sp", "4", "--param", "tp_degree=2", "--param", "host_count=2") == 4
+    with pytest.raises(ValueError, match=r"tp_degree=4 does not divide the 2 instances \(--sp 2 x 1\)"):
+        sp_degree("--sp", "2", "--param", "tp_degree=4")
 
 
 def test_host_rank_outside_host_count_is_an_error_naming_both(tmp_path: Path) -> None:

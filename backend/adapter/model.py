@@ -18,6 +18,8 @@ from ..engine.rollout import WorldModelEngine
 from ..engine.validation import checked_spec
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
+from ..parallel.layout import RankLayout
+from ..parallel.mesh import Mesh
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
 from ..serving.group_loop import GroupCoordinator
@@ -43,11 +45,14 @@ class TritonPythonModel:
         on_gpu = args["model_instance_kind"] == "GPU"
         device = f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu"
         engine_config = dataclasses.replace(engine_config, device=device)
-        if engine_config.sp_degree != world:
+        layout = RankLayout(engine_config.tp_degree, engine_config.sp_degree)
+        if layout.world != world:
             raise ConfigError(
-                f"sp_degree={engine_config.sp_degree} must equal the number of model instances of all servers "
-                f"({world} = host_count={limits.host_count} x {world // limits.host_count})"
+                f"tp_degree x sp_degree = {engine_config.tp_degree} x {engine_config.sp_degree} must equal the number "
+                f"of model instances of all servers ({world} = host_count={limits.host_count} x "
+                f"{world // limits.host_count})"
             )
+        layout.check_hosts(limits.host_count)
         # Fail fast, alone, before waiting for peers or reading weights.
         spec = checked_spec(engine_config, world)
         threads = None
@@ -65,7 +70,9 @@ class TritonPythonModel:
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
                             limits.init_timeout_s, limits.collective_timeout_s, engine_config.split_decode)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
-        self.engine = WorldModelEngine(spec, SequenceParallel(groups.data, groups.decode))
+        group = SequenceParallel(groups.data, groups.decode)
+        mesh = Mesh.build(group, engine_config.tp_degree, limits.collective_timeout_s)
+        self.engine = WorldModelEngine(spec, group, mesh=mesh)
         groups.all_arrived("loaded")  # every rank has loaded before the loop starts
         doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \
             if world > 1 else None

@@ -1,15 +1,17 @@
-"""The AR-diffusion rollout: sessions advance one block of latent frames at a time on every SP rank.
+"""The AR-diffusion rollout: sessions advance one block of latent frames at a time on every rank.
 
 Every rank calls `open_session`, `run_block` and `close_session` in the same order with the same
 arguments (the Triton coordinator guarantees it). Work that every rank would repeat is done once: the
 prompt and the first-frame condition are encoded on ENCODER_RANK and broadcast. A block's decode is split
 by image rows across the ranks (every rank calls `decode` for the same blocks in the same order) and its
-frames come back on the session's owner, the rank that answers its request.
+frames come back on the session's owner, the rank that answers its request. With tensor parallelism the
+transformer runs on a Mesh (parallel/mesh: this rank's TP group and SP group); everything else on the group.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,16 +29,20 @@ from ..model.condition import ConditionState, StreamingConditionEncoder, conditi
 from ..model.dtypes import TORCH_DTYPES
 from ..model.kv_cache import SelfAttentionCache, TextCache
 from ..model.rope import rope_tables
+from ..model.tensor_slices import TensorPart
 from ..model.schedule import dmd_schedule, flow_to_x0, renoise
 from ..model.text_encoder import PromptEncoder, PromptStates
 from ..model.transformer import ForwardContext, LingBotTransformer
 from ..model.vae import DecodeState, StreamingVae
+from ..parallel.mesh import Mesh
 from ..parallel.sequence import SequenceParallel
 from .camera_track import CameraTrack, split_blocks
 from .config import EngineConfig
 from .geometry import VideoGeometry
 from .prompts import ENCODER_RANK, SharedPrompts
 from .validation import EngineSpec, checked_spec
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class Session:
@@ -79,6 +85,8 @@ class BlockOutput:
     latents: torch.Tensor  # [1, z, block_frames, h, w] normalised latents, float32, on CPU
     dit_ms: float
     all_to_all_bytes: int  # this rank's bytes sent by all-to-all during this block's forwards
+    all_reduce_bytes: int = 0  # this rank's TP all-reduce payload during them (parallel/tensor)
+    all_gather_bytes: int = 0  # this rank's TP all-gather payload during them
     held: bool = False  # a steered block run on its last motion because its step came late
     last: bool = False  # the session's last block
 
@@ -102,12 +110,13 @@ class EngineParts:
     # ENCODER_RANK; the other ranks drop its encoder) and block decode
 
 
-def load_parts(spec: EngineSpec, rank: int) -> EngineParts:
-    """The transformer, text encoder (on ENCODER_RANK only) and VAE of the spec's checkpoint directory."""
+def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> EngineParts:
+    """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
+    checkpoint directory."""
     config = spec.config
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
     root = Path(config.checkpoint)
-    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device)
+    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device, part)
     prompts = None
     if rank == ENCODER_RANK:
         encoder, tokenizer = load_text_encoder(root, dtype, device)
@@ -116,19 +125,28 @@ def load_parts(spec: EngineSpec, rank: int) -> EngineParts:
 
 
 class WorldModelEngine:
-    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None,
+        mesh: Mesh | None = None,
+    ) -> None:
         """An engine for a checked spec (see `checked_spec`; `load` does both) on `parts`, by default the
-        spec's checkpoint files."""
+        spec's checkpoint files. sp: the whole group; mesh: its TP x SP split (Mesh.build), needed when
+        tp_degree > 1 (else the group is the SP group)."""
         config = spec.config
         self.config = config
         self.sp = sp or SequenceParallel()
+        self.mesh = mesh or Mesh.whole(self.sp)
+        if self.mesh.tp.degree != config.tp_degree:
+            raise ValueError(f"tp_degree={config.tp_degree} needs a Mesh of that degree, got {self.mesh.tp.degree}")
         self.ckpt = spec.checkpoint
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.window_frames, self.sink_frames = spec.window_frames, spec.sink_frames
         self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
-        parts = parts or load_parts(spec, self.sp.rank)
+        parts = parts or load_parts(spec, self.sp.rank, TensorPart(self.mesh.tp.rank, self.mesh.tp.degree))
         self.transformer: LingBotTransformer = parts.transformer
+        log.info("rank %d: transformer weights %d bytes on this rank (tp_degree=%d, tp rank %d)", self.sp.rank,
+                 self.transformer.weight_bytes(), self.mesh.tp.degree, self.mesh.tp.rank)
         if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
             for block in self.transformer.blocks:
                 block.compile(dynamic=True)
@@ -146,10 +164,11 @@ class WorldModelEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None) -> WorldModelEngine:
+    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None, mesh: Mesh | None = None
+             ) -> WorldModelEngine:
         """Validate the settings against the checkpoint's configs, then load its weights."""
         sp = sp or SequenceParallel()
-        return cls(checked_spec(config, sp.degree), sp)
+        return cls(checked_spec(config, sp.degree), sp, mesh=mesh)
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -170,7 +189,9 @@ class WorldModelEngine:
         geometry = self.validate(request)
         tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
-        text = self.transformer.text_caches(self.prompts.states(request.prompt), self.sp.head_slice(tcfg.num_heads))
+        mesh = self.mesh
+        tp_heads = tcfg.num_heads // mesh.tp.degree
+        text = self.transformer.text_caches(self.prompts.states(request.prompt), mesh.sp.head_slice(tp_heads), mesh.tp)
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             # A clip shorter than the window never needs the whole window.
@@ -178,7 +199,7 @@ class WorldModelEngine:
             * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
             sink_tokens=self.sink_frames * geometry.tokens_per_frame,
-            local_heads=tcfg.num_heads // self.sp.degree,
+            local_heads=tp_heads // mesh.sp.degree,
             head_dim=tcfg.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -213,7 +234,8 @@ class WorldModelEngine:
         if any(s.geometry.block_shape != geometry.block_shape or s.done for s in sessions):
             raise ValueError("run_block: sessions must share one block shape and have blocks left")
         start = time.perf_counter()
-        self.sp.stats.reset()
+        self.mesh.sp.stats.reset()
+        self.mesh.tp.stats.reset()
         bf = self.config.block_frames
         z = self.ckpt.vae.z_dim
         starts = [s.block_index * bf for s in sessions]
@@ -258,7 +280,9 @@ class WorldModelEngine:
                     num_blocks=s.num_blocks,
                     latents=clean[i : i + 1].cpu(),
                     dit_ms=elapsed_ms,
-                    all_to_all_bytes=self.sp.stats.all_to_all_bytes,
+                    all_to_all_bytes=self.mesh.sp.stats.all_to_all_bytes,
+                    all_reduce_bytes=self.mesh.tp.stats.all_reduce_bytes,
+                    all_gather_bytes=self.mesh.tp.stats.all_gather_bytes,
                     held=s.steered and step.controls is None,
                     last=s.done,
                 )
@@ -328,10 +352,12 @@ class WorldModelEngine:
     def _context(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> ForwardContext:
         head_dim = self.ckpt.transformer.head_dim
         tables = [rope_tables(head_dim, f, g.block_frames, g.grid_height, g.grid_width) for f in starts]
-        cos = self.sp.shard(torch.stack([c for c, _ in tables]), 1).to(self.device)
-        sin = self.sp.shard(torch.stack([s for _, s in tables]), 1).to(self.device)
+        sp = self.mesh.sp
+        cos = sp.shard(torch.stack([c for c, _ in tables]), 1).to(self.device)
+        sin = sp.shard(torch.stack([s for _, s in tables]), 1).to(self.device)
         return ForwardContext(
-            sp=self.sp,
+            sp=sp,
+            tp=self.mesh.tp,
             attention=self.attention,
             rope_cos=cos,
             rope_sin=sin,

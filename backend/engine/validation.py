@@ -62,10 +62,16 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
             f"num_heads={t.num_heads} is not divisible by tp_degree x sp_degree = "
             f"{config.tp_degree} x {config.sp_degree} = {config.tp_degree * config.sp_degree}"
         )
-    if config.tp_degree != 1:
-        raise ConfigError(f"tp_degree={config.tp_degree}: tensor parallelism is not supported, use tp_degree=1")
-    if config.sp_degree > world_size:
+    if t.ffn_dim % config.tp_degree != 0:
+        raise ConfigError(f"ffn_dim={t.ffn_dim} is not divisible by tp_degree={config.tp_degree} (FFN column split)")
+    ranks = config.tp_degree * config.sp_degree
+    if config.tp_degree == 1 and config.sp_degree > world_size:
         raise ConfigError(f"sp_degree={config.sp_degree} is larger than the process group's world size {world_size}")
+    if config.tp_degree > 1 and ranks != world_size:
+        raise ConfigError(
+            f"tp_degree x sp_degree = {config.tp_degree} x {config.sp_degree} = {ranks} must equal the process "
+            f"group's world size {world_size} (one rank per instance)"
+        )
     if config.dtype not in TORCH_DTYPES:
         raise ConfigError(f"dtype={config.dtype!r}; supported: {list(TORCH_DTYPES)}")
     if config.attention_backend not in ATTENTION_BACKENDS:

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sp",
         type=int,
         default=1,
-        help="model instances of this server (one per GPU with KIND_GPU); the SP degree is this x host_count",
+        help="model instances of this server (one per GPU with KIND_GPU); the SP degree is this x host_count "
+        "/ tp_degree",
     )
     parser.add_argument(
         "--mpi",
@@ -135,7 +136,10 @@ def render(args: argparse.Namespace) -> tuple[Path, str]:
         }
         parameters.update(host_parameters(shared, ports_and_paths))
     hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
-    parameters["sp_degree"] = str(args.sp * hosts)  # one SP rank per instance of every server
+    tp = int(parameters.get("tp_degree", "1"))
+    if (args.sp * hosts) % tp:
+        raise ValueError(f"tp_degree={tp} does not divide the {args.sp * hosts} instances (--sp {args.sp} x {hosts})")
+    parameters["sp_degree"] = str(args.sp * hosts // tp)  # every instance of every server is one rank of tp x sp
     if args.sp * hosts > 1 and not args.render_only:
         check_rendezvous_port(parameters, hosts)
     repository = write_model_repository(

@@ -14,6 +14,7 @@ import torch
 
 from ..api.errors import ConfigError
 from .config import TransformerConfig
+from .tensor_slices import TensorPart
 from .transformer import LingBotTransformer
 from .weight_files import few_names, read_header, shard_plan
 
@@ -28,8 +29,13 @@ def assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         owner._buffers[leaf] = value
 
 
-def load_into(module: torch.nn.Module, directory: Path, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill a (meta) module from a component directory; strict on names and shapes, errors name the file."""
+def load_into(
+    module: torch.nn.Module, directory: Path, dtype: torch.dtype, device: torch.device, part: TensorPart | None = None
+) -> None:
+    """Fill a (meta) module from a component directory; strict on names and shapes, errors name the file.
+
+    part: a tensor-parallel rank's module, which holds a slice of some tensors; only the slice is read."""
+    part = part or TensorPart(0, 1)
     plan = shard_plan(directory)
     expected = {k: list(v.shape) for k, v in module.state_dict().items()}
     found = {name for names in plan.values() for name in names}
@@ -41,17 +47,21 @@ def load_into(module: torch.nn.Module, directory: Path, dtype: torch.dtype, devi
         )
     for path, names in plan.items():
         header = read_header(path)
+        split = {}
         for name in names:
-            if header.get(name, {}).get("shape") != expected[name]:
-                raise ConfigError(
-                    f"{path}: {name} has shape {header.get(name, {}).get('shape')}, the config expects {expected[name]}"
-                )
+            if header.get(name, {}).get("shape") is None:
+                raise ConfigError(f"{path}: {name} has no shape, the config expects {expected[name]}")
+            split[name] = part.split_dim(f"{path}: {name}", header[name]["shape"], expected[name])
         largest = max(end - begin for begin, end in (header[n]["data_offsets"] for n in names))
         scratch = torch.empty(largest, dtype=torch.uint8)  # one read buffer per shard, reused by every tensor
         with path.open("rb") as shard:
             data_start = 8 + struct.unpack("<Q", shard.read(8))[0]
             for name in names:
-                tensor = read_tensor(shard, data_start, header[name], path, name, scratch)
+                if split[name] is None:
+                    tensor = read_tensor(shard, data_start, header[name], path, name, scratch)
+                else:
+                    tensor = part.read(shard, data_start, header[name], split[name], path, name,
+                                       SAFETENSORS_DTYPES.get(header[name]["dtype"]), scratch)
                 target = dtype if tensor.is_floating_point() else tensor.dtype
                 assign(module, name, tensor.to(device=device, dtype=target, copy=True))
                 del tensor
@@ -79,12 +89,15 @@ def read_tensor(
 
 
 def load_transformer(
-    directory: Path, config: TransformerConfig, dtype: torch.dtype, device: torch.device
+    directory: Path, config: TransformerConfig, dtype: torch.dtype, device: torch.device,
+    part: TensorPart | None = None,
 ) -> LingBotTransformer:
-    """Build the DiT from its config on the meta device and load its weights strictly."""
+    """Build the DiT from its config on the meta device (a tensor-parallel rank's slices with `part`) and load
+    its weights strictly."""
+    part = part or TensorPart(0, 1)
     with torch.device("meta"):
-        model = LingBotTransformer(config)
-    load_into(model, directory, dtype, device)
+        model = LingBotTransformer(config, part.degree)
+    load_into(model, directory, dtype, device, part)
     return model.eval().requires_grad_(False)
 
 

@@ -9,20 +9,29 @@ islands) but without autocast: every op states its dtype.
              add of block 0), output head (its Linear too)
     float64: rotary rotation when the caller gives float64 tables (the reference always rotates in float64)
 
-Sequence parallelism: each rank holds every weight and the whole block's inputs, keeps L/sp tokens
-(hidden, camera tokens and per-token modulation are sharded identically), exchanges sequence shards for head
-shards around the attention cores, projects its tokens to the output and gathers the result.
+Sequence parallelism: each rank holds the whole block's inputs, keeps L/sp tokens (hidden, camera tokens and
+per-token modulation are sharded identically), exchanges sequence shards for head shards around the attention
+cores, projects its tokens to the output and gathers the result.
+
+Tensor parallelism (tp ranks, `tp_degree` at construction; docs/parallelism.md): q/k/v, the FFN's first layer,
+the camera injector's first layer and the camera scale/shift layers are column parallel (each rank computes
+its 1/tp of the output channels: heads for q/k/v); o, the FFN's second layer and the camera injector's second
+layer are row parallel (partial sums, one float32 all-reduce over the TP group, then the replicated bias).
+qk-norm normalises over all heads' channels, so its sum of squares is all-reduced. The camera modulation is
+applied to each rank's channel slice of the residual stream, which is then all-gathered. Norms, modulation,
+embeddings and the head are replicated. The Ulysses exchanges run on each TP slice's own heads.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.sequence import SequenceParallel
+from ..parallel.tensor import TensorParallel
 from .attention import AttentionFn
 from .config import TransformerConfig
 from .kv_cache import LayerKV, SelfAttentionCache, TextCache
@@ -39,12 +48,14 @@ class ForwardContext:
     rope_sin: torch.Tensor
     self_caches: list[SelfAttentionCache]  # one per batch element, this rank's head shard
     text_caches: list[TextCache]  # one per batch element
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
     def layer(self, index: int) -> LayerContext:
         return LayerContext(
             self.sp, self.attention, self.rope_cos, self.rope_sin,
             self_kv=[c.layer(index) for c in self.self_caches],
             text_kv=[(c.keys[index], c.values[index]) for c in self.text_caches],
+            tp=self.tp,
         )
 
 
@@ -59,6 +70,7 @@ class LayerContext:
     rope_sin: torch.Tensor
     self_kv: list[LayerKV]  # one per batch element
     text_kv: list[tuple[torch.Tensor, torch.Tensor]]  # prompt keys, values per batch element
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
@@ -103,18 +115,33 @@ def layer_norm_fp32(x: torch.Tensor, eps: float, norm: nn.LayerNorm | None = Non
     return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
 
 
-class RMSNorm(nn.Module):
-    """Wan's RMSNorm over the whole projection (all heads): normalise in float32, cast back, then scale."""
+def row_parallel(layer: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A Linear whose input features are split over the TP group: the partial products are summed in float32
+    (one all-reduce), then the (replicated) bias is added and the result cast to x's dtype."""
+    if tp.degree == 1:
+        return layer(x)
+    total = tp.all_reduce(F.linear(x, layer.weight).float())
+    return (total + layer.bias.float()).to(x.dtype)
 
-    def __init__(self, dim: int, eps: float) -> None:
+
+class RMSNorm(nn.Module):
+    """Wan's RMSNorm over the whole projection (all heads): normalise in float32, cast back, then scale.
+
+    Under TP a rank holds `dim / tp` of the channels (and of the weight): the sum of squares is all-reduced."""
+
+    def __init__(self, dim: int, eps: float, tp_degree: int = 1) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim // tp_degree))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        if tp.degree == 1:
+            mean_square = xf.pow(2).mean(dim=-1, keepdim=True)
+        else:
+            mean_square = tp.all_reduce(xf.pow(2).sum(dim=-1, keepdim=True)) / self.dim
+        return (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype) * self.weight
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,28 +150,35 @@ class RMSNorm(nn.Module):
 
 
 class _Projections(nn.Module):
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float) -> None:
+    """q/k/v column parallel by heads (num_heads / tp per rank), o row parallel."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, tp_degree: int) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
-        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.num_heads = num_heads // tp_degree  # this rank's heads
+        local = dim // tp_degree
+        self.q = nn.Linear(dim, local)
+        self.k = nn.Linear(dim, local)
+        self.v = nn.Linear(dim, local)
+        self.o = nn.Linear(local, dim)
+        self.norm_q = RMSNorm(dim, eps, tp_degree) if qk_norm else None
+        self.norm_k = RMSNorm(dim, eps, tp_degree) if qk_norm else None
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_heads, -1))
 
+    @staticmethod
+    def normed(norm: RMSNorm | None, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        return norm(x, tp) if norm is not None else x
+
     def out(self, ctx: LayerContext, per_head: torch.Tensor) -> torch.Tensor:
-        return self.o(ctx.sp.heads_to_seq(per_head).flatten(-2))
+        return row_parallel(self.o, ctx.sp.heads_to_seq(per_head).flatten(-2), ctx.tp)
 
 
 class CausalSelfAttention(_Projections):
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """x [B, L/sp, D] (compute dtype) -> [B, L/sp, D]; attends over each session's cached history + block."""
-        q = self.heads(self.norm_q(self.q(x)))
-        k = self.heads(self.norm_k(self.k(x)))
+        q = self.heads(self.normed(self.norm_q, self.q(x), ctx.tp))
+        k = self.heads(self.normed(self.norm_k, self.k(x), ctx.tp))
         v = self.heads(self.v(x))
         q = apply_rotary(q, ctx.rope_cos, ctx.rope_sin)
         k = apply_rotary(k, ctx.rope_cos, ctx.rope_sin)
@@ -157,32 +191,34 @@ class CausalSelfAttention(_Projections):
 
 
 class CrossAttention(_Projections):
-    def text_kv(self, context: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt K/V for the heads in `heads` (norm_k spans every head: project fully, then slice)."""
-        k = self.heads(self.norm_k(self.k(context)))[:, :, heads].contiguous()
+    def text_kv(self, context: torch.Tensor, heads: slice, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt K/V for `heads` (of this rank's TP heads; norm_k spans every head: project, then slice)."""
+        k = self.heads(self.normed(self.norm_k, self.k(context), tp))[:, :, heads].contiguous()
         v = self.heads(self.v(context))[:, :, heads].contiguous()
         return k, v
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        q = ctx.sp.seq_to_heads(self.heads(self.norm_q(self.q(x))))
+        q = ctx.sp.seq_to_heads(self.heads(self.normed(self.norm_q, self.q(x), ctx.tp)))
         outs = [ctx.attention(q[i : i + 1], keys, values) for i, (keys, values) in enumerate(ctx.text_kv)]
         return self.out(ctx, torch.cat(outs))
 
 
 class CausalBlock(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, tp_degree: int = 1) -> None:
         super().__init__()
         dim = cfg.dim
+        local, ffn_local = dim // tp_degree, cfg.ffn_dim // tp_degree
         self.eps = cfg.eps
-        self.self_attn = CausalSelfAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
+        self.self_attn = CausalSelfAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps, tp_degree)
         self.norm3 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else None
-        self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps)
-        self.ffn = nn.Sequential(nn.Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, dim))
+        self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps, tp_degree)
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn_local), nn.GELU(approximate="tanh"), nn.Linear(ffn_local, dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.cam_injector_layer1 = nn.Linear(dim, dim)
-        self.cam_injector_layer2 = nn.Linear(dim, dim)
-        self.cam_scale_layer = nn.Linear(dim, dim)
-        self.cam_shift_layer = nn.Linear(dim, dim)
+        # Camera MLP: column then row parallel; scale/shift column parallel (each rank's channels of x).
+        self.cam_injector_layer1 = nn.Linear(dim, local)
+        self.cam_injector_layer2 = nn.Linear(local, dim)
+        self.cam_scale_layer = nn.Linear(dim, local)
+        self.cam_shift_layer = nn.Linear(dim, local)
 
     def forward(
         self, x: torch.Tensor, mod: torch.Tensor, cam: torch.Tensor, ctx: LayerContext
@@ -196,9 +232,12 @@ class CausalBlock(nn.Module):
         h = layer_norm_fp32(x, self.eps).to(x.dtype).float() * (1 + scale1) + shift1
         x = x.float() + self.self_attn(h.to(cd), ctx).float() * gate1
 
-        # Camera injection (compute dtype for the MLP; 1 + scale is rounded to that dtype, then float32 math).
-        c = self.cam_injector_layer2(F.silu(self.cam_injector_layer1(cam))) + cam
-        x = (1.0 + self.cam_scale_layer(c)).float() * x + self.cam_shift_layer(c).float()
+        # Camera injection (compute dtype for the MLP; 1 + scale is rounded to that dtype, then float32 math),
+        # on this rank's channels of x, gathered after.
+        tp = ctx.tp
+        c = row_parallel(self.cam_injector_layer2, F.silu(self.cam_injector_layer1(cam)), tp) + cam
+        mine = x[..., tp.part(x.shape[-1])]
+        x = tp.gather_last((1.0 + self.cam_scale_layer(c)).float() * mine + self.cam_shift_layer(c).float())
 
         # Cross-attention (no modulation, no gate).
         h = layer_norm_fp32(x, self.eps, self.norm3) if self.norm3 is not None else x
@@ -206,7 +245,8 @@ class CausalBlock(nn.Module):
 
         # FFN.
         h = layer_norm_fp32(x, self.eps) * (1 + scale2) + shift2
-        return x + self.ffn(h.to(cd)).float() * gate2
+        up, act, down = self.ffn
+        return x + row_parallel(down, act(up(h.to(cd))), tp).float() * gate2
 
 
 class Head(nn.Module):
@@ -223,9 +263,11 @@ class Head(nn.Module):
 
 
 class LingBotTransformer(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, tp_degree: int = 1) -> None:
+        """tp_degree > 1: this rank's slices only (heads, channels and features of the split layers / tp)."""
         super().__init__()
         self.config = cfg
+        self.tp_degree = tp_degree
         dim = cfg.dim
         self.patch_embedding = nn.Conv3d(cfg.in_dim, dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.patch_embedding_wancamctrl = nn.Linear(cfg.camera_dim, dim)
@@ -236,13 +278,17 @@ class LingBotTransformer(nn.Module):
         )
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
-        self.blocks = nn.ModuleList([CausalBlock(cfg) for _ in range(cfg.num_layers)])
+        self.blocks = nn.ModuleList([CausalBlock(cfg, tp_degree) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters this rank holds."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     # -- prompt --------------------------------------------------------------------------------------------
 
-    def text_caches(self, text_states: torch.Tensor, heads: slice) -> TextCache:
-        """Encoded prompt [1, n <= text_len, text_dim] -> per-layer cross K/V for `heads`.
+    def text_caches(self, text_states: torch.Tensor, heads: slice, tp: TensorParallel | None = None) -> TextCache:
+        """Encoded prompt [1, n <= text_len, text_dim] -> per-layer cross K/V for `heads` (of this rank's TP heads).
 
         The reference trims the umT5 output to the prompt's real tokens and zero-pads it to text_len before
         text_embedding; cross-attention then attends over all text_len rows (no mask). Pass the trimmed
@@ -255,7 +301,7 @@ class LingBotTransformer(nn.Module):
         cd = self.text_embedding[0].weight.dtype
         states = F.pad(text_states.to(cd), (0, 0, 0, cfg.text_len - n))
         context = self.text_embedding(states)
-        pairs = [block.cross_attn.text_kv(context, heads) for block in self.blocks]
+        pairs = [block.cross_attn.text_kv(context, heads, tp or TensorParallel()) for block in self.blocks]
         return TextCache([k for k, _ in pairs], [v for _, v in pairs])
 
     # -- embeddings ----------------------------------------------------------------------------------------
