@@ -78,7 +78,7 @@ def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -
         args = build_parser().parse_args(
             ["--kind", "cpu", "--sp", "2", "--param", f"{f.name}={value}", *hosts, "--repository-out", str(tmp_path)]
         )
-        repository, _ = render(args)
+        repository, _, _ = render(args)
         text = (repository / contract.MODEL_NAME / "config.pbtxt").read_text()
         engine, serving = split_parameters(params_of(text))
         settings = engine if cls is EngineConfig else serving
