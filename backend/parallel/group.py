@@ -19,6 +19,9 @@ from ..api.errors import ConfigError
 
 SECRET_VARIABLE = "LINGBOT_GROUP_SECRET"  # the ranks' shared secret, in every rank's environment
 _INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# Rank 0's store server, referenced from here only (the groups hold client connections): leaving the group
+# drops it, so the port is free for the next load even while a failed group's objects linger.
+_hosted: list[dist.TCPStore] = []
 log = logging.getLogger(__name__)
 
 
@@ -114,10 +117,10 @@ def join_group(
         return GroupHandles(None, None, None)
     if is_loopback(host):
         _keep_on_loopback()
-    listen_fd = _listening_socket(host, port) if rank == 0 else None
-    raw = dist.TCPStore(host, port, world_size, is_master=(rank == 0), master_listen_fd=listen_fd,
-                        timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=True)
-    store = dist.PrefixStore(f"lingbot/{secret}", raw)
+    if rank == 0:
+        _hosted.append(dist.TCPStore(host, port, is_master=True, master_listen_fd=_listening_socket(host, port),
+                                     timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=False))
+    store = store_client(host, port, secret, init_timeout_s)
     _all_arrived(store, world_size, "joined")  # every rank is here: connecting needs no long timeout
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -134,3 +137,4 @@ def leave_group() -> None:
     so the same rendezvous port serves the next load (also after a peer died)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _hosted.clear()

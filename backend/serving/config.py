@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..api.contract import MAX_INPUT_PIXELS
 from ..api.errors import ConfigError, InputError
 from ..api.request import SessionRequest
 from ..api.settings import from_parameters, parameter_fields
@@ -16,7 +17,7 @@ class ServingConfig:
 
     max_frames: int = 321  # video frames per request
     max_pixels: int = 1280 * 1280  # height x width per request
-    max_input_pixels: int = 4096 * 4096  # the first-frame image's own height x width, before it is resized
+    max_input_pixels: int = MAX_INPUT_PIXELS  # the first-frame image's own height x width, before it is resized
     max_sessions: int = 4  # sessions generating at once (each holds a KV cache)
     max_queue: int = 16  # sessions waiting for a slot; more are rejected
     max_batch: int = 4  # sessions of one geometry run in one forward

@@ -107,7 +107,7 @@ async function start(event) {
   if (ws) ws.close();
   queue = [];
   stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: 0, keys: [], stopping: false};
-  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
+  ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...
   ws.binaryType = "blob";
   ws.onmessage = onMessage;
   ws.onclose = () => { if (stats && !["ended", "failed"].includes($("status").dataset.state)) {
