@@ -213,3 +213,15 @@ def test_a_foreign_doorbell_value_fails_a_busy_group_and_its_open_streams(sp2) -
     assert len(errors) == 2
     assert_plain(errors)
     fails_then_reloads(sp2, started)
+
+
+def test_docker_compose_opens_the_ports_on_purpose_and_restricts_like_the_launcher(tmp_path: Path) -> None:
+    from backend.launch.server import TritonServer
+
+    compose = (Path(__file__).resolve().parent.parent / "docker-compose.yml").read_text()
+    command = TritonServer(tmp_path, address="0.0.0.0", admin_key="KEY").command()
+    flags = [f.replace("=KEY", "=$$key") for f in command if re.match(r"--(http|grpc|metrics)-(address|restricted)", f)]
+    assert len(flags) == 5
+    for flag in flags:
+        assert flag in compose, flag
+    assert "LINGBOT_GROUP_SECRET=" in compose
