@@ -225,3 +225,37 @@ def test_docker_compose_opens_the_ports_on_purpose_and_restricts_like_the_launch
     for flag in flags:
         assert flag in compose, flag
     assert "LINGBOT_GROUP_SECRET=" in compose
+
+
+def test_a_doorbell_that_reads_a_foreign_value_raises_and_its_ring_wakes_the_waiters() -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from backend.parallel.doorbell import GroupTampered, StoreDoorbell
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ringer, waiter = (StoreDoorbell("127.0.0.1", server.port, "s3cret", 10) for _ in range(2))
+    ringer.ring()
+    assert waiter.count() == 1 and waiter.wait(1, 1)
+    # Each rank's loop waits for the same ring (2) on its own doorbell; rank A's execute thread then rings.
+    woke: list[bool] = []
+    loops = [threading.Thread(target=lambda d=d: woke.append(d.wait(2, 30))) for d in (ringer, waiter)]
+    for loop in loops:
+        loop.start()
+    wait_until(lambda: ringer._awaited == 2, 10, "rank A's loop waiting")
+    store_client("127.0.0.1", server.port, "s3cret", 10).set("doorbell", b"garbage")
+    started = time.monotonic()
+    ringer.ring()  # never raises to Triton's execute thread ...
+    for loop in loops:
+        loop.join(10)
+    assert woke == [True, True] and time.monotonic() - started < 5  # ... and wakes every waiting loop at once
+    for doorbell in (ringer, waiter):
+        with pytest.raises((GroupTampered, dist.DistNetworkError)):
+            doorbell.count()
+    fresh = StoreDoorbell("127.0.0.1", server.port, "s3cret", 10)
+    store_client("127.0.0.1", server.port, "s3cret", 10).set("doorbell", b"5")
+    assert fresh.count() == 5
+    store_client("127.0.0.1", server.port, "s3cret", 10).set("doorbell", b"2")
+    with pytest.raises(GroupTampered, match="went back from 5 to 2"):
+        fresh.count()

@@ -59,9 +59,10 @@ def _listening_socket(host: str, port: int) -> int:
     try:
         sock.bind(address)
         sock.listen(128)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise ConfigError(f"the rendezvous store cannot listen on rendezvous_host={host} rendezvous_port={port}: "
+                          f"{exc.strerror}") from exc
     return sock.detach()
 
 
