@@ -259,3 +259,15 @@ def test_a_doorbell_that_reads_a_foreign_value_raises_and_its_ring_wakes_the_wai
     store_client("127.0.0.1", server.port, "s3cret", 10).set("doorbell", b"2")
     with pytest.raises(GroupTampered, match="went back from 5 to 2"):
         fresh.count()
+
+
+def test_the_admin_key_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    from backend.launch.launcher import build_parser, write_admin_key
+
+    path = tmp_path / "keys" / "admin.key"
+    args = build_parser().parse_args(["--admin-key-file", str(path)])
+    assert args.address == "127.0.0.1"  # the launcher's default: this host only
+    write_admin_key(args.admin_key_file, "KEY")
+    write_admin_key(args.admin_key_file, "KEY2")  # a restart replaces it
+    assert path.read_text() == "lingbot-admin-key: KEY2\n"
+    assert path.stat().st_mode & 0o777 == 0o600
