@@ -149,6 +149,26 @@ def test_pages_from_elsewhere_cannot_open_sessions(player, origin: str | None, q
     assert refused.value.status == 403
 
 
+def test_a_message_over_the_size_limit_is_refused(player) -> None:
+    from client.web.schema import MAX_MESSAGE_BYTES
+
+    base, log = player
+
+    async def oversized() -> tuple[list, int | None]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+            async with session.ws_connect(f"{base.replace('http', 'ws')}/ws", headers={"Origin": base}) as ws:
+                with contextlib.suppress(ConnectionError):  # the bridge may drop it before the last byte arrives
+                    await ws.send_str(json.dumps(start(prompt="x" * MAX_MESSAGE_BYTES)))
+                received = [msg async for msg in ws]
+                return received, ws.close_code
+
+    received, code = run(oversized())
+    assert code in (aiohttp.WSCloseCode.MESSAGE_TOO_BIG, aiohttp.WSCloseCode.ABNORMAL_CLOSURE, None), code
+    assert all(m.type != aiohttp.WSMsgType.BINARY for m in received)  # no session was played
+    assert "Traceback" not in log.read_text()
+    assert run(exchange(base, [], until="session"))[0][0]["type"] == "session"  # the bridge serves on
+
+
 def test_allow_origin_and_token(sp1_server, tmp_path: Path) -> None:
     other = "https://studio.example"
     with bridge(sp1_server.grpc_url, tmp_path / "bridge.log", "--allow-origin", other, "--token", "s3cret") as base:

@@ -26,7 +26,7 @@ from client.web.schema import MAX_MESSAGE_BYTES, parse_message
 
 STATIC = Path(__file__).parent / "static"
 VIDEOS = web.AppKey("videos", Path)
-SESSIONS = web.AppKey("sessions", dict)  # session id -> its video, for the sessions this bridge created
+SESSIONS = web.AppKey("sessions", dict)  # session id -> its video, for the open pages' sessions (this bridge's own)
 SETTINGS = web.AppKey("settings", dict)
 
 
@@ -55,7 +55,6 @@ class Access:
 
 
 ACCESS = web.AppKey("access", Access)
-PAGES = web.AppKey("pages", set)
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -79,21 +78,22 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     async def send(message: dict | bytes) -> None:
         await (ws.send_bytes(message) if isinstance(message, bytes) else ws.send_json(message))
 
-    pages, limit = request.app[PAGES], request.app[ACCESS].max_pages
-    if len(pages) >= limit:
+    sessions, limit = request.app[SESSIONS], request.app[ACCESS].max_pages
+    if len(sessions) >= limit:
         await send({"type": "error", "message": f"the player is busy: {limit} pages are playing; retry later"})
         await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
         return ws
     sid = secrets.token_hex(16)
     path = request.app[VIDEOS] / f"{sid}.mp4"
-    pages.add(sid)
-    request.app[SESSIONS][sid] = path
+    sessions[sid] = path
     player = Player(video_path=path, send=send, **request.app[SETTINGS])
     task: asyncio.Task | None = None
     try:
         await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4"})
         async for msg in ws:
             try:
+                if msg.type == WSMsgType.ERROR:  # e.g. larger than MAX_MESSAGE_BYTES
+                    raise ValueError(f"the bridge could not read a message ({msg.data})")
                 if msg.type != WSMsgType.TEXT:
                     raise ValueError("the bridge takes JSON text messages only")
                 message = parse_message(msg.data)
@@ -113,15 +113,14 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
             task.cancel()
         await asyncio.to_thread(player.close)
         path.unlink(missing_ok=True)
-        request.app[SESSIONS].pop(sid, None)
-        pages.discard(sid)
+        sessions.pop(sid, None)
     return ws
 
 
 def make_app(url: str, model: str, timeout: float, access: Access) -> web.Application:
     app = web.Application()
     app[SETTINGS] = {"url": url, "model": model, "timeout": timeout}
-    app[ACCESS], app[PAGES], app[SESSIONS] = access, set(), {}
+    app[ACCESS], app[SESSIONS] = access, {}
     app[VIDEOS] = Path(tempfile.mkdtemp(prefix="lingbot-player-"))
     app.on_cleanup.append(lambda app: asyncio.to_thread(shutil.rmtree, app[VIDEOS], True))
     app.router.add_get("/", index)
