@@ -17,7 +17,8 @@ from ..api.request import StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.validation import checked_spec
 from ..parallel.doorbell import StoreDoorbell
-from ..parallel.group import group_secret, join_group, leave_group
+from ..parallel.group import join_group, leave_group
+from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
 from ..serving.group_loop import GroupCoordinator

@@ -18,7 +18,7 @@ from types import TracebackType
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ..parallel.group import SECRET_VARIABLE
+from ..parallel.secret import SECRET_VARIABLE
 from ..parallel.ports import free_port
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel

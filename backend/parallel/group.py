@@ -17,21 +17,11 @@ import torch.distributed as dist
 
 from ..api.errors import ConfigError
 
-SECRET_VARIABLE = "LINGBOT_GROUP_SECRET"  # the ranks' shared secret, in every rank's environment
 _INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # Rank 0's store server, referenced from here only (the groups hold client connections): leaving the group
 # drops it, so the port is free for the next load even while a failed group's objects linger.
 _hosted: list[dist.TCPStore] = []
 log = logging.getLogger(__name__)
-
-
-def group_secret() -> str:
-    """This launch's secret (the launcher puts it in the server's environment, the same on every host)."""
-    secret = os.environ.get(SECRET_VARIABLE, "")
-    if not secret:
-        raise ConfigError(f"{SECRET_VARIABLE} is not set: start tritonserver with `python -m backend.launch`, or "
-                          "set it to the same random value for every server of the group")
-    return secret
 
 
 def is_loopback(host: str) -> bool:
