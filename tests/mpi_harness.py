@@ -33,7 +33,7 @@ class RankServer:
 def _launcher_args(tmp: Path, rank: int, address: str, parameters: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """One rank's launcher command (its own ports and paths: ranks may share a host or a file system)."""
     ports = {name: free_port() for name in ("grpc", "http", "metrics")}
-    args = [sys.executable, "-m", "backend.launch", "--mpi", "--kind", "cpu", "--sp", "1", "--wait"]
+    args = [sys.executable, "-m", "backend.launch", "--mpi", "--kind", "cpu", "--sp", "1", "--wait", "--address", address]
     args += [a for key, value in parameters.items() for a in ("--param", f"{key}={value}")]
     args += [f"--{name}-port={port}" for name, port in ports.items()]
     log = tmp / f"tritonserver_rank{rank}.log"

@@ -20,7 +20,7 @@ def test_rings_wake_waiters_and_idle_waits_time_out_silently(capfd) -> None:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
     before = listeners()
-    first, second = StoreDoorbell("127.0.0.1", port, 10), StoreDoorbell("127.0.0.1", port, 10)
+    first, second = StoreDoorbell("127.0.0.1", port, "s3cret", 10), StoreDoorbell("127.0.0.1", port, "s3cret", 10)
     assert listeners() == before + 2
 
     started = time.monotonic()
@@ -32,7 +32,7 @@ def test_rings_wake_waiters_and_idle_waits_time_out_silently(capfd) -> None:
     waiter.start()
     first.ring()
     waiter.join(10)
-    assert woke == [True] and second.count() == 1 and first.wait(1, 0)  # every rank sees ring 1
+    assert woke == [True] and second.count() == 1 and first.wait(1, 5)  # every rank sees ring 1
 
     del first, second  # as a closing loop drops its doorbell: the listeners end before the store goes
     gc.collect()

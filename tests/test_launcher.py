@@ -84,7 +84,7 @@ def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -
             ["--kind", "cpu", "--sp", instances, "--param", f"{f.name}={value}", *hosts, "--repository-out",
              str(tmp_path)]
         )
-        repository, _ = render(args)
+        repository, _, _ = render(args)
         text = (repository / contract.MODEL_NAME / "config.pbtxt").read_text()
         engine, serving = split_parameters(params_of(text))
         settings = engine if cls is EngineConfig else serving
@@ -96,7 +96,7 @@ def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -
 def test_tp_degree_divides_the_instances_into_sp_groups(tmp_path: Path) -> None:
     def sp_degree(*flags: str) -> int:
         args = build_parser().parse_args(["--kind", "cpu", *flags, "--repository-out", str(tmp_path)])
-        repository, _ = render(args)
+        repository, _, _ = render(args)
         return split_parameters(params_of((repository / contract.MODEL_NAME / "config.pbtxt").read_text()))[0].sp_degree
 
     assert sp_degree("--sp", "4", "--param", "tp_degree=2") == 2

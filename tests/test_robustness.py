@@ -97,7 +97,7 @@ def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: P
         assert "Connection" in Path(server.log_path).read_text()
         # The survivor left the group at once, so a reload rendezvouses on the same port and serves.
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            client.load_model(MODEL)
+            client.load_model(MODEL, headers=server.admin_headers())
             assert client.is_model_ready(MODEL)
         assert len(stream(server.grpc_url, tiny_request(num_frames=21), timeout=60)) == 2
 

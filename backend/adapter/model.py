@@ -20,6 +20,7 @@ from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
 from ..parallel.layout import RankLayout
 from ..parallel.mesh import Mesh
+from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
 from ..serving.group_loop import GroupCoordinator
@@ -67,14 +68,15 @@ class TritonPythonModel:
             threads = CoreSplit.of(cores)
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
+        secret = group_secret() if world > 1 else ""
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
-                            limits.init_timeout_s, limits.collective_timeout_s, engine_config.split_decode)
+                            limits.init_timeout_s, limits.collective_timeout_s, secret, engine_config.split_decode)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
         group = SequenceParallel(groups.data, groups.decode)
         mesh = Mesh.build(group, engine_config.tp_degree, limits.collective_timeout_s)
         self.engine = WorldModelEngine(spec, group, mesh=mesh)
         groups.all_arrived("loaded")  # every rank has loaded before the loop starts
-        doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, limits.collective_timeout_s) \
+        doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, secret, limits.collective_timeout_s) \
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, limits, groups.control, on_failure=self._on_group_failure,
                                             doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block))

@@ -128,6 +128,9 @@ def parse_request(
             raise InputError(f"a step needs '{c.CAMERA_POSES}' (the block's 12 new frames) or '{c.ACTION}'")
         latents = _parameter(params, next(p for p in c.REQUEST_PARAMETERS if p.name == c.PARAM_RETURN_LATENTS))
         return StepRequest(sequence_key, controls, end, latents)
+    if whole and c.ACTION in values:
+        raise InputError(f"input '{c.ACTION}' steers a session block by block; a whole trajectory "
+                         f"('{c.NUM_FRAMES}' set) takes '{c.CAMERA_POSES}' for every frame instead")
     required = c.WHOLE_TRAJECTORY_INPUTS if whole else c.SESSION_START_INPUTS
     missing = [name for name in required if name not in values]
     if missing:

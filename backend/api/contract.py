@@ -48,6 +48,9 @@ NUM_FRAMES = "num_frames"
 SEED = "seed"
 HEIGHT = "height"
 WIDTH = "width"
+# The first frame's largest size as sent (height x width): the server's default `max_input_pixels`, and the
+# browser bridge's limit on an uploaded picture, read from its header before it is decoded.
+MAX_INPUT_PIXELS = 4096 * 4096
 
 # Every input is optional to Triton: which ones a request needs depends on its kind, checked by the model.
 # A whole trajectory: image, prompt, camera_poses (every frame), num_frames, seed, height, width.

@@ -12,6 +12,7 @@ server among all hosts' servers), `perf_analyzer`.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
-from .server import CPU_ONLY_ARGS, CPU_START_LINES, TritonServer
+from .server import ADMIN_HEADER, CPU_ONLY_ARGS, CPU_START_LINES, TritonServer
 
 
 def gpu_count() -> int:
@@ -85,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set a config.pbtxt parameter (repeatable)",
     )
+    parser.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address tritonserver's HTTP, gRPC and metrics ports bind (default: %(default)s, this host only; "
+        "0.0.0.0 opens them to every network: see docs/security.md)",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="write the header value that opens the restricted APIs (model load/unload) here, readable by "
+        "its owner only; without it nobody can load or unload models over the network",
+    )
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -122,9 +135,11 @@ def check_rendezvous_port(parameters: dict[str, str], hosts: int) -> None:
         )
 
 
-def render(args: argparse.Namespace) -> tuple[Path, str]:
+def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
+    """The model repository, the instance kind, and the group secret MPI shared (None: this server makes one)."""
     kind, device_ids = resolve_placement(args.kind, args.sp)
     parameters = dict(args.param)
+    secret = None
     if args.mpi:
         shared = {"sp": str(args.sp), "kind": kind, **parameters}
         ports_and_paths = {
@@ -134,7 +149,8 @@ def render(args: argparse.Namespace) -> tuple[Path, str]:
             "repository_out": str(args.repository_out.resolve()),
             "log_file": str(args.log_file.resolve()),
         }
-        parameters.update(host_parameters(shared, ports_and_paths))
+        placement, secret = host_parameters(shared, ports_and_paths)
+        parameters.update(placement)
     hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
     tp = int(parameters.get("tp_degree", "1"))
     if (args.sp * hosts) % tp:
@@ -149,11 +165,20 @@ def render(args: argparse.Namespace) -> tuple[Path, str]:
         device_ids=device_ids,
         parameters=parameters,
     )
-    return repository, kind
+    return repository, kind, secret
+
+
+def write_admin_key(path: Path, key: str) -> None:
+    """The admin header's value in a file only its owner can read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{ADMIN_HEADER}: {key}\n")
 
 
 def serve(args: argparse.Namespace) -> int:
-    repository, kind = render(args)
+    repository, kind, secret = render(args)
     backends = prepare_backends(args.backends_out)
     server = TritonServer(
         repository,
@@ -161,11 +186,15 @@ def serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        address=args.address,
+        group_secret=secret,
         log_verbose=args.log_verbose,
         log_path=args.log_file,
         die_with_parent=True,  # a launcher killed outright (mpirun's teardown) takes its server along
         extra_args=CPU_ONLY_ARGS if kind == "KIND_CPU" else (),
     )
+    if args.admin_key_file:
+        write_admin_key(args.admin_key_file, server.admin_key)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
     with server:
         print(f"tritonserver pid {server.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)

@@ -1,7 +1,8 @@
 """`--mpi`: one server per MPI rank; MPI says which server this is, how many there are and where rank 0 is.
 
-MPI is used once, at launch (mpi4py: initialise, exchange, finalise). The group itself rendezvouses through
-torch's TCP store at rank 0's address, so a host that dies later is detected like a dead local rank.
+MPI is used once, at launch (mpi4py: initialise, exchange, finalise): rank 0 also makes the launch's group
+secret and MPI hands it to every rank. The group itself rendezvouses through torch's TCP store at rank 0's
+address, so a host that dies later is detected like a dead local rank.
 Every check runs on every rank after the exchange, so all ranks fail together with the same message.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import secrets
 import socket
 import struct
 from collections.abc import Mapping
@@ -29,7 +31,9 @@ def interface_address(name: str) -> str:
 
 def own_address(hosts: int) -> str:
     """The address other hosts reach this one at, chosen as gloo chooses its own: the first interface of
-    GLOO_SOCKET_IFNAME if set, else the host name's address (loopback only if every rank is on this host)."""
+    GLOO_SOCKET_IFNAME if set, else the host name's address; loopback when every rank is on this host."""
+    if hosts == 1:
+        return "127.0.0.1"
     interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
     if interfaces:
         return interface_address(interfaces.split(",")[0])
@@ -52,8 +56,8 @@ def _mismatches(values: list[Mapping[str, str]]) -> list[str]:
     ]
 
 
-def host_parameters(shared: Mapping[str, str], local: Mapping[str, str]) -> dict[str, str]:
-    """`host_rank`, `host_count` and `rendezvous_host` of this rank's server.
+def host_parameters(shared: Mapping[str, str], local: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """`host_rank`, `host_count` and `rendezvous_host` of this rank's server, and the group secret (rank 0's).
 
     `shared` (instances, kind, config parameters) must be equal on every rank; `local` (ports, paths) must
     differ between the ranks on one host. An explicit `rendezvous_host` parameter is kept.
@@ -69,7 +73,7 @@ def host_parameters(shared: Mapping[str, str], local: Mapping[str, str]) -> dict
     try:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         hosts = comm.allreduce(int(node.rank == 0))
-        address, error = shared.get("rendezvous_host"), None
+        address, error, secret = shared.get("rendezvous_host"), None, secrets.token_hex(16)
         if rank == 0 and address is None:
             try:
                 address = own_address(hosts)
@@ -77,7 +81,7 @@ def host_parameters(shared: Mapping[str, str], local: Mapping[str, str]) -> dict
                 error = str(exc)
         everyone = comm.allgather(dict(shared))
         neighbours = node.allgather(dict(local))
-        address, error = comm.bcast((address, error), root=0)
+        address, error, secret = comm.bcast((address, error, secret), root=0)
         node.Free()
     finally:
         MPI.Finalize()
@@ -93,4 +97,4 @@ def host_parameters(shared: Mapping[str, str], local: Mapping[str, str]) -> dict
                 f"{len(neighbours)} ranks on one host share {key}={local[key]}: give each its own "
                 "(mpirun's colon syntax runs each with its own arguments)"
             )
-    return {"host_rank": str(rank), "host_count": str(size), "rendezvous_host": address}
+    return {"host_rank": str(rank), "host_count": str(size), "rendezvous_host": address}, secret

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from types import TracebackType
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ..parallel.secret import SECRET_VARIABLE
 from ..parallel.ports import free_port
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
@@ -35,6 +37,11 @@ CPU_ONLY_ARGS = ("--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"
 # What the GPU build of tritonserver still logs at start on a CPU-only host; harmless there, and no error excerpt
 # shows it (it would read as the cause of a failure).
 CPU_START_LINES = ('"CUDA memory pool disabled"', '"CudaDriverHelper has not been initialized."')
+# The API groups clients must not reach: loading, unloading and indexing models (a load may carry the model's
+# files, so Python to run), registering shared memory, and the log and trace settings (file paths). Triton
+# refuses them without this header; its value is a per-launch secret (see docs/security.md).
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
+ADMIN_HEADER = "lingbot-admin-key"
 
 
 def _libpython_dir() -> Path | None:
@@ -59,8 +66,10 @@ def _terminate_with_parent() -> None:
 class TritonServer:
     """A tritonserver child process in its own process group, logging to `log_path`.
 
-    Ports left as None are picked free; `extra_args` go to tritonserver as they are. With `die_with_parent`
-    the kernel sends the server SIGTERM when the process that started it dies (a launcher that mpirun kills).
+    Ports left as None are picked free; HTTP, gRPC and metrics bind `address` (loopback unless opened on
+    purpose). `extra_args` go to tritonserver as they are. With `die_with_parent` the kernel sends the server
+    SIGTERM when the process that started it dies (a launcher that mpirun kills). `admin_key` (the restricted
+    APIs' header value) and `group_secret` (the ranks' store keys) are fresh secrets unless given.
     Use as a context manager, or start()/stop().
     """
 
@@ -72,6 +81,9 @@ class TritonServer:
         grpc_port: int | None = None,
         http_port: int | None = None,
         metrics_port: int | None = None,
+        address: str = "127.0.0.1",
+        admin_key: str | None = None,
+        group_secret: str | None = None,
         log_verbose: int = 0,
         exit_timeout_s: int = 10,
         log_path: Path | None = None,
@@ -85,6 +97,9 @@ class TritonServer:
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
+        self.address = address
+        self.admin_key = admin_key or secrets.token_urlsafe(24)
+        self.group_secret = group_secret or secrets.token_hex(16)
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
@@ -93,8 +108,18 @@ class TritonServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
+    def host(self) -> str:
+        """Where a client on this host reaches the server."""
+        return "127.0.0.1" if self.address in ("0.0.0.0", "::", "") else self.address
+
+    @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
+
+    def admin_headers(self, grpc: bool = True) -> dict[str, str]:
+        """The header that opens the restricted APIs (load, unload, index...) to the operator; Triton's gRPC
+        server reads it with its own prefix."""
+        return {f"triton-grpc-protocol-{ADMIN_HEADER}" if grpc else ADMIN_HEADER: self.admin_key}
 
     def command(self) -> list[str]:
         cmd = [
@@ -104,9 +129,15 @@ class TritonServer:
             f"--grpc-port={self.grpc_port}",
             f"--http-port={self.http_port}",
             f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.address}",
+            f"--grpc-address={self.address}",
+            f"--metrics-address={self.address}",
+            f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
             # On SIGTERM the server waits this long for open requests (a dead stub's never finish).
             f"--exit-timeout-secs={self.exit_timeout_s}",
-            # Explicit control, so a model whose group failed can unload itself and read not-ready.
+            # Explicit control, so a model whose group failed can unload itself (in process, not over the
+            # restricted APIs) and read not-ready.
             "--model-control-mode=explicit",
             # Each server's Python-backend shared-memory regions get their own names: servers on one host
             # (tests, multi-host ranks on one machine) otherwise share "triton_python_backend_shm_region_*".
@@ -123,7 +154,7 @@ class TritonServer:
         # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),
         # and must embed this interpreter's own libpython: a different 3.11 patch release (the system
         # one) fails on the venv's stdlib extensions (`import ssl`: undefined symbol _PyModule_Add).
-        env = STUB_THREAD_ENVIRONMENT | dict(os.environ)
+        env = STUB_THREAD_ENVIRONMENT | dict(os.environ) | {SECRET_VARIABLE: self.group_secret}  # for the stubs
         libs = [str(_libpython_dir() or ""), str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import logging
 import threading
 import weakref
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch.distributed as dist
 
-KEY = "lingbot/doorbell"
+from .group import store_client
+
+KEY = "doorbell"  # under the group's secret prefix (group.store_client)
+log = logging.getLogger(__name__)
+
+
+class GroupTampered(RuntimeError):
+    """The store held a value the group did not write."""
 
 
 class Doorbell(Protocol):
@@ -52,30 +61,59 @@ class StoreDoorbell:
     must not hold the one that `ring` uses from Triton's execute thread. The listener's store wait has no
     timeout; the caller's timeout is a local one (a store wait that times out logs two c10d "poll ... timed
     out" warnings, which an idle server would print every heartbeat).
+
+    What the doorbell reads must be the group's own: a count that is not a number (the store then drops the
+    connection) or that went back raises from `count`, which fails the group loop on every rank. A `ring`
+    never raises to its caller (Triton's execute thread): it marks the doorbell broken and rings, through a
+    fresh connection, the number every rank waits for, so the loops read the count at once and fail.
     """
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._ringer = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-        follower = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-        self._listener = RingListener(follower, self.count())
+    def __init__(self, host: str, port: int, secret: str, timeout_s: float) -> None:
+        self._connect = functools.partial(store_client, host, port, secret, timeout_s)
+        self._ringer = self._connect()
+        self._lock = threading.Lock()  # a store call and the check of its answer, as one step
+        self._seen = 0  # the highest count read
+        self._awaited = 1  # the ring the loop waits for (every rank waits for the same one)
+        self._broken: BaseException | None = None
+        self._listener = RingListener(self._connect(), self.count())
         # Once this doorbell is dropped, the listener is woken by a last ring and ends, so no store wait
         # is left open when the group closes its store.
-        weakref.finalize(self, self._listener.close, self._ringer)
+        weakref.finalize(self, self._listener.close, self._connect)
+
+    def _add(self, amount: int) -> int:
+        with self._lock:
+            if self._broken is not None:
+                raise GroupTampered("the group's doorbell failed earlier") from self._broken
+            number = self._ringer.add(KEY, amount)
+            if number < self._seen:
+                raise GroupTampered(f"the doorbell count went back from {self._seen} to {number}: "
+                                    "a value the group did not write")
+            self._seen = number
+            return number
 
     def count(self) -> int:
-        return self._ringer.add(KEY, 0)
+        return self._add(0)
 
     def ring(self) -> None:
-        ring(self._ringer)
+        try:
+            self._ringer.set(f"{KEY}/{self._add(1)}", b"")
+        except Exception as exc:  # noqa: BLE001 - the store is gone or holds another's value: the group fails
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            first, self._broken = self._broken is None, self._broken or exc
+        if not first:
+            return
+        log.error("the group's doorbell failed (%r); waking the group loops to fail the group", exc)
+        try:
+            self._connect().set(f"{KEY}/{self._awaited}", b"")
+        except Exception as wake_error:  # noqa: BLE001 - then the heartbeat finds it
+            log.warning("cannot wake the group loops (%r); the next heartbeat fails the group", wake_error)
 
     def wait(self, number: int, timeout_s: float) -> bool:
+        self._awaited = number
         return self._listener.wait(number, timeout_s)
-
-
-def ring(store: dist.Store) -> None:
-    number = store.add(KEY, 1)
-    store.set(f"{KEY}/{number}", b"")
 
 
 class RingListener:
@@ -106,8 +144,10 @@ class RingListener:
         with self._changed:
             return self._changed.wait_for(lambda: self._seen >= number, timeout_s)
 
-    def close(self, ringer: dist.Store) -> None:
+    def close(self, connect: Callable[[], dist.Store]) -> None:
+        """Wake the thread with the key it waits for (not a ring: the count may hold another's value)."""
         with self._changed:
             self._closing = True
-        with contextlib.suppress(RuntimeError):  # the store may be gone already
-            ring(ringer)
+            awaited = f"{KEY}/{self._seen + 1}"
+        with contextlib.suppress(Exception):  # the store may be gone already: then the thread's wait ends
+            connect().set(awaited, b"")

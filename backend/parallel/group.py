@@ -1,17 +1,73 @@
-"""Joining the group: one bootstrap for the Triton instances and the local spawn helper."""
+"""Joining the group: one bootstrap for the Triton instances and the local spawn helper.
+
+The group keeps to itself: rank 0's rendezvous store listens on `host` only (not on every interface), every key
+the ranks use carries the launch's secret, and a group on one host (a loopback `host`) keeps gloo and NCCL on
+loopback too.
+"""
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import logging
+import os
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..api.errors import ConfigError
+
+_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# Rank 0's store server, referenced from here only (the groups hold client connections): leaving the group
+# drops it, so the port is free for the next load even while a failed group's objects linger.
+_hosted: list[dist.TCPStore] = []
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this machine's loopback, so the group is on one host."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (socket.gaierror, ValueError):
+        return False
+
+
+def _keep_on_loopback() -> None:
+    """gloo and NCCL bind the interface these name; on one host that is loopback, whatever was set."""
+    for name in _INTERFACE_VARIABLES:
+        if os.environ.get(name, "lo") != "lo":
+            log.warning("%s=%s ignored: the group is on one host, so its sockets stay on loopback", name,
+                        os.environ[name])
+        os.environ[name] = "lo"
+
+
+def _listening_socket(host: str, port: int) -> int:
+    """A socket listening on `host`'s address only, handed to the store as a file descriptor it owns."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"the rendezvous store cannot listen on rendezvous_host={host} rendezvous_port={port}: "
+                          f"{exc.strerror}") from exc
+    return sock.detach()
+
+
+def store_client(host: str, port: int, secret: str, timeout_s: float) -> dist.Store:
+    """A connection to the group's store whose keys all carry the secret."""
+    client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                           wait_for_workers=False)
+    return dist.PrefixStore(f"lingbot/{secret}", client)
+
 
 def _all_arrived(store: dist.Store, world_size: int, key: str) -> None:
     """Wait until every rank has called this with `key`, under the store's own (start-up) timeout."""
-    if store.add(f"lingbot/{key}", 1) == world_size:
-        store.set(f"lingbot/{key}/all", b"1")
-    store.wait([f"lingbot/{key}/all"])
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", b"1")
+    store.wait([f"{key}/all"])
 
 
 @dataclass(frozen=True)
@@ -25,7 +81,7 @@ class GroupHandles:
     data: dist.ProcessGroup | None  # the SP exchanges: NCCL on GPU, gloo on CPU (the default group)
     control: dist.ProcessGroup | None  # small control messages: always gloo
     decode: dist.ProcessGroup | None  # the split VAE decode's rows (parallel/rows): gloo, when the decode is split
-    store: dist.Store | None = None  # the rendezvous store, hosted by rank 0
+    store: dist.Store | None = None  # the rendezvous store, hosted by rank 0 (keys prefixed with the secret)
 
     def all_arrived(self, key: str) -> None:
         """A barrier under the long start-up timeout (the groups' own have the short one), e.g. after loading."""
@@ -41,6 +97,7 @@ def join_group(
     backend: str,
     init_timeout_s: float,
     collective_timeout_s: float,
+    secret: str,
     split_decode: bool = True,
 ) -> GroupHandles:
     """Rendezvous under the long start-up timeout; the groups get the short one, so a dead or hung peer is
@@ -49,8 +106,12 @@ def join_group(
     exists only with `split_decode` (every rank must pass the same)."""
     if world_size == 1:
         return GroupHandles(None, None, None)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                          timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=True)
+    if is_loopback(host):
+        _keep_on_loopback()
+    if rank == 0:
+        _hosted.append(dist.TCPStore(host, port, is_master=True, master_listen_fd=_listening_socket(host, port),
+                                     timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=False))
+    store = store_client(host, port, secret, init_timeout_s)
     _all_arrived(store, world_size, "joined")  # every rank is here: connecting needs no long timeout
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -67,3 +128,4 @@ def leave_group() -> None:
     so the same rendezvous port serves the next load (also after a peer died)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _hosted.clear()

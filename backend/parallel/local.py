@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import secrets
 import traceback
 from typing import Any
 from collections.abc import Callable
@@ -16,13 +17,15 @@ from .sequence import SequenceParallel
 
 
 def _rank_main(
-    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, threads: int, results: mp.Queue
+    rank: int, world: int, port: int, secret: str, backend: str, fn: Callable, args: tuple, threads: int,
+    results: mp.Queue,
 ) -> None:
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        groups = join_group(rank, world, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600)
+        groups = join_group(rank, world, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600,
+                            secret=secret)
         sp = SequenceParallel(groups.data, groups.decode)
         results.put((rank, fn(sp, *args), None))
     except BaseException:  # report every failure to the parent instead of hanging it
@@ -46,9 +49,9 @@ def run_group(
     """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    port = free_port()
+    port, secret = free_port(), secrets.token_hex(16)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, backend, fn, args, threads, results))
+        ctx.Process(target=_rank_main, args=(r, world, port, secret, backend, fn, args, threads, results))
         for r in range(world)
     ]
     for p in procs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..api.contract import MAX_INPUT_PIXELS
 from ..api.errors import ConfigError, InputError
 from ..api.request import SessionRequest
 from ..api.settings import from_parameters, parameter_fields
@@ -16,6 +17,7 @@ class ServingConfig:
 
     max_frames: int = 321  # video frames per request
     max_pixels: int = 1280 * 1280  # height x width per request
+    max_input_pixels: int = MAX_INPUT_PIXELS  # the first-frame image's own height x width, before it is resized
     max_sessions: int = 4  # sessions generating at once (each holds a KV cache)
     max_queue: int = 16  # sessions waiting for a slot; more are rejected
     max_batch: int = 4  # sessions of one geometry run in one forward
@@ -35,7 +37,12 @@ class ServingConfig:
             raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
 
     def check_limits(self, request: SessionRequest) -> None:
-        """The request's size against the serving limits; raises InputError naming the input."""
+        """The request's size against the serving limits; raises InputError naming the input. The image is
+        judged by its shape alone, before anything copies or resizes it."""
+        image_h, image_w = request.image.shape[:2] if request.image.ndim >= 2 else (1, request.image.size)
+        if image_h * image_w > self.max_input_pixels:
+            raise InputError(f"image is {image_h} x {image_w} pixels, more than max_input_pixels="
+                             f"{self.max_input_pixels}; send a smaller picture")
         if request.num_frames is not None and not 1 <= request.num_frames <= self.max_frames:
             raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
         if request.height * request.width > self.max_pixels:

@@ -1,25 +1,60 @@
 """The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
 
-Page -> bridge (JSON): {"type": "start", prompt, image?, height?, width?, seed?, keys?}, {"type": "keys", keys},
-{"type": "stop"}. Bridge -> page: {"type": "session", id, video}, then per block a {"type": "block", ...} header
-followed by its frames as binary JPEG messages, then {"type": "ended", frames} or {"type": "error", message}.
+Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?},
+{"type": "keys", keys}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video}, then per block a
+{"type": "block", ...} header followed by its frames as binary JPEG messages, then {"type": "ended", frames} or
+{"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
+
+Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
+set, while fewer than `max_pages` pages are open; videos are served by session id from this bridge's own table.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
+import hmac
+import secrets
 import shutil
 import tempfile
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from client.web.bridge import Player, start_request
+from client.web.schema import MAX_MESSAGE_BYTES, parse_message
 
 STATIC = Path(__file__).parent / "static"
 VIDEOS = web.AppKey("videos", Path)
+SESSIONS = web.AppKey("sessions", dict)  # session id -> its video, for the open pages' sessions (this bridge's own)
 SETTINGS = web.AppKey("settings", dict)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may open a session: pages from `origins` ("*": any), or from the origin their Host header names when
+    `host_origin` (a bridge opened on every interface has no one name); the `token` if set; `max_pages` at once."""
+
+    origins: frozenset[str]
+    host_origin: bool = False
+    token: str | None = None
+    max_pages: int = 4
+
+    def refusal(self, request: web.Request) -> str | None:
+        """Why this websocket request may not open a session (None: it may)."""
+        if self.token is not None and not hmac.compare_digest(request.query.get("token", "").encode(),
+                                                              self.token.encode()):
+            return "this player needs its token: open the page's address with ?token=..."
+        origin = request.headers.get("Origin", "")
+        if "*" in self.origins or origin in self.origins:
+            return None
+        if self.host_origin and origin == f"{request.scheme}://{request.host}":
+            return None
+        return (f"pages from {origin or 'no origin'} may not open sessions here "
+                "(start the player with --allow-origin ORIGIN to allow one)")
+
+
+ACCESS = web.AppKey("access", Access)
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -31,50 +66,65 @@ async def favicon(request: web.Request) -> web.FileResponse:
 
 
 async def video(request: web.Request) -> web.FileResponse:
-    path = request.app[VIDEOS] / f"{request.match_info['sid']}.mp4"
-    if not path.is_file():
+    path = request.app[SESSIONS].get(request.match_info["sid"])  # an id from the table, never a path
+    if path is None or not path.is_file():
         raise web.HTTPNotFound(text="no video for this session (it has no frames, or its page has closed)")
     name = f"lingbot-{request.match_info['sid']}.mp4"
     return web.FileResponse(path, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
-    ws = web.WebSocketResponse(heartbeat=30)
+    if (refusal := request.app[ACCESS].refusal(request)) is not None:
+        raise web.HTTPForbidden(text=refusal)
+    ws = web.WebSocketResponse(heartbeat=30, max_msg_size=MAX_MESSAGE_BYTES)
     await ws.prepare(request)
-    sid = uuid.uuid4().hex[:12]
-    path = request.app[VIDEOS] / f"{sid}.mp4"
 
     async def send(message: dict | bytes) -> None:
         await (ws.send_bytes(message) if isinstance(message, bytes) else ws.send_json(message))
 
+    sessions, limit = request.app[SESSIONS], request.app[ACCESS].max_pages
+    if len(sessions) >= limit:
+        await send({"type": "error", "message": f"the player is busy: {limit} pages are playing; retry later"})
+        await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
+        return ws
+    sid = secrets.token_hex(16)
+    path = request.app[VIDEOS] / f"{sid}.mp4"
+    sessions[sid] = path
     player = Player(video_path=path, send=send, **request.app[SETTINGS])
     task: asyncio.Task | None = None
-    await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4"})
     try:
+        await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4"})
         async for msg in ws:
-            if msg.type != WSMsgType.TEXT:
-                continue
-            message = json.loads(msg.data)
             try:
-                if message.get("type") == "start" and task is None:
+                if msg.type == WSMsgType.ERROR:  # e.g. larger than MAX_MESSAGE_BYTES
+                    raise ValueError(f"the bridge could not read a message ({msg.data})")
+                if msg.type != WSMsgType.TEXT:
+                    raise ValueError("the bridge takes JSON text messages only")
+                message = parse_message(msg.data)
+                if message["type"] == "start" and task is None:
                     task = asyncio.create_task(player.play(start_request(message)))
-                elif message.get("type") == "keys":
-                    player.hold(str(message.get("keys", "")))
-                elif message.get("type") == "stop":
+                elif message["type"] == "keys":
+                    player.hold(message.get("keys") or "")
+                elif message["type"] == "stop":
                     player.stop()
-            except ValueError as exc:
-                await send({"type": "error", "message": str(exc)})
+            except ValueError as exc:  # a page that breaks the protocol gets why, and the door
+                with contextlib.suppress(ConnectionError):
+                    await send({"type": "error", "message": str(exc)})
+                await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"invalid message")
+                break
     finally:  # the page went: cancel its Triton session and drop its video
         if task is not None:
             task.cancel()
         await asyncio.to_thread(player.close)
         path.unlink(missing_ok=True)
+        sessions.pop(sid, None)
     return ws
 
 
-def make_app(url: str, model: str, timeout: float) -> web.Application:
+def make_app(url: str, model: str, timeout: float, access: Access) -> web.Application:
     app = web.Application()
     app[SETTINGS] = {"url": url, "model": model, "timeout": timeout}
+    app[ACCESS], app[SESSIONS] = access, {}
     app[VIDEOS] = Path(tempfile.mkdtemp(prefix="lingbot-player-"))
     app.on_cleanup.append(lambda app: asyncio.to_thread(shutil.rmtree, app[VIDEOS], True))
     app.router.add_get("/", index)

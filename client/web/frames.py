@@ -7,6 +7,8 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from backend.api.contract import MAX_INPUT_PIXELS
+
 JPEG_QUALITY = 90
 
 
@@ -17,11 +19,23 @@ def encode_jpeg(frame: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def decode_upload(data_url: str) -> np.ndarray:
-    """A picture the page sent as a data URL (or bare base64) as uint8 RGB [H, W, 3]; ValueError in plain words."""
+def decode_upload(data_url: str, max_pixels: int = MAX_INPUT_PIXELS) -> np.ndarray:
+    """A picture the page sent as a data URL (or bare base64) as uint8 RGB [H, W, 3]; ValueError in plain words.
+
+    Its size is read from the header (PIL opens lazily) and checked before any pixel is decoded: a small
+    compressed file can hold a huge picture."""
+    unreadable = "the first frame is not a picture this player can read (use a JPEG or PNG)"
     payload = data_url.split(",", 1)[1] if data_url.startswith("data:") else data_url
     try:
-        with Image.open(io.BytesIO(base64.b64decode(payload, validate=True))) as image:
+        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+    except (ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise ValueError(unreadable) from exc
+    with image:
+        width, height = image.size
+        if width * height > max_pixels:
+            raise ValueError(f"the first frame is {width} x {height} pixels; this player takes at most {max_pixels} "
+                             f"pixels (for example {int(max_pixels ** 0.5)} x {int(max_pixels ** 0.5)})")
+        try:
             return np.asarray(image.convert("RGB"))
-    except (ValueError, UnidentifiedImageError, OSError) as exc:
-        raise ValueError("the first frame is not a picture this player can read (use a JPEG or PNG)") from exc
+        except (ValueError, OSError, Image.DecompressionBombError) as exc:
+            raise ValueError(unreadable) from exc

@@ -1,6 +1,9 @@
 """`python -m client serve`: the browser player, a local web app bridging pages to Triton's steered sessions.
 
     python -m client serve --url localhost:8001 --port 8080     # then open http://localhost:8080/
+
+Only pages this player serves may open sessions (their origin), unless --allow-origin names others; with
+--token the page's address needs ?token=TOKEN; at most --max-pages pages play at once.
 """
 from __future__ import annotations
 
@@ -9,7 +12,17 @@ import argparse
 from aiohttp import web
 
 from backend.api import contract
-from client.web.app import make_app
+from client.web.app import Access, make_app
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def access(args: argparse.Namespace) -> Access:
+    """The bridge's own origins (each name it answers to on its port), plus those --allow-origin adds."""
+    names = set(LOOPBACK_NAMES) | ({f"[{args.host}]" if ":" in args.host else args.host} - set(WILDCARDS))
+    origins = {f"http://{name}:{args.port}" for name in names} | set(args.allow_origin)
+    return Access(frozenset(origins), host_origin=args.host in WILDCARDS, token=args.token, max_pages=args.max_pages)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -19,11 +32,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address the page is served on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one block")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="also let pages from ORIGIN (e.g. https://example.org, or *) open sessions (repeatable)")
+    p.add_argument("--token", help="pages must be opened with ?token=TOKEN to open sessions")
+    p.add_argument("--max-pages", type=int, default=4, help="pages playing at once (default: %(default)s)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     print(f"player for {args.url} on http://{args.host}:{args.port}/", flush=True)
-    web.run_app(make_app(args.url, args.model, args.timeout), host=args.host, port=args.port, print=None)
+    web.run_app(make_app(args.url, args.model, args.timeout, access(args)), host=args.host, port=args.port, print=None)
     return 0

@@ -116,7 +116,7 @@ async function start(event) {
   }
   queue = [];
   stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], stopping: false};
-  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
+  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...
   ws = socket;
   socket.binaryType = "blob";
   socket.onmessage = (e) => { if (socket === ws) onMessage(e); };

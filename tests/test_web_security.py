@@ -1,0 +1,225 @@
+"""The browser bridge lets in only its own pages: the probes of issue 18 against `python -m client serve` (the real
+bridge, in its own process, on loopback) in front of the real tiny tritonserver."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from PIL import Image, ImageFile
+
+from backend.api.contract import MAX_INPUT_PIXELS
+from backend.parallel.local import free_port
+from client.web.frames import decode_upload
+from factories import TINY_SIZE
+from polling import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUND_S = 60  # every exchange with the bridge finishes within this
+
+
+@contextlib.contextmanager
+def bridge(triton_url: str, log: Path, *args: str) -> Iterator[str]:
+    """`python -m client serve` with `args`; yields its base URL; its output goes to `log`."""
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", triton_url, "--port", str(port),
+                                 *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: answers(base + "/") or proc.poll() is not None, 60, "the bridge to serve its page")
+        assert proc.poll() is None, log.read_text()
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def answers(url: str) -> bool:
+    with contextlib.suppress(OSError):
+        return urllib.request.urlopen(url, timeout=2).status == 200
+    return False
+
+
+def status_of(url: str) -> int:
+    """The HTTP status of a GET, the path sent exactly as written (urllib does not re-encode %2F)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.fixture(scope="module")
+def player(sp1_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    log = tmp_path_factory.mktemp("bridge") / "bridge.log"
+    with bridge(sp1_server.grpc_url, log, "--max-pages", "2") as base:
+        yield base, log
+
+
+async def exchange(base: str, messages: list, origin: str | None = "same", query: str = "",
+                   until: str = "closed") -> tuple[list[dict], int | None]:
+    """Open /ws, send `messages` (str or bytes as they are, dicts as JSON), read text messages until the bridge
+    closes (or one of type `until` arrives); returns them and the close code."""
+    headers = {} if origin is None else {"Origin": base if origin == "same" else origin}
+    received: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+        async with session.ws_connect(f"{base.replace('http', 'ws')}/ws{query}", headers=headers) as ws:
+            for message in messages:
+                await (ws.send_bytes(message) if isinstance(message, bytes) else
+                       ws.send_str(message if isinstance(message, str) else json.dumps(message)))
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    received.append(json.loads(msg.data))
+                    if received[-1]["type"] == until:
+                        break
+            return received, ws.close_code
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, BOUND_S))
+
+
+def start(**fields) -> dict:
+    return {"type": "start", "prompt": "a street", "height": TINY_SIZE, "width": TINY_SIZE, "keys": "w"} | fields
+
+
+def png(width: int, height: int) -> str:
+    out = io.BytesIO()
+    Image.new("L", (width, height)).save(out, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("hello", "not JSON"),
+        ("[1, 2]", "must be a JSON object, not list"),
+        ('{"type": "start", "prompt": "x", "height": 1e999}', "height must be a whole number"),
+        ('{"type": "start", "prompt": "x", "seed": NaN}', "not JSON"),
+        (start(image=5), "image must be a string"),
+        (start(evil=1), r"unknown field\(s\) \['evil'\]"),
+        ({"type": "open sesame"}, "unknown message type"),
+        (b"\x00\x01", "JSON text messages only"),
+        ({"type": "keys", "keys": "zz"}, "unknown key"),
+        (start(image="data:image/png;base64,!!!"), "not a picture this player can read"),
+        (start(image=png(4097, 4096)), f"4097 x 4096 pixels; this player takes at most {MAX_INPUT_PIXELS}"),
+    ],
+    ids=["not_json", "array", "huge_number", "nan", "image_not_string", "unknown_key", "unknown_type", "binary",
+         "unknown_keys", "not_a_picture", "huge_picture"],
+)
+def test_a_bad_message_gets_a_plain_error_and_a_clean_close(player, message, expected: str) -> None:
+    import re
+
+    base, log = player
+    received, code = run(exchange(base, [message]))
+    assert [m["type"] for m in received] == ["session", "error"], received
+    assert re.search(expected, received[1]["message"]), received[1]
+    assert code == aiohttp.WSCloseCode.POLICY_VIOLATION
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_huge_picture_is_refused_from_its_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_decoding(self):
+        raise AssertionError("the picture was decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    data = png(8192, 8192)
+    assert len(data) < 200_000  # a small file ...
+    with pytest.raises(ValueError, match="8192 x 8192 pixels"):  # ... that would decode to 201 MB
+        decode_upload(data)
+
+
+@pytest.mark.parametrize(("origin", "query"), [("http://evil.example", ""), (None, ""), ("null", "")],
+                         ids=["other_site", "no_origin", "null_origin"])
+def test_pages_from_elsewhere_cannot_open_sessions(player, origin: str | None, query: str) -> None:
+    base, _ = player
+    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+        run(exchange(base, [], origin=origin, query=query))
+    assert refused.value.status == 403
+
+
+def test_a_message_over_the_size_limit_is_refused(player) -> None:
+    from client.web.schema import MAX_MESSAGE_BYTES
+
+    base, log = player
+
+    async def oversized() -> tuple[list, int | None]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+            async with session.ws_connect(f"{base.replace('http', 'ws')}/ws", headers={"Origin": base}) as ws:
+                with contextlib.suppress(ConnectionError):  # the bridge may drop it before the last byte arrives
+                    await ws.send_str(json.dumps(start(prompt="x" * MAX_MESSAGE_BYTES)))
+                received = [msg async for msg in ws]
+                return received, ws.close_code
+
+    received, code = run(oversized())
+    assert code in (aiohttp.WSCloseCode.MESSAGE_TOO_BIG, aiohttp.WSCloseCode.ABNORMAL_CLOSURE, None), code
+    assert all(m.type != aiohttp.WSMsgType.BINARY for m in received)  # no session was played
+    assert "Traceback" not in log.read_text()
+    assert run(exchange(base, [], until="session"))[0][0]["type"] == "session"  # the bridge serves on
+
+
+def test_allow_origin_and_token(sp1_server, tmp_path: Path) -> None:
+    other = "https://studio.example"
+    with bridge(sp1_server.grpc_url, tmp_path / "bridge.log", "--allow-origin", other, "--token", "s3cret") as base:
+        for origin, query in ((other, ""), (other, "?token=wrong"), ("http://evil.example", "?token=s3cret")):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                run(exchange(base, [], origin=origin, query=query))
+            assert refused.value.status == 403
+        for origin in (other, "same"):
+            received, _ = run(exchange(base, [], origin=origin, query="?token=s3cret", until="session"))
+            assert received[0]["type"] == "session"
+
+
+def test_the_video_route_serves_only_this_bridges_sessions(player, tmp_path: Path) -> None:
+    base, _ = player
+    secret = tmp_path / "secret.mp4"
+    secret.write_bytes(b"\x00\x00\x00\x18ftypmp42 not yours")
+    encoded = str(tmp_path / "secret").replace("/", "%2F")
+    for path in (f"/sessions/{encoded}/video.mp4", "/sessions/..%2F..%2F..%2Fetc%2Fpasswd/video.mp4",
+                 "/sessions/0123456789ab/video.mp4"):
+        assert status_of(base + path) == 404, path
+
+    async def play_then_fetch() -> tuple[str, int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+            async with session.ws_connect(f"{base.replace('http', 'ws')}/ws", headers={"Origin": base}) as ws:
+                video = (await ws.receive_json())["video"]
+                await ws.send_json(start())
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.TEXT and json.loads(msg.data)["type"] == "block":
+                        await ws.send_json({"type": "stop"})
+                    if msg.type == aiohttp.WSMsgType.TEXT and json.loads(msg.data)["type"] == "ended":
+                        break
+                async with session.get(base + video) as response:
+                    return video, response.status
+
+    video, status = run(play_then_fetch())
+    assert status == 200
+    wait_until(lambda: status_of(base + video) == 404, 10, "the video gone with its page")
+
+
+def test_open_pages_are_capped_with_a_busy_message(player) -> None:
+    base, _ = player
+
+    async def three_pages() -> tuple[list[dict], int | None]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+            url, headers = f"{base.replace('http', 'ws')}/ws", {"Origin": base}
+            async with session.ws_connect(url, headers=headers) as one, session.ws_connect(url, headers=headers) as two:
+                assert (await one.receive_json())["type"] == (await two.receive_json())["type"] == "session"
+                return await exchange(base, [])
+
+    received, code = run(three_pages())
+    assert [m["type"] for m in received] == ["error"] and "busy" in received[0]["message"], received
+    assert code == aiohttp.WSCloseCode.TRY_AGAIN_LATER
+    # The two pages closed: a page gets in again.
+    wait_until(lambda: run(exchange(base, [], until="session"))[0][0]["type"] == "session", 10, "a free page slot")
