@@ -253,8 +253,8 @@ def test_a_doorbell_that_reads_a_foreign_value_raises_and_its_ring_wakes_the_wai
     for doorbell in (ringer, waiter):
         with pytest.raises((GroupTampered, dist.DistNetworkError)):
             doorbell.count()
-    fresh = StoreDoorbell("127.0.0.1", server.port, "s3cret", 10)
     store_client("127.0.0.1", server.port, "s3cret", 10).set("doorbell", b"5")
+    fresh = StoreDoorbell("127.0.0.1", server.port, "s3cret", 10)
     assert fresh.count() == 5
     store_client("127.0.0.1", server.port, "s3cret", 10).set("doorbell", b"2")
     with pytest.raises(GroupTampered, match="went back from 5 to 2"):
