@@ -24,7 +24,10 @@ import torch
 
 from backend.api.request import SessionRequest
 from backend.engine.config import EngineConfig
-from backend.engine.rollout import BlockOutput, EngineParts, Session, WorldModelEngine
+from backend.engine.blocks import BlockOutput
+from backend.engine.parts import EngineParts
+from backend.engine.rollout import WorldModelEngine
+from backend.engine.session import Session
 from backend.engine.validation import spec_from_configs
 from backend.model.config import DEFAULT_SHIFT, CheckpointConfigs, TransformerConfig, VaeConfig
 from backend.model.dtypes import TORCH_DTYPES

@@ -44,7 +44,7 @@ def split_decode(sp: SequenceParallel, config: EngineConfig, request: SessionReq
     whole = StreamingVae(engine.vae.vae, engine.device)  # the same weights; no group: whole frames
     whole_state = whole.new_decode_state()
     with engine.session(request) as session:
-        shared = engine.shares_decode(session)
+        shared = session.split_decode
         blocks = []
         for out, frames in engine.blocks(session):
             if sp.rank == 0:

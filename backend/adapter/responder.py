@@ -9,7 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..api.codec import block_outputs
-from ..engine.rollout import BlockOutput
+from ..engine.blocks import BlockOutput
 from .metrics import StreamMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

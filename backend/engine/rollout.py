@@ -12,107 +12,30 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..api.errors import InputError
-from ..api.request import Controls, SessionRequest, check_request
+from ..api.request import SessionRequest, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
-from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
-from ..model.condition import ConditionState, StreamingConditionEncoder, condition_mask, prepare_image
+from ..model.condition import StreamingConditionEncoder, condition_mask, prepare_image
 from ..model.dtypes import TORCH_DTYPES
-from ..model.kv_cache import SelfAttentionCache, TextCache
+from ..model.kv_cache import SelfAttentionCache
 from ..model.rope import rope_tables
 from ..model.schedule import dmd_schedule, flow_to_x0, renoise
-from ..model.text_encoder import PromptEncoder, PromptStates
 from ..model.transformer import ForwardContext, LingBotTransformer
-from ..model.vae import DecodeState, StreamingVae
+from ..model.vae import StreamingVae
 from ..parallel.sequence import SequenceParallel
+from .blocks import BlockControls, BlockOutput
 from .camera_track import CameraTrack, split_blocks
 from .config import EngineConfig
 from .geometry import VideoGeometry
+from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
+from .session import Session
 from .validation import EngineSpec, checked_spec
-
-@dataclass
-class Session:
-    id: str
-    request: SessionRequest
-    geometry: VideoGeometry
-    generator: torch.Generator
-    camera: CameraTrack
-    planned: list[np.ndarray]  # a whole trajectory's video poses per block; empty for a steered session
-    condition: ConditionState | None  # the first-frame condition's encoder (on ENCODER_RANK only)
-    text: TextCache
-    cache: SelfAttentionCache
-    decode_state: DecodeState | None
-    owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
-    block_index: int = 0
-    ended: bool = False  # a steered session's last block has run
-
-    @property
-    def steered(self) -> bool:
-        return self.request.steered
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the session: its clip's, a steered session's max_blocks, or 0 (open-ended)."""
-        return self.request.max_blocks if self.steered else self.geometry.num_blocks
-
-    @property
-    def done(self) -> bool:
-        return self.ended or (self.num_blocks > 0 and self.block_index >= self.num_blocks)
-
-    def cache_bytes(self) -> int:
-        return self.cache.nbytes() + self.text.nbytes()
-
-
-@dataclass
-class BlockOutput:
-    session_id: str
-    block_index: int
-    num_blocks: int
-    latents: torch.Tensor  # [1, z, block_frames, h, w] normalised latents, float32, on CPU
-    dit_ms: float
-    all_to_all_bytes: int  # this rank's bytes sent by all-to-all during this block's forwards
-    held: bool = False  # a steered block run on its last motion because its step came late
-    last: bool = False  # the session's last block
-
-
-@dataclass(frozen=True)
-class BlockControls:
-    """A steered session's camera for one block, as the group agreed on it."""
-
-    controls: Controls | None  # None: repeat the last block's motion (held)
-    last: bool = False  # the session ends after this block
-
-
-@dataclass
-class EngineParts:
-    """The models an engine runs: read from a checkpoint directory (`load_parts`) or built in memory
-    (the random-weights benchmark). The transformer is in the spec's dtype, everything on the spec's device."""
-
-    transformer: LingBotTransformer
-    prompts: PromptStates | None  # only where it runs (ENCODER_RANK)
-    vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode (on
-    # ENCODER_RANK; the other ranks drop its encoder) and block decode
-
-
-def load_parts(spec: EngineSpec, rank: int) -> EngineParts:
-    """The transformer, text encoder (on ENCODER_RANK only) and VAE of the spec's checkpoint directory."""
-    config = spec.config
-    device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
-    root = Path(config.checkpoint)
-    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device)
-    prompts = None
-    if rank == ENCODER_RANK:
-        encoder, tokenizer = load_text_encoder(root, dtype, device)
-        prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
-    return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))
 
 
 class WorldModelEngine:
@@ -183,6 +106,7 @@ class WorldModelEngine:
             dtype=self.dtype,
             device=self.device,
         )
+        decode_state = self.vae.new_decode_state() if self.config.decode_frames and request.decode else None
         return Session(
             id=session_id or f"session-{next(self._ids)}",
             request=request,
@@ -195,7 +119,8 @@ class WorldModelEngine:
                        if self.conditions is not None else None),
             text=text,
             cache=cache,
-            decode_state=self.vae.new_decode_state() if self.config.decode_frames and request.decode else None,
+            decode_state=decode_state,
+            split_decode=decode_state is not None and self.vae.splits(geometry.latent_height),
             owner=owner,
         )
 
@@ -265,13 +190,9 @@ class WorldModelEngine:
             )
         return outputs
 
-    def shares_decode(self, session: Session) -> bool:
-        """Whether every rank takes part in decoding the session's blocks (else only its owner decodes)."""
-        return session.decode_state is not None and self.vae.splits(session.geometry.latent_height)
-
     def decode(self, session: Session, output: BlockOutput) -> np.ndarray | None:
         """uint8 frames [n, H, W, 3] of one block (in block order) on the session's owner; empty when the
-        session does not decode; None on a rank that only helped (see `shares_decode`)."""
+        session does not decode; None on a rank that only helped (see `Session.split_decode`)."""
         if session.decode_state is None:
             return _no_frames(session)
         return self.vae.decode_block(output.latents, session.decode_state, session.owner)

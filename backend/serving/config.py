@@ -26,7 +26,6 @@ class ServingConfig:
     rendezvous_port: int = 29650
     init_timeout_s: float = 1800.0  # rendezvous and weight loading
     collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
-    idle_poll_ms: float = 5.0  # poll interval while every session waits for its client (an idle group blocks)
     session_idle_timeout_s: float = 60.0  # a steered session without a step this long is ended
     max_session_s: float = 3600.0  # a steered session is ended after this long in all
 
