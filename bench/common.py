@@ -20,9 +20,11 @@ from backend.launch.paths import REPO_ROOT
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
 from backend.parallel.local import free_port, run_group
 from backend.parallel.sequence import SequenceParallel
+from backend.serving.config import ServingConfig
 from backend.serving.threads import instance_cores
 from backend.api.contract import video_frames_for
 from backend.api.request import SessionRequest
+from backend.api.settings import to_parameters
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
 
@@ -104,10 +106,8 @@ def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu") -
 
 def server_parameters(config: EngineConfig) -> dict[str, str]:
     """config.pbtxt parameters serving exactly `config`, on a free rendezvous port (the instance group sets the
-    device; tp_degree is no template parameter: it must stay 1)."""
-    params = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)
-              if f.name not in ("device", "tp_degree")}
-    return params | {"rendezvous_port": str(free_port())}
+    device)."""
+    return to_parameters(config) | to_parameters(ServingConfig(rendezvous_port=free_port()))
 
 
 def make_request(w: Workload, decode: bool = True) -> SessionRequest:

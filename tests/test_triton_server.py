@@ -15,7 +15,9 @@ from backend.launch.server import STUB_THREAD_ENVIRONMENT
 from client.stream import StreamError, StreamingSession, StreamRequest, request_inputs, run_sessions
 from factories import forward_poses, tiny_request
 from polling import wait_until
-from triton_harness import inputs_with, latents_of, metrics, running_server, stream
+from triton_harness import inputs_with, latents_of, metrics, stream
+
+pytestmark = pytest.mark.server  # starts real tritonservers
 
 MODEL = contract.MODEL_NAME
 
@@ -146,21 +148,21 @@ def test_no_decode_parameter(server) -> None:
     assert block.frames.shape[0] == 0 and block.latents is None
 
 
-def test_sp2_through_triton_matches_sp1(tmp_path: Path, tiny_checkpoint: str, server) -> None:
+def test_sp2_through_triton_matches_sp1(server, sp2_server) -> None:
     request = tiny_request()
     single = latents_of(stream(server.grpc_url, request))
     # One session per forward: a batched forward is close to a lone one (1e-5), not bit-identical.
-    with running_server(tmp_path, tiny_checkpoint, sp=2, max_batch="1") as sp2:
-        results: dict[int, np.ndarray] = {}
+    results: dict[int, np.ndarray] = {}
 
-        def one(i: int) -> None:  # two clients at once: requests reach both instances
-            results[i] = latents_of(stream(sp2.grpc_url, request))
+    def one(i: int) -> None:  # two clients at once: requests reach both instances
+        results[i] = latents_of(stream(sp2_server.grpc_url, request))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2
     for latents in results.values():
         assert np.array_equal(latents, single)
 

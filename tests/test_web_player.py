@@ -26,8 +26,8 @@ SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "player.png"
 BLOCK_S = 60  # generous bound for one tiny block on a busy CPU
 FIRST_FRAMES, STEP_FRAMES = 9, 12
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(),
-                                reason=f"no Chromium at {CHROMIUM} (.ci/run installs Debian's chromium)")
+pytestmark = [pytest.mark.server, pytest.mark.skipif(not Path(CHROMIUM).is_file(),
+                                                     reason=f"no Chromium at {CHROMIUM} (.ci/run installs Debian's chromium)")]
 
 
 @pytest.fixture(scope="module")

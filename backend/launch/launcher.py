@@ -12,6 +12,7 @@ server among all hosts' servers), `perf_analyzer`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -19,10 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..api.contract import MODEL_NAME
-from ..api.settings import from_parameters
-from ..serving.config import ServingConfig
-from .model_repository import write_model_repository
-from .mpi import SET_BY_MPI, host_parameters
+from ..api.settings import to_parameters
+from ..serving.config import split_parameters
+from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
+from .mpi import host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
@@ -118,8 +119,9 @@ def render(args: argparse.Namespace) -> tuple[Path, str]:
             "log_file": str(args.log_file.resolve()),
         }
         parameters.update(host_parameters(shared, ports_and_paths))
-    hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
-    parameters["sp_degree"] = str(args.sp * hosts)  # one SP rank per instance of every server
+    engine, serving = split_parameters({"checkpoint": DEFAULT_CHECKPOINT} | parameters)  # names a bad key or value
+    engine = dataclasses.replace(engine, sp_degree=args.sp * serving.host_count)  # one SP rank per instance
+    parameters = to_parameters(engine) | to_parameters(serving)
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,
