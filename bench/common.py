@@ -18,6 +18,7 @@ from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.paths import REPO_ROOT
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
+from backend.parallel.group import GroupHandles
 from backend.parallel.local import free_port, run_group
 from backend.parallel.sequence import SequenceParallel
 from backend.serving.config import ServingConfig
@@ -129,11 +130,11 @@ class RankResult:
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
 
 
-def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
+def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
     """One warm-up session of `warmup_blocks`, then one timed full request. Importable for spawned ranks."""
     if config.device == "cuda":
         config = dataclasses.replace(config, device=f"cuda:{torch.cuda.current_device()}")
-    engine = WorldModelEngine.load(config, sp)
+    engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
     with engine.session(request) as warm:
         for _ in zip(range(warmup_blocks), engine.blocks(warm, decode=False)):
             pass
@@ -169,7 +170,7 @@ def use_stub_thread_environment() -> None:
 
 
 def run_cpu_group(world: int, fn: Callable[..., Any], args: tuple = ()) -> list:
-    """fn(sp, *args) on `world` processes joined by gloo, each with its share of the cores' torch threads and the
+    """fn(groups, *args) on `world` processes joined by gloo, each with its share of the cores' torch threads and the
     stubs' thread settings, as a server's CPU instances run (SP1 gets every core, SPn's ranks share them)."""
     use_stub_thread_environment()
     return run_group(world, fn, args, threads=instance_cores(world))

@@ -65,7 +65,7 @@ class TritonPythonModel:
         groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
                             serving.init_timeout_s, serving.collective_timeout_s, engine_config.split_decode)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
-        self.engine = WorldModelEngine(spec, SequenceParallel(groups.data, groups.decode))
+        self.engine = WorldModelEngine(spec, SequenceParallel(groups.data), decode_group=groups.decode)
         groups.all_arrived("loaded")  # every rank has loaded before the loop starts
         doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, serving.collective_timeout_s) \
             if world > 1 else None

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..api.errors import InputError
 from ..api.request import SessionRequest, check_request
@@ -39,9 +40,11 @@ from .validation import EngineSpec, checked_spec
 
 
 class WorldModelEngine:
-    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None) -> None:
+    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None,
+                 decode_group: dist.ProcessGroup | None = None) -> None:
         """An engine for a checked spec (see `checked_spec`; `load` does both) on `parts`, by default the
-        spec's checkpoint files."""
+        spec's checkpoint files. decode_group: the SP ranks again, for each block's decode split by image rows
+        (its band exchanges run on the decode thread); None: the owner decodes whole frames."""
         config = spec.config
         self.config = config
         self.sp = sp or SequenceParallel()
@@ -59,7 +62,7 @@ class WorldModelEngine:
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
                                      (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
-        self.vae = StreamingVae(parts.vae, self.device, self.sp.decode_group if config.split_decode else None)
+        self.vae = StreamingVae(parts.vae, self.device, decode_group)
         # The first-frame condition is encoded on ENCODER_RANK and broadcast, like the prompt.
         self.conditions = StreamingConditionEncoder(parts.vae) if self.sp.rank == ENCODER_RANK else None
         if self.conditions is None:
@@ -69,10 +72,11 @@ class WorldModelEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None) -> WorldModelEngine:
+    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None,
+             decode_group: dist.ProcessGroup | None = None) -> WorldModelEngine:
         """Validate the settings against the checkpoint's configs, then load its weights."""
         sp = sp or SequenceParallel()
-        return cls(checked_spec(config, sp.degree), sp)
+        return cls(checked_spec(config, sp.degree), sp, decode_group=decode_group)
 
     # -- sessions ---------------------------------------------------------------------------------
 
