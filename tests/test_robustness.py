@@ -100,7 +100,7 @@ def test_idle_sp2_instances_block_instead_of_polling(tmp_path: Path, tiny_checkp
 
 
 def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path, tiny_checkpoint: str) -> None:
-    """Rank 0 (the planner, the rendezvous host and the owner of a stream) is killed outright."""
+    """Rank 0 (the rendezvous host and the owner of a stream) is killed outright."""
     timeout_s = 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
         threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 
 from backend.api import contract
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
+from backend.serving.threads import CoreSplit, instance_cores
 from client.stream import StreamError, StreamingSession, StreamRequest, request_inputs, run_sessions
 from factories import forward_poses, tiny_request
 from polling import wait_until
@@ -35,7 +37,14 @@ def assert_ready(server) -> None:
 def test_stream_matches_engine_bit_for_bit(server, engine: WorldModelEngine) -> None:
     request = tiny_request()
     blocks = stream(server.grpc_url, request)
-    direct = engine.generate(request)
+    # Float sums depend on the thread count: run as the server's instance does (its DiT's share of the cores;
+    # its decode has as many on an even core count).
+    before, split = torch.get_num_threads(), CoreSplit.of(instance_cores(1))
+    torch.set_num_threads(split.dit)
+    try:
+        direct = engine.generate(request)
+    finally:
+        torch.set_num_threads(before)
     assert [b.block_index for b in blocks] == list(range(5)) and all(b.num_blocks == 5 for b in blocks)
     for block, (out, frames) in zip(blocks, direct):
         assert np.array_equal(block.frames, frames)

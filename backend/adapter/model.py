@@ -58,7 +58,7 @@ class TritonPythonModel:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
             cores = instance_cores(world // serving.host_count)  # this host's cores shared among its own instances
-            torch.set_num_threads(cores)  # this thread's (loading); the loop and the writer set their own
+            torch.set_num_threads(cores)  # this thread's (loading); the loop and the decode sender set their own
             threads = CoreSplit.of(cores)
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)

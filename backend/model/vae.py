@@ -33,7 +33,7 @@ class StreamingVae:
         self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
         self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
         self._conv_count = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
-        # Decoding runs on the response writer's thread: a side stream lets it overlap the DiT on GPU.
+        # Decoding runs on the decode sender's thread: a side stream lets it overlap the DiT on GPU.
         self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property

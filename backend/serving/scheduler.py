@@ -121,7 +121,7 @@ class Scheduler:
             plan.rejects.append((s.id, self._queue_full()))
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> list[str]:
-        # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its writer.
+        # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
         ready = [self.table[sid] for sid in candidates
                  if not self.table[sid].lags(self.settings.max_blocks_ahead) and self.table[sid].has_camera()]
         if not ready:
