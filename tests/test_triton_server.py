@@ -34,17 +34,21 @@ def assert_ready(server) -> None:
         assert client.is_model_ready(MODEL)
 
 
+def as_the_server(engine: WorldModelEngine, request) -> list:
+    """The engine's rollout on the threads an SP1 server's instance uses: float sums depend on the thread count
+    (its DiT's share of the cores; its decode has as many on an even core count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(CoreSplit.of(instance_cores(1)).dit)
+    try:
+        return engine.generate(request)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stream_matches_engine_bit_for_bit(server, engine: WorldModelEngine) -> None:
     request = tiny_request()
     blocks = stream(server.grpc_url, request)
-    # Float sums depend on the thread count: run as the server's instance does (its DiT's share of the cores;
-    # its decode has as many on an even core count).
-    before, split = torch.get_num_threads(), CoreSplit.of(instance_cores(1))
-    torch.set_num_threads(split.dit)
-    try:
-        direct = engine.generate(request)
-    finally:
-        torch.set_num_threads(before)
+    direct = as_the_server(engine, request)
     assert [b.block_index for b in blocks] == list(range(5)) and all(b.num_blocks == 5 for b in blocks)
     for block, (out, frames) in zip(blocks, direct):
         assert np.array_equal(block.frames, frames)
@@ -98,7 +102,7 @@ def test_cancel_mid_stream_frees_the_session(server, engine: WorldModelEngine) -
     # The group still serves, with the same result as before.
     request = tiny_request(num_frames=21)
     assert np.array_equal(latents_of(stream(server.grpc_url, request)),
-                          np.concatenate([o.latents[0].numpy() for o, _ in engine.generate(request)], axis=1))
+                          np.concatenate([o.latents[0].numpy() for o, _ in as_the_server(engine, request)], axis=1))
 
 
 def _raw_stream_error(url: str, inputs: list, parameters: dict | None = None) -> str:
