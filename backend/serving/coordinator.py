@@ -150,9 +150,7 @@ class GroupCoordinator:
         return next((r for r in reversed(self.sessions.values()) if r.steered_key == key), None)
 
     def _owned_streams(self) -> list[OwnerStream]:
-        """The streams of this rank's sessions that have not ended (for the cancel watch)."""
-        with self._lock:
-            return [r.owner.stream for r in self.sessions.values() if r.owner is not None and r.state is not State.DONE]
+        return [r.owner.stream for r in self._owned()]
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -195,6 +193,7 @@ class GroupCoordinator:
         for sid in list(self.sessions):
             self._end(sid, "aborted")
         self.decoder.close()
+        self._cancels.stop()
         self._refuse_inbox(reason)
         self.engine = self.decoder.engine = None  # the weights go now: a reload may need the memory
         self.control.doorbell = LocalDoorbell()  # close the store connections too
