@@ -18,12 +18,15 @@ from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.paths import REPO_ROOT
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
+from backend.parallel.group import GroupHandles
 from backend.parallel.local import free_port, run_group
 from backend.parallel.mesh import Mesh
 from backend.parallel.sequence import SequenceParallel
+from backend.serving.config import ServingConfig
 from backend.serving.threads import instance_cores
 from backend.api.contract import video_frames_for
 from backend.api.request import SessionRequest
+from backend.api.settings import to_parameters
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
 
@@ -106,8 +109,7 @@ def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu", t
 def server_parameters(config: EngineConfig) -> dict[str, str]:
     """config.pbtxt parameters serving exactly `config`, on a free rendezvous port (the instance group sets the
     device)."""
-    params = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig) if f.name != "device"}
-    return params | {"rendezvous_port": str(free_port())}
+    return to_parameters(config) | to_parameters(ServingConfig(rendezvous_port=free_port()))
 
 
 def make_request(w: Workload, decode: bool = True) -> SessionRequest:
@@ -133,12 +135,13 @@ class RankResult:
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
 
 
-def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
+def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
     """One warm-up session of `warmup_blocks`, then one timed full request (on config.tp_degree x sp_degree
     ranks). Importable for spawned ranks."""
     if config.device == "cuda":
         config = dataclasses.replace(config, device=f"cuda:{torch.cuda.current_device()}")
-    engine = WorldModelEngine.load(config, sp, Mesh.build(sp, config.tp_degree, timeout_s=900))
+    sp = SequenceParallel(groups.data)
+    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=900))
     with engine.session(request) as warm:
         for _ in zip(range(warmup_blocks), engine.blocks(warm, decode=False)):
             pass
@@ -179,7 +182,7 @@ def use_stub_thread_environment() -> None:
 
 
 def run_cpu_group(world: int, fn: Callable[..., Any], args: tuple = ()) -> list:
-    """fn(sp, *args) on `world` processes joined by gloo, each with its share of the cores' torch threads and the
+    """fn(groups, *args) on `world` processes joined by gloo, each with its share of the cores' torch threads and the
     stubs' thread settings, as a server's CPU instances run (SP1 gets every core, SPn's ranks share them)."""
     use_stub_thread_environment()
     return run_group(world, fn, args, threads=instance_cores(world))

@@ -19,7 +19,7 @@ from diffusers import AutoencoderKLWan
 from backend.model.tiny_checkpoint import PRESETS, vae_arguments
 from backend.model.vae import StreamingVae
 from backend.parallel.local import run_group
-from backend.parallel.sequence import SequenceParallel
+from backend.parallel.group import GroupHandles
 from backend.serving.threads import instance_cores
 from bench.common import format_table, use_stub_thread_environment
 
@@ -28,14 +28,14 @@ ARCHITECTURES = {**{name: vae_arguments(preset) for name, preset in PRESETS.item
 LATENT_FRAMES = 3  # one AR block
 
 
-def decode_blocks(sp: SequenceParallel, architecture: str, height: int, width: int, blocks: int, split: bool
+def decode_blocks(groups: GroupHandles, architecture: str, height: int, width: int, blocks: int, split: bool
                   ) -> tuple[list[float], list[np.ndarray]]:
     """(ms per block, frames per block on rank 0) for `blocks` blocks of one session."""
     torch.manual_seed(0)
     arguments = ARCHITECTURES[architecture]
     z = arguments.get("z_dim", 16)
     vae = AutoencoderKLWan(**arguments, latents_mean=[0.0] * z, latents_std=[1.0] * z).eval()
-    streaming = StreamingVae(vae, torch.device("cpu"), sp.decode_group if split else None)
+    streaming = StreamingVae(vae, torch.device("cpu"), groups.decode if split else None)
     state = streaming.new_decode_state()
     latents = torch.Generator().manual_seed(1)
     times, frames = [], []

@@ -1,7 +1,7 @@
 """GPU benchmark of the real workload: 480x832, 81 frames, seed 42, forward camera, SP1/SP2/SP4 over NCCL.
 
     python -m bench.gpu [--checkpoint PATH | --preset tiny|mid] [--sp 1 2 4] [--tp 1 2]
-    python -m bench.gpu --random-weights [--dry-run] [--profile] ...   # bench/random_weights.py
+    python -m bench.gpu --random-weights [--dry-run] [--profile] ...   # bench/gpu_random_weights.py
 
 
 One spawned process per GPU (rank r on cuda:r), bf16, attention 'auto' (flash-attn when installed, else
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--random-weights", action="store_true")
     known, rest = mode.parse_known_args(argv)
     if known.random_weights:  # the 14B geometry at SP1 with weights made in memory: its own options
-        from bench import random_weights
+        from bench import gpu_random_weights
 
-        return random_weights.main(rest)
+        return gpu_random_weights.main(rest)
     args = sp_parser(__doc__, GPU, preset="mid").parse_args(rest)
     gpus = cuda_device_count()  # exits first where CUDA is absent
     layouts = layouts_of(args, most_ranks=gpus)

@@ -18,11 +18,12 @@ from typing import TextIO
 import numpy as np
 
 from backend.api import contract
+from backend.api.codec import BlockResponse
 from backend.api.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
 from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
-from client.stream import BlockResponse, StreamError, StreamingSession, build_inputs
+from client.stream import StreamError, StreamingSession, build_inputs
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 EXIT_STREAM_ERROR = 1

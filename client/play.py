@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
     p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
-    p.add_argument("--on-starve", choices=("wait", "hold"), default="wait",
+    p.add_argument("--on-starve", choices=contract.ON_STARVE, default=contract.ON_STARVE[0],
                    help="when a step is late: the server waits, or holds the last motion (default: %(default)s)")
     p.add_argument("--lookahead", type=int, default=1,
                    help="steps sent ahead of the block on screen (default: %(default)s)")

@@ -14,9 +14,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
-from backend.api.codec import controls_arrays, request_arrays, request_parameters
+from backend.api.codec import BlockResponse, controls_arrays, request_arrays, request_parameters
 from backend.api.request import Controls, SessionRequest
-from client.stream import BlockResponse, StreamError, new_sequence_id, pack_inputs, parse_response
+from client.stream import StreamError, model_error, new_sequence_id, pack_inputs, parse_response
 
 
 class SteeredSession:
@@ -64,7 +64,7 @@ class SteeredSession:
         except queue.Empty:
             raise StreamError(f"no block from {self.model_name!r} within {timeout:g} s") from None
         if error is not None:
-            raise StreamError(f"session {self.sequence_id}: {error.message()}")
+            raise StreamError(f"session {self.sequence_id}: {error.message()}", model_error(error))
         block, _ = parse_response(result, arrival)
         return block
 

@@ -19,15 +19,21 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
-from backend.api.codec import request_arrays
-from backend.api.request import SessionRequest
+from backend.api.codec import BlockResponse, parse_block, request_arrays
+from backend.api.errors import ResponseError
+from backend.api.request import SessionRequest, check_request
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
 
 
 class StreamError(RuntimeError):
-    """The server, the connection or the response contents failed the request."""
+    """The server, the connection or the response contents failed the request. `sentence` is what to show a
+    user: the server's own words when the model answered with an error, else the whole description."""
+
+    def __init__(self, message: str, server_sentence: str | None = None) -> None:
+        super().__init__(message)
+        self.sentence = server_sentence or message
 
 
 class StreamTimeoutError(StreamError, TimeoutError):
@@ -36,17 +42,6 @@ class StreamTimeoutError(StreamError, TimeoutError):
 
 class StreamCancelledError(StreamError):
     """StreamingSession.cancel() ended the request before its final response."""
-
-
-@dataclass(frozen=True)
-class BlockResponse:
-    block_index: int
-    num_blocks: int
-    latents: np.ndarray | None  # float32 [C, block_frames, h, w], None when not requested
-    frames: np.ndarray  # uint8 [n, H, W, 3]; n = 0 without VAE decode
-    timing_ms: tuple[float, ...]  # server: DiT compute, VAE decode, since request arrival
-    arrival_s: float  # time.perf_counter() when the response reached the client
-    held: bool = False  # a steered block run on held controls (its step came late)
 
 
 def new_sequence_id() -> int:
@@ -77,24 +72,17 @@ def build_inputs(
     height: int,
     width: int,
 ) -> list[grpcclient.InferInput]:
-    """Validate one generation request and pack it as Triton inputs (intrinsics optional)."""
+    """Validate one generation request (as the server will: `check_request`) and pack it as Triton inputs
+    (intrinsics optional). Raises ValueError naming the bad input."""
     first, step = contract.whole_block_frames(1), contract.whole_block_frames(2) - contract.whole_block_frames(1)
     if num_frames < first or (num_frames - first) % step:
         raise ValueError(f"num_frames must be {contract.frames_rule()}, got {num_frames}")
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be positive, got {height}x{width}")
-    image = np.asarray(image)
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-        raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-    poses = np.asarray(poses, dtype=np.float32)
-    if poses.shape != (num_frames, 4, 4):
-        raise ValueError(f"camera poses must be [{num_frames}, 4, 4] (one per frame), got {list(poses.shape)}")
-    if intrinsics is not None:
-        intrinsics = np.asarray(intrinsics, dtype=np.float32)
-        if intrinsics.shape != (num_frames, 4):
-            raise ValueError(f"camera intrinsics must be [{num_frames}, 4] (fx, fy, cx, cy), got {list(intrinsics.shape)}")
-    request = SessionRequest(image=image, prompt=prompt, poses=poses, intrinsics=intrinsics, num_frames=num_frames,
-                             seed=seed, height=height, width=width)
+    request = SessionRequest(image=np.asarray(image), prompt=prompt, poses=np.asarray(poses, dtype=np.float32),
+                             intrinsics=None if intrinsics is None else np.asarray(intrinsics, dtype=np.float32),
+                             num_frames=num_frames, seed=seed, height=height, width=width)
+    check_request(request)
     return request_inputs(request)
 
 
@@ -103,35 +91,21 @@ def request_inputs(request: SessionRequest) -> list[grpcclient.InferInput]:
     return pack_inputs(request_arrays(request))
 
 
-def _first_int(result: grpcclient.InferResult, name: str) -> int:
-    array = result.as_numpy(name)
-    if array is None or array.size != 1:
-        raise StreamError(f"server response lacks a one-element {name!r} output")
-    return int(array.reshape(-1)[0])
-
-
 def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[BlockResponse | None, bool]:
     """(block, is_final) of one streamed response; block is None for an empty final response."""
     response = result.get_response()
     final = _FINAL_FLAG in response.parameters and response.parameters[_FINAL_FLAG].bool_param
     if not response.outputs:
         return None, final
-    frames = result.as_numpy(contract.FRAMES)
-    if frames is None:
-        frames = np.empty((0, 0, 0, 3), dtype=np.uint8)
-    elif frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
-        raise StreamError(f"server sent {contract.FRAMES!r} as {frames.dtype} {list(frames.shape)}; expected uint8 [n, H, W, 3]")
-    timing = result.as_numpy(contract.TIMING_MS)
-    block = BlockResponse(
-        block_index=_first_int(result, contract.BLOCK_INDEX),
-        num_blocks=_first_int(result, contract.NUM_BLOCKS),
-        latents=result.as_numpy(contract.LATENTS),
-        frames=frames,
-        timing_ms=() if timing is None else tuple(float(t) for t in timing.reshape(-1)),
-        arrival_s=arrival_s,
-        held=bool(held.reshape(-1)[0]) if (held := result.as_numpy(contract.HELD)) is not None else False,
-    )
-    return block, final
+    try:
+        return parse_block(result.as_numpy, arrival_s), final
+    except ResponseError as exc:
+        raise StreamError(str(exc)) from exc
+
+
+def model_error(error: InferenceServerException) -> str | None:
+    """The model's own sentence when the error is a response from the model (no gRPC status), else None."""
+    return error.message() if error.status() is None else None
 
 
 class StreamingSession:
@@ -202,7 +176,7 @@ class StreamingSession:
                     raise StreamCancelledError(f"request {self.request_id!r} cancelled by the client")
                 result, error, arrival_s = item
                 if error is not None:
-                    raise StreamError(self._describe(error))
+                    raise StreamError(self._describe(error), model_error(error))
                 block, finished = parse_response(result, arrival_s)
                 if block is not None:
                     yield block
@@ -212,6 +186,7 @@ class StreamingSession:
             self._client.stop_stream(cancel_requests=not finished)
 
     def _describe(self, error: InferenceServerException) -> str:
+        """The failure with its context (model, request or URL)."""
         status = error.status()  # None for an error response from the model itself
         if status is None:
             return f"{self.model_name!r} failed request {self.request_id!r}: {error.message()}"

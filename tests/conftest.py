@@ -20,6 +20,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                           f"and {REQUIRE_TOOLS}=1 says the whole suite must run"
 
 
+SERVER_FIXTURES = {"sp1_server", "sp2_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on a real server must carry the `server` marker, or `-m "not server"` would start one."""
+    unmarked = [i.nodeid for i in items if SERVER_FIXTURES & set(getattr(i, "fixturenames", ()))
+                and i.get_closest_marker("server") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests on a real server without the `server` marker: {unmarked}")
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random tiny checkpoint in the diffusers directory format, written once per test run."""
@@ -41,4 +52,15 @@ def sp1_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
     from triton_harness import running_server
 
     with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def sp2_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
+    """One real SP2 tritonserver (two CPU instances) for the whole run: one session per forward (so latents
+    compare bit for bit with SP1), no frame decode, a short steered-session idle limit."""
+    from triton_harness import SP2_IDLE_S, running_server
+
+    with running_server(tmp_path_factory.mktemp("sp2"), tiny_checkpoint, sp=2, max_batch="1", max_sessions="3",
+                        session_idle_timeout_s=str(SP2_IDLE_S), decode_frames="false") as s:
         yield s

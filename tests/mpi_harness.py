@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.launch.mpi import SET_BY_MPI
 from backend.parallel.local import free_port
 from polling import wait_until
 from triton_harness import tiny_parameters
@@ -53,8 +54,9 @@ def mpirun_servers(
 ) -> Iterator[list[RankServer]]:
     """One rank per address (a CPU instance each) under one `mpirun`; yields the servers in rank order once
     every model is ready. `--enable-recovery` keeps the other ranks running when one dies, as in production."""
-    parameters = tiny_parameters(checkpoint, 1, **overrides)
-    del parameters["sp_degree"]  # the launcher sets it: instances x host_count
+    # The launcher sets these: sp_degree (instances x host_count), and under --mpi the host's place and rank 0's address.
+    parameters = {k: v for k, v in tiny_parameters(checkpoint, 1, **overrides).items()
+                  if k not in ("sp_degree", *SET_BY_MPI, "rendezvous_host")}
     ranks = [_launcher_args(tmp, r, a, parameters) for r, a in enumerate(addresses)]
     command = [*mpirun_prefix, "mpirun", "--oversubscribe", "--bind-to", "none", "--enable-recovery", *mpirun_args]
     for i, (args, _) in enumerate(ranks):

@@ -6,15 +6,17 @@ import numpy as np
 from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
 from backend.model.vae import StreamingVae
+from backend.parallel.group import GroupHandles
 from backend.parallel.mesh import Mesh
 from backend.parallel.sequence import SequenceParallel
 from backend.api.request import SessionRequest
 
 
-def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest) -> dict:
+def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest) -> dict:
     """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block exchange bytes, the
     final cache shards and this rank's weight and cache bytes."""
-    engine = WorldModelEngine.load(config, sp, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    sp = SequenceParallel(groups.data)
+    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
     with engine.session(request) as session:
         outputs = [out for out, _ in engine.blocks(session, decode=False)]
         n = session.cache.length
@@ -38,24 +40,24 @@ def rollout(sp: SequenceParallel, config: EngineConfig, request: SessionRequest)
         }
 
 
-def prompt_states(sp: SequenceParallel, config: EngineConfig, prompts: list[str]) -> dict:
+def prompt_states(groups: GroupHandles, config: EngineConfig, prompts: list[str]) -> dict:
     """Each prompt's states on this rank, whether it holds the text encoder and how many prompts it encoded."""
-    engine = WorldModelEngine.load(config, sp)
+    engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
     states = [engine.prompts.states(p).float().numpy() for p in prompts]
     return {"states": states, "has_encoder": engine.prompts.encoder is not None, "encoded": engine.prompts.encoded}
 
 
-def split_decode(sp: SequenceParallel, config: EngineConfig, request: SessionRequest) -> dict:
+def split_decode(groups: GroupHandles, config: EngineConfig, request: SessionRequest) -> dict:
     """A session's blocks decoded split across the ranks (frames on rank 0), and on rank 0 the same latents
     decoded whole by a VAE without a decode group."""
-    engine = WorldModelEngine.load(config, sp)
+    engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
     whole = StreamingVae(engine.vae.vae, engine.device)  # the same weights; no group: whole frames
     whole_state = whole.new_decode_state()
     with engine.session(request) as session:
-        shared = engine.shares_decode(session)
+        shared = session.split_decode
         blocks = []
         for out, frames in engine.blocks(session):
-            if sp.rank == 0:
+            if engine.sp.rank == 0:
                 blocks.append((frames, whole.decode_block(out.latents, whole_state)))
             else:
                 assert frames is None

@@ -146,10 +146,12 @@ def test_error_response_raises_the_server_message(fake) -> None:
     with StreamingSession(url) as session:
         session.send(_inputs(), request_id="bad")
         received = []
-        with pytest.raises(StreamError, match=r"'lingbot_world' failed request 'bad': camera_poses must be \[9, 4, 4\]"):
+        with pytest.raises(StreamError, match=r"'lingbot_world' failed request 'bad': camera_poses must be \[9, 4, 4\]") \
+                as info:
             for block in session.responses(timeout=10):
                 received.append(block)
     assert len(received) == 1
+    assert info.value.sentence == "camera_poses must be [9, 4, 4]"  # what a page shows: the server's words
 
 
 def _hang(request, context):
@@ -187,9 +189,10 @@ def test_cancel_from_another_thread(fake) -> None:
 def test_unreachable_server_names_the_url() -> None:
     # Depending on how fast the connection fails, send() or the first response raises.
     with StreamingSession("127.0.0.1:1") as session:
-        with pytest.raises(StreamError, match=r"UNAVAILABLE.*is Triton serving gRPC at 127.0.0.1:1\?"):
+        with pytest.raises(StreamError, match=r"UNAVAILABLE.*is Triton serving gRPC at 127.0.0.1:1\?") as info:
             session.send(_inputs())
             list(session.responses(timeout=20))
+    assert info.value.sentence == str(info.value)  # no model sentence: the whole description
 
 
 def test_run_sessions_concurrently(fake) -> None:
@@ -208,11 +211,11 @@ def test_build_inputs_rejects_bad_requests() -> None:
     image, poses = np.zeros((H, W, 3), np.uint8), camera_preset("static", FRAMES)
     with pytest.raises(ValueError, match=r"num_frames must be 9 \+ 12 x k, whole AR blocks \(e.g. 9, 21, 45 or 81\), got 8"):
         build_inputs(image, "p", camera_preset("static", 8), None, num_frames=8, seed=0, height=H, width=W)
-    with pytest.raises(ValueError, match=r"camera poses must be \[9, 4, 4\]"):
+    with pytest.raises(ValueError, match=r"camera_poses must be FP32 \[9, 4, 4\]; got float32 \[5, 4, 4\]"):
         build_inputs(image, "p", poses[:5], None, num_frames=FRAMES, seed=0, height=H, width=W)
-    with pytest.raises(ValueError, match=r"intrinsics must be \[9, 4\]"):
+    with pytest.raises(ValueError, match=r"camera_intrinsics must be FP32 \[n, 4\]"):
         build_inputs(image, "p", poses, np.zeros((9, 3)), num_frames=FRAMES, seed=0, height=H, width=W)
-    with pytest.raises(ValueError, match=r"image must be uint8 \[H, W, 3\]"):
+    with pytest.raises(ValueError, match=r"image must be UINT8 \[H, W, 3\]"):
         build_inputs(image[..., 0], "p", poses, None, num_frames=FRAMES, seed=0, height=H, width=W)
     names = [i.name() for i in build_inputs(image, "p", poses, None, num_frames=FRAMES, seed=0, height=H, width=W)]
     assert contract.CAMERA_INTRINSICS not in names and set(names) == set(contract.WHOLE_TRAJECTORY_INPUTS)

@@ -2,17 +2,20 @@
 its threads' torch threads and the control plane's CPU."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
 import torch
 
+from backend.api.request import Controls, StepRequest
 from backend.serving.config import ServingConfig
-from backend.serving.group_loop import GroupCoordinator
+from backend.serving.coordinator import GroupCoordinator
 from backend.serving.loop_cpu import LoopCpu
 from backend.serving.threads import CoreSplit
-from backend.engine.rollout import BlockOutput, WorldModelEngine
+from backend.engine.blocks import BlockOutput
+from backend.engine.rollout import WorldModelEngine
 from factories import tiny_request
 from polling import wait_until
 
@@ -147,3 +150,68 @@ def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_
 @pytest.mark.parametrize(("cores", "dit", "decode"), [(1, 1, 1), (2, 1, 1), (3, 1, 2), (16, 8, 8)])
 def test_core_split_adds_up_to_the_instance_cores(cores: int, dit: int, decode: int) -> None:
     assert CoreSplit.of(cores) == CoreSplit(dit=dit, decode=decode)
+
+
+def steered_request(**overrides):
+    return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
+                               session_key="7", **overrides)
+
+
+@pytest.fixture()
+def counted(engine: WorldModelEngine):
+    """A one-rank loop with short steered-session limits that counts its block-boundary exchanges."""
+    failures: list[BaseException] = []
+    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=2.0, collective_timeout_s=600)
+    group = GroupCoordinator(engine, settings, None, on_failure=failures.append)
+    exchanges = [0]
+    real = group.control.exchange
+
+    def exchange(events, rings):
+        exchanges[0] += 1
+        return real(events, rings)
+
+    group.control.exchange = exchange
+    yield group, exchanges
+    group.stop()
+    assert not failures, failures
+
+
+def test_waiting_steered_session_sleeps_until_its_step_or_its_idle_limit(counted) -> None:
+    group, exchanges = counted
+    first, second = RecordingResponder(), RecordingResponder()
+    group.submit(steered_request(), first)
+    wait([first])
+    group.submit(StepRequest("7", Controls(keys="d")), second)
+    wait([second])
+    assert first.blocks == [0] and second.blocks == [1]
+    waiting_since, late = exchanges[0], RecordingResponder()
+    # No step for session_idle_timeout_s: the loop wakes at that deadline, not before, and ends the session.
+    wait_until(lambda: not any(r.engine for r in group.sessions.values()), 30, "the idle session to expire")
+    assert exchanges[0] - waiting_since <= 4, "the idle loop went round without news"
+    group.submit(StepRequest("7", Controls(keys="d")), late)
+    assert "session_idle_timeout_s=2 s" in late.error
+
+
+class SlowClient(RecordingResponder):
+    """A client that takes its first block only when released: its session lags and the group goes idle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        assert self.release.wait(60)
+        super().send_block(output, frames, decode_ms, final)
+
+
+def test_cancellation_wakes_an_idle_loop(counted) -> None:
+    group, exchanges = counted  # the heartbeat is 300 s away: only the doorbell wakes the loop
+    client = SlowClient()
+    group.submit(tiny_request(decode=False, num_frames=129), client)
+    lagging = lambda: [r.shared for r in group.sessions.values() if r.shared.computed >= 2]  # noqa: E731
+    wait_until(lagging, 60, "the session to run max_blocks_ahead blocks ahead of its client")
+    idle_since = exchanges[0]
+    client.cancelled = True
+    wait_until(lambda: not group.sessions, 5, "the cancelled session to end")
+    client.release.set()
+    assert exchanges[0] - idle_since <= 3, "the idle loop went round without news"

@@ -10,6 +10,8 @@ from backend.parallel.local import run_group
 from factories import tiny_config, tiny_request
 from sp_workers import prompt_states, rollout
 
+pytestmark = pytest.mark.server  # starts groups of local processes (slow)
+
 HEADS = 4  # tiny preset
 
 

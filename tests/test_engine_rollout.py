@@ -111,7 +111,7 @@ def test_an_open_ended_session_keeps_constant_memory(engine: WorldModelEngine) -
     """A steered session 10x the window long: the KV window rolls, its bytes never grow, the condition
     encoder reaches its fixed point and frees its cache."""
     from backend.api.request import Controls
-    from backend.engine.rollout import BlockControls
+    from backend.engine.blocks import BlockControls
 
     request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
     window_blocks = engine.window_frames // engine.config.block_frames

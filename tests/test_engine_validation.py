@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import backend.engine.rollout
+import backend.engine.parts
 from backend.engine.geometry import sizes_near
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import checked_spec
@@ -39,7 +39,7 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         raise AssertionError("a weight file was opened before validation finished")
 
     for name in ("load_transformer", "load_text_encoder", "load_vae"):
-        monkeypatch.setattr(backend.engine.rollout, name, refuse)
+        monkeypatch.setattr(backend.engine.parts, name, refuse)
     monkeypatch.setattr("backend.model.checkpoint.read_tensor", refuse)
     monkeypatch.setattr("backend.model.weight_files.read_header", refuse)
     return str(root)

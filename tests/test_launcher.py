@@ -149,16 +149,6 @@ def test_param_flag_splits_at_the_first_equals() -> None:
     assert parse_param("prompt_suffix=a=b") == ("prompt_suffix", "a=b")
 
 
-def test_readme_documents_every_input_and_setting() -> None:
-    readme = (TEMPLATE_DIR.parents[1] / "README.md").read_text()
-    for spec in contract.INPUTS:
-        assert f"`{spec.name}`" in readme and spec.triton_dtype in readme, spec.name
-    configuration = readme[readme.index("### Configuration"):readme.index("### Running a server by hand")]
-    for cls in (EngineConfig, ServingConfig):
-        for f in parameter_fields(cls):
-            assert f"`{f.name}`" in configuration, f"README's Configuration section lacks {f.name}"
-
-
 def test_rendezvous_address_follows_gloo_socket_ifname(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert own_address(hosts=2) == "127.0.0.1"

@@ -24,20 +24,19 @@ from factories import tiny_request
 from mpi_harness import MPIRUN_ENV, RankServer, mpirun_servers
 from polling import wait_until
 from system_tools import require_tool, requires_tool
-from triton_harness import latents_of, running_server, stream, stream_in_background
+from triton_harness import latents_of, stream, stream_in_background
 
 SEEDS = (0, 1)  # one request per server
 TIMEOUT_S = 5  # collective_timeout_s of the groups under test
-pytestmark = requires_tool(shutil.which("mpirun") is not None, "Open MPI's mpirun (Debian's openmpi-bin)")
+pytestmark = [pytest.mark.server, requires_tool(shutil.which("mpirun") is not None, "Open MPI's mpirun (Debian's openmpi-bin)")]
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str, sp1_server) -> dict[int, np.ndarray]:
+def references(sp1_server, sp2_server) -> dict[int, np.ndarray]:
     """Each seed's latents from one SP1 server and from one SP2 server (bit-identical, else this fails)."""
     sp1 = {seed: latents_of(stream(sp1_server.grpc_url, tiny_request(seed=seed))) for seed in SEEDS}
-    with running_server(tmp_path_factory.mktemp("sp2"), tiny_checkpoint, sp=2, max_batch="1") as sp2:
-        for seed in SEEDS:
-            assert np.array_equal(latents_of(stream(sp2.grpc_url, tiny_request(seed=seed))), sp1[seed]), seed
+    for seed in SEEDS:
+        assert np.array_equal(latents_of(stream(sp2_server.grpc_url, tiny_request(seed=seed))), sp1[seed]), seed
     return sp1
 
 

@@ -1,6 +1,7 @@
 """Failure handling and long-run behaviour of the served model: dead or hung ranks, memory, fuzzed inputs."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -12,10 +13,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.api import contract
+from backend.api.request import Controls
+from client.steer import SteeredSession
 from client.stream import StreamError, StreamingSession
 from factories import forward_poses, sample_image, tiny_request
 from polling import wait_until
 from triton_harness import inputs_with, metrics, running_server, stream, stream_in_background
+
+pytestmark = pytest.mark.server  # starts real tritonservers
 
 MODEL = contract.MODEL_NAME
 
@@ -65,15 +70,29 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
                 os.kill(victim, signal.SIGCONT)
 
 
+def idle_cpu(server, seconds: float) -> list[float]:
+    """CPU per instance (fraction of a core) over `seconds` of idleness."""
+    pids = list(server.stub_pids().values())
+    before, start = [cpu_seconds(p) for p in pids], time.monotonic()
+    wait_until(lambda: time.monotonic() - start > seconds, seconds + 4, "an idle window")
+    return [(cpu_seconds(p) - b) / (time.monotonic() - start) for p, b in zip(pids, before)]
+
+
 def test_idle_sp2_instances_block_instead_of_polling(tmp_path: Path, tiny_checkpoint: str) -> None:
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s="4") as server:
         assert len(stream(server.grpc_url, tiny_request(num_frames=9))) == 1  # the group has served
-        pids = list(server.stub_pids().values())
-        before, start = [cpu_seconds(p) for p in pids], time.monotonic()
-        wait_until(lambda: time.monotonic() - start > 6, 10, "an idle window")  # three heartbeats (every 2 s)
-        used = [(cpu_seconds(p) - b) / (time.monotonic() - start) for p, b in zip(pids, before)]
-        print(f"idle CPU per instance: {[f'{u:.2%}' for u in used]}")
-        assert max(used) < 0.02, used  # polling every 5 ms burnt about 21 % of a core
+        idle = idle_cpu(server, 6)  # three heartbeats (every 2 s)
+        # A steered session that waits for its next step (a paused player) costs what an idle group does.
+        request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+        with SteeredSession(server.grpc_url) as session:
+            session.start(request)
+            assert session.next_block(60) is not None
+            waiting = idle_cpu(server, 6)
+            session.step(Controls(keys="d"), end=True)
+            assert session.next_block(60) is not None
+        print(f"CPU per instance, idle: {[f'{u:.2%}' for u in idle]}; a session waiting for its step: "
+              f"{[f'{u:.2%}' for u in waiting]}")
+        assert max(idle) < 0.02 and max(waiting) < 0.02, (idle, waiting)
         # The doorbell wakes the group, not the next heartbeat: a one-block request after idling is quick.
         start = time.monotonic()
         assert len(stream(server.grpc_url, tiny_request(num_frames=9, decode=False))) == 1
@@ -81,7 +100,7 @@ def test_idle_sp2_instances_block_instead_of_polling(tmp_path: Path, tiny_checkp
 
 
 def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path, tiny_checkpoint: str) -> None:
-    """Rank 0 (the planner, the rendezvous host and the owner of a stream) is killed outright."""
+    """Rank 0 (the rendezvous host and the owner of a stream) is killed outright."""
     timeout_s = 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
         threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)

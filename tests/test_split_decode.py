@@ -11,6 +11,8 @@ from backend.parallel.rows import band_sizes
 from factories import tiny_config, tiny_request
 from sp_workers import split_decode
 
+pytestmark = pytest.mark.server  # starts groups of local processes (slow)
+
 MIN_PSNR_DB = 45.0  # the README's stated bound; the measured value is printed
 
 

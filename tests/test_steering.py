@@ -14,17 +14,16 @@ from client.steer import SteeredSession
 from client.stream import StreamError
 from factories import TINY_SIZE, forward_poses, sample_image, tiny_request
 from polling import wait_until
-from triton_harness import latents_of, running_server, stream
+from triton_harness import SP2_IDLE_S, latents_of, running_server, stream
 
-IDLE_S = 4.0
+pytestmark = pytest.mark.server  # starts real tritonservers
+
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
+def server(sp2_server):
     """Two instances (SP2), one session per forward (so latents compare bit for bit), a short idle timeout."""
-    with running_server(tmp_path_factory.mktemp("steer"), tiny_checkpoint, sp=2, max_batch="1", max_sessions="3",
-                        session_idle_timeout_s=str(IDLE_S), decode_frames="false") as s:
-        yield s
+    return sp2_server
 
 
 def steered(controls: Controls, seed: int = 42, **changes) -> SessionRequest:
@@ -96,7 +95,7 @@ def test_idle_session_expires_and_frees_its_caches(server) -> None:
         session.next_block(60)
         pattern = re.compile(r"session (r\d-\d+) expired after 1 block \(steered: no set length\); "
                              r"freed (\d+) cache bytes \(left: 0\)")
-        found = wait_until(lambda: pattern.findall(log.read_text()), IDLE_S + 30, "the idle session to expire")
+        found = wait_until(lambda: pattern.findall(log.read_text()), SP2_IDLE_S + 30, "the idle session to expire")
         assert int(found[-1][1]) > 0
         session.step(Controls(keys="w"))
         with pytest.raises(StreamError, match=r"no running session \d+: the session sent no step for "

@@ -7,15 +7,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 
 from backend.api import contract
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
+from backend.serving.threads import CoreSplit, instance_cores
 from client.stream import StreamError, StreamingSession, StreamRequest, request_inputs, run_sessions
 from factories import forward_poses, tiny_request
 from polling import wait_until
-from triton_harness import inputs_with, latents_of, metrics, running_server, stream
+from triton_harness import inputs_with, latents_of, metrics, stream
+
+pytestmark = pytest.mark.server  # starts real tritonservers
 
 MODEL = contract.MODEL_NAME
 
@@ -30,10 +34,21 @@ def assert_ready(server) -> None:
         assert client.is_model_ready(MODEL)
 
 
+def as_the_server(engine: WorldModelEngine, request) -> list:
+    """The engine's rollout on the threads an SP1 server's instance uses: float sums depend on the thread count
+    (its DiT's share of the cores; its decode has as many on an even core count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(CoreSplit.of(instance_cores(1)).dit)
+    try:
+        return engine.generate(request)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stream_matches_engine_bit_for_bit(server, engine: WorldModelEngine) -> None:
     request = tiny_request()
     blocks = stream(server.grpc_url, request)
-    direct = engine.generate(request)
+    direct = as_the_server(engine, request)
     assert [b.block_index for b in blocks] == list(range(5)) and all(b.num_blocks == 5 for b in blocks)
     for block, (out, frames) in zip(blocks, direct):
         assert np.array_equal(block.frames, frames)
@@ -87,7 +102,7 @@ def test_cancel_mid_stream_frees_the_session(server, engine: WorldModelEngine) -
     # The group still serves, with the same result as before.
     request = tiny_request(num_frames=21)
     assert np.array_equal(latents_of(stream(server.grpc_url, request)),
-                          np.concatenate([o.latents[0].numpy() for o, _ in engine.generate(request)], axis=1))
+                          np.concatenate([o.latents[0].numpy() for o, _ in as_the_server(engine, request)], axis=1))
 
 
 def _raw_stream_error(url: str, inputs: list, parameters: dict | None = None) -> str:
@@ -146,21 +161,21 @@ def test_no_decode_parameter(server) -> None:
     assert block.frames.shape[0] == 0 and block.latents is None
 
 
-def test_sp2_through_triton_matches_sp1(tmp_path: Path, tiny_checkpoint: str, server) -> None:
+def test_sp2_through_triton_matches_sp1(server, sp2_server) -> None:
     request = tiny_request()
     single = latents_of(stream(server.grpc_url, request))
     # One session per forward: a batched forward is close to a lone one (1e-5), not bit-identical.
-    with running_server(tmp_path, tiny_checkpoint, sp=2, max_batch="1") as sp2:
-        results: dict[int, np.ndarray] = {}
+    results: dict[int, np.ndarray] = {}
 
-        def one(i: int) -> None:  # two clients at once: requests reach both instances
-            results[i] = latents_of(stream(sp2.grpc_url, request))
+    def one(i: int) -> None:  # two clients at once: requests reach both instances
+        results[i] = latents_of(stream(sp2_server.grpc_url, request))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2
     for latents in results.values():
         assert np.array_equal(latents, single)
 

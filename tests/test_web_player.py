@@ -27,7 +27,7 @@ SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "player.png"
 BLOCK_S = 60  # generous bound for one tiny block on a busy CPU
 FIRST_FRAMES, STEP_FRAMES = 9, 12
 
-pytestmark = requires_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")
+pytestmark = [pytest.mark.server, requires_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")]
 
 
 @pytest.fixture(scope="module")

@@ -13,25 +13,18 @@ from backend.launch.wheel import prepare_backends
 from backend.launch.server import TritonServer
 from backend.parallel.local import free_port
 from backend.api.request import SessionRequest
+from backend.api.settings import to_parameters
+from backend.serving.config import ServingConfig
 from client.stream import StreamingSession, request_inputs
-from factories import TINY_SIZE, tiny_request
+from factories import tiny_config, tiny_request
+
+SP2_IDLE_S = 4.0  # session_idle_timeout_s of the shared SP2 server (conftest.sp2_server)
 
 
 def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str]:
-    params = {
-        "checkpoint": checkpoint,
-        "sp_degree": str(sp),
-        "dtype": "float32",
-        "window_frames": "9",
-        "sink_frames": "3",
-        "default_height": str(TINY_SIZE),
-        "default_width": str(TINY_SIZE),
-        "rendezvous_port": str(free_port()),
-        "collective_timeout_s": "20",
-        "max_frames": "129",
-    }
-    params.update(overrides)
-    return params
+    """config.pbtxt parameters of a server on the tiny checkpoint (the engine settings of the engine tests)."""
+    serving = ServingConfig(rendezvous_port=free_port(), collective_timeout_s=20.0, max_frames=129)
+    return to_parameters(tiny_config(checkpoint, sp_degree=sp)) | to_parameters(serving) | overrides
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from ..serving.config import split_parameters
-from ..serving.group_loop import GroupCoordinator
+from ..serving.coordinator import GroupCoordinator
 from ..serving.loop_cpu import LoopCpu
 from ..serving.threads import CoreSplit, instance_cores
 from .metrics import StreamMetrics
@@ -41,8 +41,8 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        engine_config, limits = split_parameters(params)
-        rank, world = instance_rank(args, model_config, limits.host_rank, limits.host_count)
+        engine_config, serving = split_parameters(params)
+        rank, world = instance_rank(args, model_config, serving.host_rank, serving.host_count)
         on_gpu = args["model_instance_kind"] == "GPU"
         device = f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu"
         engine_config = dataclasses.replace(engine_config, device=device)
@@ -50,10 +50,10 @@ class TritonPythonModel:
         if layout.world != world:
             raise ConfigError(
                 f"tp_degree x sp_degree = {engine_config.tp_degree} x {engine_config.sp_degree} must equal the number "
-                f"of model instances of all servers ({world} = host_count={limits.host_count} x "
-                f"{world // limits.host_count})"
+                f"of model instances of all servers ({world} = host_count={serving.host_count} x "
+                f"{world // serving.host_count})"
             )
-        layout.check_hosts(limits.host_count)
+        layout.check_hosts(serving.host_count)
         # Fail fast, alone, before waiting for peers or reading weights.
         spec = checked_spec(engine_config, world)
         threads = None
@@ -63,22 +63,22 @@ class TritonPythonModel:
             # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
-            cores = instance_cores(world // limits.host_count)  # this host's cores shared among its own instances
-            torch.set_num_threads(cores)  # this thread's (loading); the loop and the writer set their own
+            cores = instance_cores(world // serving.host_count)  # this host's cores shared among its own instances
+            torch.set_num_threads(cores)  # this thread's (loading); the loop and the decode sender set their own
             threads = CoreSplit.of(cores)
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
         secret = group_secret() if world > 1 else ""
-        groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
-                            limits.init_timeout_s, limits.collective_timeout_s, secret, engine_config.split_decode)
+        groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
+                            serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
-        group = SequenceParallel(groups.data, groups.decode)
-        mesh = Mesh.build(group, engine_config.tp_degree, limits.collective_timeout_s)
-        self.engine = WorldModelEngine(spec, group, mesh=mesh)
+        group = SequenceParallel(groups.data)
+        mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
+        self.engine = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
         groups.all_arrived("loaded")  # every rank has loaded before the loop starts
-        doorbell = StoreDoorbell(limits.rendezvous_host, limits.rendezvous_port, secret, limits.collective_timeout_s) \
+        doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret, serving.collective_timeout_s) \
             if world > 1 else None
-        self.coordinator = GroupCoordinator(self.engine, limits, groups.control, on_failure=self._on_group_failure,
+        self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
                                             doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block))
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")

@@ -9,7 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..api.codec import block_outputs
-from ..engine.rollout import BlockOutput
+from ..engine.blocks import BlockOutput
 from .metrics import StreamMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -32,7 +32,7 @@ class TritonResponder:
     """Replies of one request through its decoupled response sender; nothing is sent after the final flag.
 
     Sends are serialised across the process, and with `execute` (which holds `process_lock` too): a send
-    from the writer thread while the stub's main thread was inside or leaving `execute` crashed the 2.51
+    from the decode sender's thread while the stub's main thread was inside or leaving `execute` crashed the 2.51
     Python backend's IPC (boost lock_exception, or a segfault) when steered steps came fast.
     """
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import contract as c
 from .controls import NO_KEYS, parse_keys
-from .errors import InputError
+from .errors import InputError, ResponseError
 from .request import Controls, SessionRequest, StepRequest
 
 
@@ -180,3 +181,44 @@ def block_outputs(
         for spec in c.OUTPUTS
         if values[spec.name] is not None
     }
+
+
+@dataclass(frozen=True)
+class BlockResponse:
+    """One block's response as a client reads it."""
+
+    block_index: int
+    num_blocks: int
+    latents: np.ndarray | None  # float32 [C, block_frames, h, w], None when not requested
+    frames: np.ndarray  # uint8 [n, H, W, 3]; n = 0 without VAE decode
+    timing_ms: tuple[float, ...]  # server: DiT compute, VAE decode, since request arrival
+    arrival_s: float  # time.perf_counter() when the response reached the client
+    held: bool = False  # a steered block run on held controls (its step came late)
+
+
+def parse_block(output: Callable[[str], np.ndarray | None], arrival_s: float) -> BlockResponse:
+    """The block of one response (`output(name)` gives an output array or None); the inverse of
+    `block_outputs`. Raises ResponseError naming an output that breaks the contract."""
+
+    def first(name: str) -> int:
+        array = output(name)
+        if array is None or array.size != 1:
+            raise ResponseError(f"server response lacks a one-element {name!r} output")
+        return int(array.reshape(-1)[0])
+
+    frames = output(c.FRAMES)
+    if frames is None:
+        frames = np.empty((0, 0, 0, 3), dtype=np.uint8)
+    elif frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+        raise ResponseError(f"server sent {c.FRAMES!r} as {frames.dtype} {list(frames.shape)}; expected uint8 [n, H, W, 3]")
+    timing = output(c.TIMING_MS)
+    held = output(c.HELD)
+    return BlockResponse(
+        block_index=first(c.BLOCK_INDEX),
+        num_blocks=first(c.NUM_BLOCKS),
+        latents=output(c.LATENTS),
+        frames=frames,
+        timing_ms=() if timing is None else tuple(float(t) for t in timing.reshape(-1)),
+        arrival_s=arrival_s,
+        held=bool(held.reshape(-1)[0]) if held is not None else False,
+    )

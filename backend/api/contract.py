@@ -106,12 +106,13 @@ PARAM_DECODE = "decode"
 PARAM_RETURN_LATENTS = "return_latents"
 PARAM_ON_STARVE = "on_starve"
 PARAM_MAX_BLOCKS = "max_blocks"
+ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
 
 # Per-request parameters (Triton request `parameters`); a steered session takes its settings from its first request.
 REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_DECODE, True, "decode the block's frames with the VAE"),
     ParameterSpec(PARAM_RETURN_LATENTS, True, "send the latents tensor"),
-    ParameterSpec(PARAM_ON_STARVE, "wait", "steered: when the next step is late, 'wait' for it or 'hold' the last motion"),
+    ParameterSpec(PARAM_ON_STARVE, ON_STARVE[0], "steered: when the next step is late, 'wait' for it or 'hold' the last motion"),
     ParameterSpec(PARAM_MAX_BLOCKS, 0, "steered: end the session after this many blocks (0: when the client ends it)"),
 )
 

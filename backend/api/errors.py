@@ -1,4 +1,5 @@
-"""Errors a user can act on: configuration problems (at start-up) and bad requests (per request)."""
+"""Errors a user can act on: configuration problems (at start-up), bad requests (per request), and responses
+that break the wire contract (in clients)."""
 
 
 class ConfigError(ValueError):
@@ -7,3 +8,7 @@ class ConfigError(ValueError):
 
 class InputError(ValueError):
     """A request's inputs are invalid; the message names the input and the expected value."""
+
+
+class ResponseError(ValueError):
+    """A server response breaks the wire contract (read by clients)."""

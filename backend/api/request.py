@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .contract import ON_STARVE
 from .errors import InputError
 
 DEFAULT_HFOV_DEG = 60.0
@@ -23,7 +24,6 @@ def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float
     return np.tile(row, (num_frames, 1))
 
 
-ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
 FIRST_BLOCK_VIDEO_FRAMES = 9  # block 0: 3 latent frames = 1 + 4 x 2 video frames
 BLOCK_VIDEO_FRAMES = 12  # every later block: 3 latent frames = 12 new video frames
 
@@ -55,7 +55,7 @@ class SessionRequest:
     decode: bool = True
     return_latents: bool = True
     keys: str | None = None  # steered: the keys held during the first block, instead of poses
-    on_starve: str = "wait"
+    on_starve: str = ON_STARVE[0]
     max_blocks: int = 0  # steered: end after this many blocks (0: when the client ends it)
     session_key: str | None = None  # steered: the Triton sequence (correlation id) that carries it
 

@@ -26,6 +26,11 @@ def format_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def to_parameters(settings: Any) -> dict[str, str]:
+    """Every parameter of a settings dataclass as config.pbtxt strings (`from_parameters` reads them back)."""
+    return {f.name: format_value(getattr(settings, f.name)) for f in parameter_fields(type(settings))}
+
+
 def from_parameters(cls: type[T], params: Mapping[str, str]) -> T:
     """Build a settings dataclass from string key/values; unknown keys and bad values name themselves."""
     fields = {f.name: f for f in parameter_fields(cls)}

@@ -18,12 +18,12 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
 class EngineConfig:
     """How one engine instance serves a checkpoint. Defaults match the LingBot-World v2 fast workload."""
 
-    checkpoint: str
-    sp_degree: int = 1
-    tp_degree: int = 1
-    sp_mode: str = "ulysses"
-    dtype: str = "bfloat16"
-    attention_backend: str = "auto"
+    checkpoint: str  # the diffusers-layout checkpoint directory
+    sp_degree: int = 1  # Ulysses ranks: the model instances of all servers (the launcher sets it)
+    tp_degree: int = 1  # tensor parallelism: validated, not implemented (must be 1)
+    sp_mode: str = "ulysses"  # the sequence-parallel scheme (only "ulysses")
+    dtype: str = "bfloat16"  # the DiT's weights and activations: bfloat16, float16 or float32
+    attention_backend: str = "auto"  # auto, flash (flash-attn) or sdpa
     device: str = runtime_field("cpu")  # set by the instance: "cpu" or "cuda:<id>"
     block_frames: int = BLOCK_FRAMES  # latent frames per AR block
     denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward)
@@ -31,7 +31,7 @@ class EngineConfig:
     window_frames: int = 0  # latent frames a block attends to, itself included; 0: the checkpoint's (else 18)
     sink_frames: int = -1  # first latent frames never evicted from the KV cache; -1: the checkpoint's (else 6)
     default_height: int = 480  # the resolution checked at start-up; requests may ask for others
-    default_width: int = 832
+    default_width: int = 832  # with default_height
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)
     split_decode: bool = True  # SP ranks share each block's decode, a band of image rows each (else the owner's)
     compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical

@@ -1,4 +1,4 @@
-"""The AR-diffusion rollout: sessions advance one block of latent frames at a time on every rank.
+"""The AR-diffusion rollout: sessions advance one block of latent frames at a time on every SP rank.
 
 Every rank calls `open_session`, `run_block` and `close_session` in the same order with the same
 arguments (the Triton coordinator guarantees it). Work that every rank would repeat is done once: the
@@ -14,124 +14,45 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..api.errors import InputError
-from ..api.request import Controls, SessionRequest, check_request
+from ..api.request import SessionRequest, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
-from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
-from ..model.condition import ConditionState, StreamingConditionEncoder, condition_mask, prepare_image
+from ..model.condition import StreamingConditionEncoder, condition_mask, prepare_image
 from ..model.dtypes import TORCH_DTYPES
-from ..model.kv_cache import SelfAttentionCache, TextCache
+from ..model.kv_cache import SelfAttentionCache
 from ..model.rope import rope_tables
 from ..model.tensor_slices import TensorPart
 from ..model.schedule import dmd_schedule, flow_to_x0, renoise
-from ..model.text_encoder import PromptEncoder, PromptStates
 from ..model.transformer import ForwardContext, LingBotTransformer
-from ..model.vae import DecodeState, StreamingVae
+from ..model.vae import StreamingVae
 from ..parallel.mesh import Mesh
 from ..parallel.sequence import SequenceParallel
+from .blocks import BlockControls, BlockOutput
 from .camera_track import CameraTrack, split_blocks
 from .config import EngineConfig
 from .geometry import VideoGeometry
+from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
+from .session import Session
 from .validation import EngineSpec, checked_spec
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class Session:
-    id: str
-    request: SessionRequest
-    geometry: VideoGeometry
-    generator: torch.Generator
-    camera: CameraTrack
-    planned: list[np.ndarray]  # a whole trajectory's video poses per block; empty for a steered session
-    condition: ConditionState | None  # the first-frame condition's encoder (on ENCODER_RANK only)
-    text: TextCache
-    cache: SelfAttentionCache
-    decode_state: DecodeState | None
-    owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
-    block_index: int = 0
-    ended: bool = False  # a steered session's last block has run
-
-    @property
-    def steered(self) -> bool:
-        return self.request.steered
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the session: its clip's, a steered session's max_blocks, or 0 (open-ended)."""
-        return self.request.max_blocks if self.steered else self.geometry.num_blocks
-
-    @property
-    def done(self) -> bool:
-        return self.ended or (self.num_blocks > 0 and self.block_index >= self.num_blocks)
-
-    def cache_bytes(self) -> int:
-        return self.cache.nbytes() + self.text.nbytes()
-
-
-@dataclass
-class BlockOutput:
-    session_id: str
-    block_index: int
-    num_blocks: int
-    latents: torch.Tensor  # [1, z, block_frames, h, w] normalised latents, float32, on CPU
-    dit_ms: float
-    all_to_all_bytes: int  # this rank's bytes sent by all-to-all during this block's forwards
-    all_reduce_bytes: int = 0  # this rank's TP all-reduce payload during them (parallel/tensor)
-    all_gather_bytes: int = 0  # this rank's TP all-gather payload during them
-    held: bool = False  # a steered block run on its last motion because its step came late
-    last: bool = False  # the session's last block
-
-
-@dataclass(frozen=True)
-class BlockControls:
-    """A steered session's camera for one block, as the group agreed on it."""
-
-    controls: Controls | None  # None: repeat the last block's motion (held)
-    last: bool = False  # the session ends after this block
-
-
-@dataclass
-class EngineParts:
-    """The models an engine runs: read from a checkpoint directory (`load_parts`) or built in memory
-    (the random-weights benchmark). The transformer is in the spec's dtype, everything on the spec's device."""
-
-    transformer: LingBotTransformer
-    prompts: PromptStates | None  # only where it runs (ENCODER_RANK)
-    vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode (on
-    # ENCODER_RANK; the other ranks drop its encoder) and block decode
-
-
-def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> EngineParts:
-    """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
-    checkpoint directory."""
-    config = spec.config
-    device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
-    root = Path(config.checkpoint)
-    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device, part)
-    prompts = None
-    if rank == ENCODER_RANK:
-        encoder, tokenizer = load_text_encoder(root, dtype, device)
-        prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
-    return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))
-
 
 class WorldModelEngine:
-    def __init__(
-        self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None,
-        mesh: Mesh | None = None,
-    ) -> None:
+    def __init__(self, spec: EngineSpec, sp: SequenceParallel | None = None, parts: EngineParts | None = None,
+                 decode_group: dist.ProcessGroup | None = None, mesh: Mesh | None = None) -> None:
         """An engine for a checked spec (see `checked_spec`; `load` does both) on `parts`, by default the
         spec's checkpoint files. sp: the whole group; mesh: its TP x SP split (Mesh.build), needed when
-        tp_degree > 1 (else the group is the SP group)."""
+        tp_degree > 1 (else the group is the SP group). decode_group: the group's ranks again, for each block's
+        decode split by image rows (its band exchanges run on the decode thread); None: the owner decodes whole
+        frames."""
         config = spec.config
         self.config = config
         self.sp = sp or SequenceParallel()
@@ -154,7 +75,7 @@ class WorldModelEngine:
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
                                      (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
-        self.vae = StreamingVae(parts.vae, self.device, self.sp.decode_group if config.split_decode else None)
+        self.vae = StreamingVae(parts.vae, self.device, decode_group)
         # The first-frame condition is encoded on ENCODER_RANK and broadcast, like the prompt.
         self.conditions = StreamingConditionEncoder(parts.vae) if self.sp.rank == ENCODER_RANK else None
         if self.conditions is None:
@@ -164,11 +85,11 @@ class WorldModelEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None, mesh: Mesh | None = None
-             ) -> WorldModelEngine:
+    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None,
+             decode_group: dist.ProcessGroup | None = None, mesh: Mesh | None = None) -> WorldModelEngine:
         """Validate the settings against the checkpoint's configs, then load its weights."""
         sp = sp or SequenceParallel()
-        return cls(checked_spec(config, sp.degree), sp, mesh=mesh)
+        return cls(checked_spec(config, sp.degree), sp, decode_group=decode_group, mesh=mesh)
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -204,6 +125,7 @@ class WorldModelEngine:
             dtype=self.dtype,
             device=self.device,
         )
+        decode_state = self.vae.new_decode_state() if self.config.decode_frames and request.decode else None
         return Session(
             id=session_id or f"session-{next(self._ids)}",
             request=request,
@@ -216,7 +138,8 @@ class WorldModelEngine:
                        if self.conditions is not None else None),
             text=text,
             cache=cache,
-            decode_state=self.vae.new_decode_state() if self.config.decode_frames and request.decode else None,
+            decode_state=decode_state,
+            split_decode=decode_state is not None and self.vae.splits(geometry.latent_height),
             owner=owner,
         )
 
@@ -289,13 +212,9 @@ class WorldModelEngine:
             )
         return outputs
 
-    def shares_decode(self, session: Session) -> bool:
-        """Whether every rank takes part in decoding the session's blocks (else only its owner decodes)."""
-        return session.decode_state is not None and self.vae.splits(session.geometry.latent_height)
-
     def decode(self, session: Session, output: BlockOutput) -> np.ndarray | None:
         """uint8 frames [n, H, W, 3] of one block (in block order) on the session's owner; empty when the
-        session does not decode; None on a rank that only helped (see `shares_decode`)."""
+        session does not decode; None on a rank that only helped (see `Session.split_decode`)."""
         if session.decode_state is None:
             return _no_frames(session)
         return self.vae.decode_block(output.latents, session.decode_state, session.owner)

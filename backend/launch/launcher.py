@@ -12,6 +12,7 @@ server among all hosts' servers), `perf_analyzer`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -20,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..api.contract import MODEL_NAME
-from ..api.settings import from_parameters
+from ..api.settings import from_parameters, to_parameters
 from ..parallel.ports import free_port, port_in_use
-from ..serving.config import ServingConfig
-from .model_repository import write_model_repository
+from ..serving.config import ServingConfig, split_parameters
+from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
 from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
@@ -152,12 +153,15 @@ def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
         placement, secret = host_parameters(shared, ports_and_paths)
         parameters.update(placement)
     hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
-    tp = int(parameters.get("tp_degree", "1"))
-    if (args.sp * hosts) % tp:
-        raise ValueError(f"tp_degree={tp} does not divide the {args.sp * hosts} instances (--sp {args.sp} x {hosts})")
-    parameters["sp_degree"] = str(args.sp * hosts // tp)  # every instance of every server is one rank of tp x sp
     if args.sp * hosts > 1 and not args.render_only:
         check_rendezvous_port(parameters, hosts)
+    engine, serving = split_parameters({"checkpoint": DEFAULT_CHECKPOINT} | parameters)  # names a bad key or value
+    if (args.sp * hosts) % engine.tp_degree:
+        raise ValueError(f"tp_degree={engine.tp_degree} does not divide the {args.sp * hosts} instances "
+                         f"(--sp {args.sp} x {hosts})")
+    # every instance of every server is one rank of tp x sp
+    engine = dataclasses.replace(engine, sp_degree=args.sp * hosts // engine.tp_degree)
+    parameters = to_parameters(engine) | to_parameters(serving)
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,

@@ -7,12 +7,11 @@ the defaults (a test keeps them equal).
 """
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
 from ..api import contract
-from ..api.settings import format_value, parameter_fields
+from ..api.settings import parameter_fields, to_parameters
 from ..engine.config import EngineConfig
 from ..serving.config import ServingConfig
 from .paths import DEFAULT_REPOSITORY_DIR, TEMPLATE_DIR
@@ -31,12 +30,7 @@ HEADER = """\
 
 def default_parameters() -> dict[str, str]:
     """Every settable parameter with its default value."""
-    values: dict[str, str] = {}
-    for cls in SETTINGS:
-        for f in parameter_fields(cls):
-            default = DEFAULT_CHECKPOINT if f.default is dataclasses.MISSING else f.default
-            values[f.name] = format_value(default)
-    return values
+    return to_parameters(EngineConfig(checkpoint=DEFAULT_CHECKPOINT)) | to_parameters(ServingConfig())
 
 
 def _tensor(spec: contract.TensorSpec) -> str:

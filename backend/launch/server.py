@@ -28,7 +28,7 @@ _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and 
 
 # Thread settings the backend stubs need before they import numpy (the Python backend does, before the model), so in
 # the server's environment; a value already set wins. numpy there does 4x4 pose math only, but np.linalg.inv wakes
-# OpenBLAS's thread pool, whose worker then spins on sched_yield for 0.1 s of CPU a call, on the cores the instance's
+# OpenBLAS's thread pool, whose worker then spins on sched_yield after each call, on the cores the instance's
 # torch threads use (backend/serving/threads.py).
 STUB_THREAD_ENVIRONMENT = {"OPENBLAS_NUM_THREADS": "1"}
 

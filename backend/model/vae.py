@@ -34,7 +34,7 @@ class StreamingVae:
         std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, z, 1, 1, 1)
         self.inv_std = 1.0 / std  # the reference's scale[1]: it decodes z / (1 / std) + mean, bit for bit
         self._conv_count = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
-        # Decoding runs on the response writer's thread: a side stream lets it overlap the DiT on GPU.
+        # Decoding runs on the decode sender's thread: a side stream lets it overlap the DiT on GPU.
         self._decode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property

@@ -74,9 +74,8 @@ def _all_arrived(store: dist.Store, world_size: int, key: str) -> None:
 class GroupHandles:
     """The groups one rank works with; all None in a group of one.
 
-    Each gloo group runs a thread that wakes every 10 ms (gloo's TCP event loop), so an idle CPU instance
-    costs about 0.25-0.3 % of a core per gloo group (bench/README, section 6): the default group is the
-    data group, not a fourth one."""
+    Each gloo group runs a thread that wakes every 10 ms (gloo's TCP event loop), so every gloo group adds to
+    an idle CPU instance's cost (bench/README, section 6): the default group is the data group, not a fourth one."""
 
     data: dist.ProcessGroup | None  # the SP exchanges: NCCL on GPU, gloo on CPU (the default group)
     control: dist.ProcessGroup | None  # small control messages: always gloo

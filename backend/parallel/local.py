@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from .group import join_group
 from .ports import free_port
-from .sequence import SequenceParallel
 
 
 def _rank_main(
@@ -26,8 +25,7 @@ def _rank_main(
             torch.cuda.set_device(rank)
         groups = join_group(rank, world, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600,
                             secret=secret)
-        sp = SequenceParallel(groups.data, groups.decode)
-        results.put((rank, fn(sp, *args), None))
+        results.put((rank, fn(groups, *args), None))
     except BaseException:  # report every failure to the parent instead of hanging it
         results.put((rank, None, traceback.format_exc()))
     finally:
@@ -43,7 +41,8 @@ def run_group(
     threads: int = 1,
     backend: str = "gloo",
 ) -> list:
-    """fn(sp, *args) on every rank (fn must be importable); returns the per-rank results in rank order.
+    """fn(groups, *args) on every rank (fn must be importable; groups: parallel.group.GroupHandles, with a
+    decode group); returns the per-rank results in rank order.
 
     With backend "nccl", rank r runs on cuda:r.
     """

@@ -5,7 +5,7 @@ neighbour's band (its halo), a spatial attention needs every row, and the owner 
 whole frames. Bands are balanced at the latent resolution (sizes differ by at most one row) and scale
 with every 2x upsampling, so a band's size at any resolution is its latent rows times the same factor.
 
-The exchanges go through their own gloo group on CPU tensors: they run on the response writer's thread
+The exchanges go through their own gloo group on CPU tensors: they run on the decode sender's thread
 while the group loop's forwards use the data group, and their messages are a few rows.
 """
 from __future__ import annotations

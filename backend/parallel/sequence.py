@@ -20,11 +20,8 @@ class CommStats:
 class SequenceParallel:
     """One rank's view of the sequence-parallel group; degree 1 makes every exchange the identity."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, decode_group: dist.ProcessGroup | None = None) -> None:
-        """decode_group: the same ranks for the VAE decode's band exchanges (parallel/rows), which run on
-        another thread than the forwards; None with a group of one."""
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self.decode_group = decode_group
         self.degree = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.stats = CommStats()

@@ -1,4 +1,3 @@
-"""The group loop every rank runs: rank 0's scheduler, one plan per block boundary, the response writer.
-
-No Triton import: a responder is anything with the `Responder` protocol.
+"""The group loop every rank runs: one session table, the scheduler copy every rank plans with, one plan per
+block boundary, the decode sender. No Triton import: a responder is anything with the `Responder` protocol.
 """

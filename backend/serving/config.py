@@ -25,10 +25,9 @@ class ServingConfig:
     host_rank: int = 0  # this server's place among the servers of one group (one per host under mpirun)
     host_count: int = 1  # servers in the group; each runs the same number of instances
     rendezvous_host: str = "127.0.0.1"  # where global rank 0 hosts the TCP store (its host's address)
-    rendezvous_port: int = 29650
+    rendezvous_port: int = 29650  # the TCP store's port on rendezvous_host (global rank 0)
     init_timeout_s: float = 1800.0  # rendezvous and weight loading
     collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
-    idle_poll_ms: float = 5.0  # poll interval while every session waits for its client (an idle group blocks)
     session_idle_timeout_s: float = 60.0  # a steered session without a step this long is ended
     max_session_s: float = 3600.0  # a steered session is ended after this long in all
 

@@ -4,11 +4,12 @@ Every rank sends a fixed-size header (its news' size, the doorbell count it read
 when some rank has news does a second all-gather carry the pickled events. Every rank then plans the same
 `Plan` from the same events with its own copy of the scheduler (pure logic), so no broadcast is needed.
 Idle ranks block on the doorbell, and wake at least every `heartbeat_s` to exchange: a dead or hung peer
-fails that exchange.
+fails that exchange. A rank with a decision of its own due (a steered session's limit) wakes for it and rings.
 """
 from __future__ import annotations
 
 import pickle
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,10 +17,7 @@ import torch.distributed as dist
 from ..parallel.doorbell import Doorbell
 from .scheduler import RankEvents
 
-
-def has_news(events: RankEvents) -> bool:
-    return bool(events.submissions or events.steps or events.expired or events.cancelled or events.delivered
-                or events.stop)
+MIN_WAIT_S = 0.001  # a store wait of 0 s would wait without limit
 
 
 class ControlPlane:
@@ -35,7 +33,7 @@ class ControlPlane:
         if self.world == 1:
             self._next_ring = rings_seen + 1
             return [events]
-        payload = pickle.dumps(events) if has_news(events) else b""
+        payload = pickle.dumps(events) if events else b""
         headers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(headers, torch.tensor([len(payload), rings_seen]), group=self.group)
         sizes = [int(h[0]) for h in headers]
@@ -50,6 +48,10 @@ class ControlPlane:
         dist.all_gather(buffers, mine, group=self.group)
         return [pickle.loads(b[:n].numpy().tobytes()) if n else RankEvents() for b, n in zip(buffers, sizes)]
 
-    def wait_idle(self) -> None:
-        """Block until some rank rings (news) or the heartbeat is due; every rank then exchanges once."""
-        self.doorbell.wait(self._next_ring, self.heartbeat_s)
+    def wait_idle(self, deadline: float | None = None) -> None:
+        """Block until some rank rings (news), the heartbeat is due, or `deadline` (monotonic seconds: this
+        rank's next own decision, which it then rings for); every rank then exchanges once."""
+        timeout = self.heartbeat_s if deadline is None else min(self.heartbeat_s, deadline - time.monotonic())
+        own = timeout < self.heartbeat_s
+        if not self.doorbell.wait(self._next_ring, max(timeout, MIN_WAIT_S)) and own:
+            self.doorbell.ring()  # the others sleep until the heartbeat: wake them for this rank's decision

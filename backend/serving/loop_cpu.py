@@ -1,5 +1,5 @@
 """The control plane's CPU: what the group loop's thread spends outside run_block (collect, exchange, plan,
-open and close sessions, hand blocks to the writer, poll a lagging client). Blocked waits cost nothing."""
+open and close sessions, hand blocks to the decode sender). Blocked waits cost nothing."""
 from __future__ import annotations
 
 import contextlib

@@ -1,25 +1,17 @@
-"""Rank 0's decisions for the whole group: admission, limits, fair round-robin batches of sessions.
+"""The group's decisions at a block boundary: admission, limits, steering, fair round-robin batches of sessions.
 
-Pure logic on plain data, so every rank can apply the same `Plan` in the same order.
+Pure logic on plain data. Every rank keeps its own copy and plans from the same events (every rank's, in rank
+order), so every rank applies the same `Plan` in the same order without a broadcast.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..api.request import Controls, SessionRequest
-from ..engine.rollout import BlockControls
+from ..api.request import Controls
+from ..engine.blocks import BlockControls
 from .config import ServingConfig
-
-
-@dataclass
-class Submission:
-    """A request as it travels from the rank that received it to rank 0 and back to every rank."""
-
-    session_id: str  # "r{rank that holds the response sender}-{n}": unique in the group
-    request: SessionRequest
-    block_shape: tuple[int, int]  # VideoGeometry.block_shape: sessions that share it can share a forward
-    owner: int = 0  # the rank that holds the response sender
+from .sessions import SharedSession, State
 
 
 @dataclass
@@ -33,14 +25,17 @@ class StepEvent:
 
 @dataclass
 class RankEvents:
-    """What one rank tells rank 0 at a block boundary."""
+    """What one rank tells the others at a block boundary."""
 
-    submissions: list[Submission] = field(default_factory=list)
+    submissions: list[SharedSession] = field(default_factory=list)  # sessions this rank received
     steps: list[StepEvent] = field(default_factory=list)
     expired: list[tuple[str, str]] = field(default_factory=list)  # (session id, why): the owner's limits
     cancelled: list[str] = field(default_factory=list)
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
     stop: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.submissions or self.steps or self.expired or self.cancelled or self.delivered or self.stop)
 
 
 @dataclass
@@ -49,7 +44,7 @@ class Plan:
 
     rejects: list[tuple[str, str]] = field(default_factory=list)  # (session id, message)
     cancels: list[str] = field(default_factory=list)
-    opens: list[Submission] = field(default_factory=list)
+    opens: list[SharedSession] = field(default_factory=list)
     batch: list[str] = field(default_factory=list)  # sessions that run their next block together
     controls: dict[str, BlockControls] = field(default_factory=dict)  # the steered sessions' of the batch
     ends: list[str] = field(default_factory=list)  # steered sessions their client ended (no block left)
@@ -61,126 +56,89 @@ class Plan:
         return not (self.opens or self.batch)
 
 
-@dataclass
-class Steering:
-    """The planner's view of a steered session: the cameras it was sent and has not run yet."""
-
-    on_starve: str
-    queue: deque[Controls] = field(default_factory=deque)
-    requests: int = 1  # requests that want a block (the first one included)
-    ending: bool = False
-
-
 class Scheduler:
-    def __init__(self, limits: ServingConfig) -> None:
-        self.limits = limits
-        self.steering: dict[str, Steering] = {}
-        self.pending: deque[Submission] = deque()
-        self.active: OrderedDict[str, tuple[int, int]] = OrderedDict()  # round-robin order
-        self.computed: dict[str, int] = {}  # blocks run, per active session
-        self.delivered: dict[str, int] = {}  # blocks sent, as the owners last reported
+    def __init__(self, settings: ServingConfig) -> None:
+        self.settings = settings
+        # Every session not done, pending ones in arrival order, active ones in round-robin order.
+        self.table: OrderedDict[str, SharedSession] = OrderedDict()
 
     def plan(self, events: list[RankEvents]) -> Plan:
         plan = Plan(stop=any(e.stop for e in events))
         if plan.stop:
             return plan
-        cancelled = {sid for e in events for sid in e.cancelled}
         for e in events:
-            self.delivered.update({sid: n for sid, n in e.delivered.items() if sid in self.active})
-        for sid in cancelled:
-            if sid in self.active:
+            for sid, n in e.delivered.items():
+                if (s := self.table.get(sid)) is not None:
+                    s.delivered = max(s.delivered, n)
+        opened_before = [s.id for s in self.table.values() if s.live]
+        for sub in (s for e in events for s in e.submissions):  # steps may arrive with their first request
+            self.table[sub.id] = sub
+        for sid in (sid for e in events for sid in e.cancelled):
+            if sid in self.table:
                 self.finished(sid)
                 plan.cancels.append(sid)
-            elif any(p.session_id == sid for p in self.pending):
-                self.pending = deque(p for p in self.pending if p.session_id != sid)
-                self.steering.pop(sid, None)
-                plan.cancels.append(sid)
-        new = [s for e in events for s in e.submissions]
-        for sub in new:  # steps may arrive with their session's first request, before it has a slot
-            if sub.request.steered:
-                self.steering[sub.session_id] = Steering(sub.request.on_starve, deque([sub.request.first_controls]))
-        self._steps([step for e in events for step in e.steps], plan)
-        self._expire([x for e in events for x in e.expired], plan)
-        plan.batch = self._next_batch(plan)  # only sessions opened in earlier rounds
-        while self.pending and self._has_slot():
-            plan.opens.append(self._open(self.pending.popleft()))
-        for sub in new:
-            if sub.session_id in cancelled:
-                self.steering.pop(sub.session_id, None)
-                plan.cancels.append(sub.session_id)
-            elif self._has_slot():
-                plan.opens.append(self._open(sub))
-            elif len(self.pending) < self.limits.max_queue:
-                self.pending.append(sub)
-            else:
-                self.steering.pop(sub.session_id, None)
-                plan.rejects.append((sub.session_id, self._queue_full()))
-        return plan
-
-    def _has_slot(self) -> bool:
-        return len(self.active) < self.limits.max_sessions
-
-    def _open(self, sub: Submission) -> Submission:
-        self.active[sub.session_id] = sub.block_shape
-        self.computed[sub.session_id] = 0
-        return sub
-
-    def _steps(self, steps: list[StepEvent], plan: Plan) -> None:
-        for step in steps:
-            steer = self.steering.get(step.session_id)
-            if steer is None:  # ended meanwhile: its owner answers the step
-                continue
-            if step.controls is not None:
-                steer.queue.append(step.controls)
-                steer.requests += 1
-            steer.ending = steer.ending or step.end
-            if steer.ending and not steer.queue:
-                self.finished(step.session_id)
-                self.pending = deque(p for p in self.pending if p.session_id != step.session_id)
-                plan.ends.append(step.session_id)
-
-    def _expire(self, expired: list[tuple[str, str]], plan: Plan) -> None:
-        """Steered sessions their owner found idle or too long: ended with the owner's reason."""
-        for sid, reason in expired:
-            if sid in self.active:
+        for step in (step for e in events for step in e.steps):
+            self._step(step, plan)
+        for sid, reason in (x for e in events for x in e.expired):
+            if (s := self.table.get(sid)) is not None and s.live:
                 self.finished(sid)
                 plan.expired.append((sid, reason))
+        plan.batch = self._next_batch([sid for sid in opened_before if sid in self.table], plan)
+        self._admit(plan)
+        return plan
 
     def finished(self, session_id: str) -> None:
-        """A session ended (last block, failed open, cancelled): free its slot."""
-        self.active.pop(session_id, None)
-        self.computed.pop(session_id, None)
-        self.delivered.pop(session_id, None)
-        self.steering.pop(session_id, None)
+        """A session ended (last block, failed open, cancelled, ended, expired): free its slot."""
+        if (s := self.table.pop(session_id, None)) is not None:
+            s.state = State.DONE
 
-    def _next_batch(self, plan: Plan) -> list[str]:
-        # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its writer.
-        ready = [
-            (sid, key) for sid, key in self.active.items()
-            if self.computed[sid] - self.delivered.get(sid, 0) < self.limits.max_blocks_ahead and self._has_camera(sid)
-        ]
+    def _step(self, step: StepEvent, plan: Plan) -> None:
+        s = self.table.get(step.session_id)
+        if s is None:  # ended meanwhile: its owner answers the step
+            return
+        if step.controls is not None:
+            s.steps.append(step.controls)
+            s.requests += 1
+        if step.end:
+            s.state = State.ENDING
+            if not s.steps:
+                self.finished(s.id)
+                plan.ends.append(s.id)
+
+    def _admit(self, plan: Plan) -> None:
+        """Open waiting sessions while slots last, keep up to max_queue waiting, reject the rest (newest)."""
+        settings = self.settings
+        slots = settings.max_sessions - sum(s.admitted for s in self.table.values())
+        waiting = [s for s in self.table.values() if not s.admitted]
+        for s in waiting[:slots]:
+            s.admitted = True
+            if s.state is State.PENDING:
+                s.state = State.ACTIVE
+            self.table.move_to_end(s.id)  # joins the round robin at its back
+            plan.opens.append(s)
+        for s in waiting[max(slots, 0) + settings.max_queue:]:
+            self.finished(s.id)
+            plan.rejects.append((s.id, self._queue_full()))
+
+    def _next_batch(self, candidates: list[str], plan: Plan) -> list[str]:
+        # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
+        ready = [self.table[sid] for sid in candidates
+                 if not self.table[sid].lags(self.settings.max_blocks_ahead) and self.table[sid].has_camera()]
         if not ready:
             return []
-        key = ready[0][1]  # the longest-waiting ready session picks the geometry
-        batch = [sid for sid, k in ready if k == key][: self.limits.max_batch]
-        for sid in batch:  # served sessions go to the back: fair round robin
-            self.active.move_to_end(sid)
-            self.computed[sid] += 1
-            if (steer := self.steering.get(sid)) is not None:
-                controls = steer.queue.popleft() if steer.queue else None  # None: hold the last motion
-                plan.controls[sid] = BlockControls(controls, last=steer.ending and not steer.queue)
-        return batch
-
-    def _has_camera(self, sid: str) -> bool:
-        """A steered session runs a block only with its camera, or, on_starve=hold, on its last motion when
-        every request so far has its block (at most one block beyond what the client asked for)."""
-        steer = self.steering.get(sid)
-        if steer is None or steer.queue:
-            return True
-        return steer.on_starve == "hold" and not steer.ending and self.computed[sid] == steer.requests
+        shape = ready[0].block_shape  # the longest-waiting ready session picks the geometry
+        batch = [s for s in ready if s.block_shape == shape][: self.settings.max_batch]
+        for s in batch:  # served sessions go to the back: fair round robin
+            self.table.move_to_end(s.id)
+            s.computed += 1
+            if s.steered:
+                controls = s.steps.popleft() if s.steps else None  # None: hold the last motion
+                plan.controls[s.id] = BlockControls(controls, last=s.state is State.ENDING and not s.steps)
+        return [s.id for s in batch]
 
     def _queue_full(self) -> str:
+        settings = self.settings
         return (
-            f"server busy: {len(self.pending)} sessions already wait for a slot (max_queue={self.limits.max_queue}, "
-            f"max_sessions={self.limits.max_sessions}); retry later"
+            f"server busy: {settings.max_queue} sessions already wait for a slot (max_queue={settings.max_queue}, "
+            f"max_sessions={settings.max_sessions}); retry later"
         )

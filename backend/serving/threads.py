@@ -1,6 +1,6 @@
 """Torch threads of a CPU instance: its share of the host's cores, split between the DiT and the VAE decode.
 
-The group loop runs a block's DiT while the response writer decodes the previous block, each thread driving its
+The group loop runs a block's DiT while the decode sender decodes the previous block, each thread driving its
 own OpenMP team (torch's intra-op count is per thread). Teams that together ask for more threads than the
 instance has cores fight: a team's barrier waits for a member the other team preempted, while libgomp's
 spinning waiters burn the cores they wait on. So the two shares add up to the instance's cores.
@@ -21,7 +21,7 @@ def instance_cores(instances: int) -> int:
 @dataclass(frozen=True)
 class CoreSplit:
     dit: int  # the group loop's threads
-    decode: int  # the response writer's threads
+    decode: int  # the decode sender's threads
 
     @classmethod
     def of(cls, cores: int) -> CoreSplit:

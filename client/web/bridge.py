@@ -6,7 +6,6 @@ held at that moment, so the server always has the camera of the block after the 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,8 @@ def start_request(message: dict[str, Any]) -> SessionRequest:
 
 
 def plain(exc: Exception) -> str:
-    """An error as the page shows it: the server's words without the client's sequence-id prefix."""
-    return re.sub(r"^session \d+: ", "", str(exc))
+    """An error as the page shows it: the server's own sentence when it sent one."""
+    return exc.sentence if isinstance(exc, StreamError) else str(exc)
 
 
 class Player:

@@ -1,5 +1,5 @@
-"""Each rank's writer thread: decodes blocks (its sessions', and its band of every shared decode) and sends
-its own, in order, off the group loop."""
+"""Each rank's decode thread: runs the VAE decode of every block it takes part in (its sessions', and its band
+of every shared decode) and sends its own sessions' frames, in order, off the group loop."""
 from __future__ import annotations
 
 import logging
@@ -7,30 +7,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
-
-import numpy as np
-
-from ..engine.rollout import BlockOutput, Session, WorldModelEngine
+from ..engine.blocks import BlockOutput
+from ..engine.rollout import WorldModelEngine
+from ..engine.session import Session
 from .messages import DECODE_FAILED, GROUP_FAILED
+from .streams import Responder
 from .threads import use_threads
 
 log = logging.getLogger(__name__)
 
 
-class Responder(Protocol):
-    """One request's reply channel (a Triton response sender in production)."""
-
-    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None: ...
-
-    def send_error(self, message: str) -> None: ...
-
-    def finish(self) -> None: ...  # close the stream without data (after a cancellation)
-
-    def is_cancelled(self) -> bool: ...  # the client went away, or an error response closed the stream
-
-
-class ResponseWriter:
+class DecodeSender:
     """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
 
     def __init__(self, engine: WorldModelEngine, threads: int | None = None,
@@ -40,17 +27,16 @@ class ResponseWriter:
         self.engine = engine
         self.threads = threads
         self.on_failure = on_failure
-        self.delivered: dict[str, int] = {}  # blocks sent per session, written by the writer thread
         self.failure: Exception | None = None  # a shared decode failed: its ranks' exchanges are out of step
         # (responder, task, the error its stream gets if the task fails); None stops the thread
         self._queue: queue.SimpleQueue[tuple[Responder | None, Callable[[], None], str | None] | None] = (
             queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="lingbot-response-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="lingbot-decode-sender", daemon=True)
         self._thread.start()
 
     def block(self, responder: Responder | None, session: Session, output: BlockOutput, final: bool) -> None:
         """Decode a block (this rank's band when the decode is shared) and send it if this rank answers it."""
-        shared = self.engine.shares_decode(session)
+        shared = session.split_decode
 
         def send() -> None:
             start = time.perf_counter()
@@ -65,7 +51,6 @@ class ResponseWriter:
                 raise
             if responder is not None:
                 responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
-                self.delivered[session.id] = output.block_index + 1
 
         # A shared decode fails with its group (a peer died, or left the exchanges): say so to the client.
         self._queue.put((responder, send, GROUP_FAILED if shared else DECODE_FAILED))

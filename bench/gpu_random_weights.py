@@ -24,7 +24,10 @@ import torch
 
 from backend.api.request import SessionRequest
 from backend.engine.config import EngineConfig
-from backend.engine.rollout import BlockOutput, EngineParts, Session, WorldModelEngine
+from backend.engine.blocks import BlockOutput
+from backend.engine.parts import EngineParts
+from backend.engine.rollout import WorldModelEngine
+from backend.engine.session import Session
 from backend.engine.validation import spec_from_configs
 from backend.model.config import DEFAULT_SHIFT, CheckpointConfigs, TransformerConfig, VaeConfig
 from backend.model.dtypes import TORCH_DTYPES
@@ -44,7 +47,7 @@ from bench.timing import Clock, ForwardTimer
 
 # The published reference on one H200, SP1, 480x832, 81 frames, bf16, torch.compile on.
 REFERENCE = {"block_ms": 2397.0, "request_s": 17.7, "peak_allocated_gib": 69.3}
-BF16_MATMUL_TFLOPS = 790.0  # a bf16 matrix product on an H200 (measured here: 769-798 on random data)
+BF16_MATMUL_TFLOPS = 790.0  # a bf16 matrix product on an H200 (bench/README has the measurement)
 # Its full-window block: 5 forwards of 4,680 tokens (3 x 30 x 52) over 18 x 1,560 keys, about 1,307 TFLOP.
 REFERENCE_BLOCK_FLOP = 5 * forward_flops(TransformerConfig.lingbot_14b(), 3 * 1560, 18 * 1560).total
 DRY_RUN = Workload(height=64, width=64, blocks=3, dtype="bfloat16", window_frames=9, sink_frames=3)

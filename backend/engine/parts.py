@@ -1,0 +1,40 @@
+"""The models an engine runs, from a checkpoint directory or built in memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
+from ..model.dtypes import TORCH_DTYPES
+from ..model.tensor_slices import TensorPart
+from ..model.text_encoder import PromptEncoder, PromptStates
+from ..model.transformer import LingBotTransformer
+from .prompts import ENCODER_RANK
+from .validation import EngineSpec
+
+
+@dataclass
+class EngineParts:
+    """The models an engine runs: read from a checkpoint directory (`load_parts`) or built in memory
+    (the random-weights benchmark). The transformer is in the spec's dtype, everything on the spec's device."""
+
+    transformer: LingBotTransformer
+    prompts: PromptStates | None  # only where it runs (ENCODER_RANK)
+    vae: torch.nn.Module  # AutoencoderKLWan in float32, as the reference's: condition encode (on
+    # ENCODER_RANK; the other ranks drop its encoder) and block decode
+
+
+def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> EngineParts:
+    """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
+    checkpoint directory."""
+    config = spec.config
+    device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
+    root = Path(config.checkpoint)
+    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device, part)
+    prompts = None
+    if rank == ENCODER_RANK:
+        encoder, tokenizer = load_text_encoder(root, dtype, device)
+        prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
+    return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))

@@ -1,0 +1,120 @@
+"""The owner's side of a session's replies: a whole trajectory streams every block on one request; a steered
+session answers each of its requests (the first, then one per step) with one block, in order.
+
+Both count the blocks their client has received and call `on_delivered` after each (the group loop's
+doorbell: a session held back by a slow client may run again).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from ..engine.blocks import BlockOutput
+
+
+class Responder(Protocol):
+    """One request's reply channel (a Triton response sender in production)."""
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None: ...
+
+    def send_error(self, message: str) -> None: ...
+
+    def finish(self) -> None: ...  # close the stream without data (after a cancellation)
+
+    def is_cancelled(self) -> bool: ...  # the client went away, or an error response closed the stream
+
+
+class OwnerStream:
+    """A `Responder` for the group loop and the decode sender; `sent` counts the blocks clients received."""
+
+    def __init__(self, on_delivered: Callable[[], None]) -> None:
+        self.sent = 0
+        self._on_delivered = on_delivered
+        self._lock = threading.Lock()
+
+    def _delivered(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
+                   final: bool) -> None:
+        responder.send_block(output, frames, decode_ms, final)
+        self.sent += 1
+        self._on_delivered()
+
+
+class WholeStream(OwnerStream):
+    """A whole trajectory: one request, every block on it, the last with the final flag."""
+
+    def __init__(self, responder: Responder, on_delivered: Callable[[], None]) -> None:
+        super().__init__(on_delivered)
+        self._responder = responder
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        with self._lock:
+            self._delivered(self._responder, output, frames, decode_ms, final)
+
+    def send_error(self, message: str) -> None:
+        self._responder.send_error(message)
+
+    def finish(self) -> None:
+        self._responder.finish()
+
+    def is_cancelled(self) -> bool:
+        return self._responder.is_cancelled()
+
+
+class SteeredStream(OwnerStream):
+    """A steered session: blocks go to the waiting requests in order. A block computed before its request
+    arrived (a held block, when the client is late and the session holds its motion) waits here and answers
+    the next step at once. Requests join from Triton's thread."""
+
+    def __init__(self, first: Responder, on_delivered: Callable[[], None]) -> None:
+        super().__init__(on_delivered)
+        self.sealed = False  # the client sent the end flag: no request may follow
+        self._waiting: deque[Responder] = deque([first])
+        self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
+        self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes
+        self._closed = False
+
+    def add(self, responder: Responder, end: bool) -> None:
+        """A step's request: answered by the next block (at once if one is ready)."""
+        with self._lock:
+            self.sealed = end
+            if self._ready:
+                self._delivered(responder, *self._ready.popleft(), True)
+            else:
+                self._waiting.append(responder)
+
+    def add_closing(self, responder: Responder) -> None:
+        """An end flag without a camera: answered when the session closes."""
+        with self._lock:
+            self.sealed = True
+            self._closing.append(responder)
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        with self._lock:
+            if self._waiting:  # one response per request: each is final
+                self._delivered(self._waiting.popleft(), output, frames, decode_ms, True)
+            else:
+                self._ready.append((output, frames, decode_ms))
+
+    def send_error(self, message: str) -> None:
+        self._close(lambda r: r.send_error(message))
+
+    def finish(self) -> None:
+        """The session ended: requests still waiting (an end flag without a camera) close without a block."""
+        self._close(lambda r: r.finish())
+
+    def _close(self, answer: Callable[[Responder], None]) -> None:
+        with self._lock:
+            self._closed = True
+            for responder in [*self._waiting, *self._closing]:
+                answer(responder)
+            self._waiting.clear()
+            self._closing.clear()
+            self._ready.clear()
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return self._closed or any(r.is_cancelled() for r in (*self._waiting, *self._closing))
