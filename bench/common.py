@@ -21,7 +21,7 @@ from backend.launch.server import STUB_THREAD_ENVIRONMENT
 from backend.parallel.local import free_port, run_group
 from backend.parallel.sequence import SequenceParallel
 from backend.serving.threads import instance_cores
-from backend.api.contract import video_frames_for
+from backend.api.contract import BLOCK_FRAMES, video_frames_for
 from backend.api.request import SessionRequest
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
@@ -36,7 +36,7 @@ class Workload:
 
     height: int
     width: int
-    blocks: int  # AR blocks of EngineConfig.block_frames latent frames
+    blocks: int  # AR blocks of BLOCK_FRAMES latent frames (the diffusers layout's, as the random checkpoints)
     dtype: str
     window_frames: int
     sink_frames: int
@@ -45,7 +45,7 @@ class Workload:
 
     @property
     def num_frames(self) -> int:
-        return video_frames_for(self.blocks * EngineConfig.block_frames)
+        return video_frames_for(self.blocks * BLOCK_FRAMES)
 
 
 # The test suite's tiny-model settings (5 blocks: the 9-frame window fills, then slides past the sink).

@@ -13,7 +13,6 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ from .camera_track import CameraTrack, split_blocks
 from .config import EngineConfig
 from .geometry import VideoGeometry
 from .prompts import ENCODER_RANK, SharedPrompts
-from .validation import EngineSpec, checked_spec
+from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec
 
 @dataclass
 class Session:
@@ -103,16 +102,15 @@ class EngineParts:
 
 
 def load_parts(spec: EngineSpec, rank: int) -> EngineParts:
-    """The transformer, text encoder (on ENCODER_RANK only) and VAE of the spec's checkpoint directory."""
-    config = spec.config
+    """The transformer, text encoder (on ENCODER_RANK only) and VAE of the spec's checkpoint, in either layout."""
+    config, layout = spec.config, spec.checkpoint.layout
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
-    root = Path(config.checkpoint)
-    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device)
+    transformer = load_transformer(layout.transformer, spec.checkpoint.transformer, dtype, device)
     prompts = None
     if rank == ENCODER_RANK:
-        encoder, tokenizer = load_text_encoder(root, dtype, device)
+        encoder, tokenizer = load_text_encoder(layout, dtype, device)
         prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
-    return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))
+    return EngineParts(transformer, prompts, load_vae(layout, torch.float32, device))
 
 
 class WorldModelEngine:
@@ -162,7 +160,18 @@ class WorldModelEngine:
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
         check_request(request)
+        if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
+            raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
+                             "needs request parameter 'max_blocks' > 0 to bound its cache")
         return geometry
+
+    def session_window_frames(self, request: SessionRequest, geometry: VideoGeometry) -> int:
+        """The latent frames a session's cache holds: the window, or a clip's (or a bounded steered session's)
+        frames when they are fewer or attention is global."""
+        frames = request.max_blocks * geometry.block_frames if request.steered else geometry.latent_frames
+        if self.window_frames == GLOBAL_WINDOW:
+            return frames
+        return self.window_frames if request.steered else min(self.window_frames, frames)
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, session_id: str | None = None, owner: int = 0) -> Session:
@@ -173,9 +182,7 @@ class WorldModelEngine:
         text = self.transformer.text_caches(self.prompts.states(request.prompt), self.sp.head_slice(tcfg.num_heads))
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
-            # A clip shorter than the window never needs the whole window.
-            window_tokens=(self.window_frames if request.steered else min(self.window_frames, geometry.latent_frames))
-            * geometry.tokens_per_frame,
+            window_tokens=self.session_window_frames(request, geometry) * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
             sink_tokens=self.sink_frames * geometry.tokens_per_frame,
             local_heads=tcfg.num_heads // self.sp.degree,
