@@ -15,7 +15,7 @@ from ..api.codec import parse_request
 from ..api.errors import ConfigError, InputError
 from ..api.request import StepRequest
 from ..engine.rollout import WorldModelEngine
-from ..engine.validation import checked_spec
+from ..engine.validation import checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
 from ..parallel.sequence import SequenceParallel
@@ -62,6 +62,11 @@ class TritonPythonModel:
             threads = CoreSplit.of(cores)
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
+        self.metrics.show_settings(spec.settings)
+        if rank == 0:
+            log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind)
+            for line in describe_settings(spec):
+                log.info("setting %s", line)
         groups = join_group(rank, world, limits.rendezvous_host, limits.rendezvous_port, "nccl" if on_gpu else "gloo",
                             limits.init_timeout_s, limits.collective_timeout_s, engine_config.split_decode)
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)

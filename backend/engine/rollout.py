@@ -159,7 +159,7 @@ class WorldModelEngine:
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
-        check_request(request)
+        check_request(request, geometry.block_frames)
         if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
             raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
                              "needs request parameter 'max_blocks' > 0 to bound its cache")
@@ -195,9 +195,9 @@ class WorldModelEngine:
             request=request,
             geometry=geometry,
             generator=torch.Generator("cpu").manual_seed(request.seed),
-            camera=(CameraTrack(request.camera_intrinsics()) if request.steered
-                    else CameraTrack.whole(request.poses, request.camera_intrinsics())),
-            planned=[] if request.steered else split_blocks(request.poses),
+            camera=(CameraTrack(request.camera_intrinsics(), geometry.block_frames) if request.steered
+                    else CameraTrack.whole(request.poses, request.camera_intrinsics(), geometry.block_frames)),
+            planned=[] if request.steered else split_blocks(request.poses, geometry.block_frames),
             condition=(self.conditions.start(prepare_image(image, request.height, request.width))
                        if self.conditions is not None else None),
             text=text,
