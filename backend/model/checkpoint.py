@@ -105,22 +105,11 @@ def load_vae(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device)
     if not layout.official:
         vae = AutoencoderKLWan.from_pretrained(str(layout.vae), torch_dtype=dtype, low_cpu_mem_usage=False)
         return vae.to(device).eval()
-    index = read_pth_index(layout.vae)
-    arguments = vae_arguments(index, layout.vae)
-    wan21_mean = inspect.signature(AutoencoderKLWan.__init__).parameters["latents_mean"].default
-    if arguments["z_dim"] != len(wan21_mean):
-        raise ConfigError(
-            f"{layout.vae}: z_dim {arguments['z_dim']}; the official layout carries no latent statistics, and "
-            f"Wan 2.1's (AutoencoderKLWan's defaults) are for z_dim {len(wan21_mean)}"
-        )
-    with torch.device("meta"):
-        vae = AutoencoderKLWan(**arguments)  # latents_mean / latents_std: Wan 2.1's, as Wan2_1_VAE hard-codes
-    fill_from_pth(vae, layout.vae, index, vae_names(vae), dtype, device)
-    return vae.eval().requires_grad_(False)
+    return load_pth_vae(layout.vae, dtype, device)
 
 
 def load_text_encoder(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, object]:
-    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # no progress bars in the server log
@@ -129,13 +118,38 @@ def load_text_encoder(layout: CheckpointLayout, dtype: torch.dtype, device: torc
     if not layout.official:
         encoder = UMT5EncoderModel.from_pretrained(str(layout.text_encoder), dtype=dtype)
         return encoder.to(device).eval(), tokenizer
-    index = read_pth_index(layout.text_encoder)
+    return load_pth_umt5(layout.text_encoder, dtype, device), tokenizer
+
+
+def load_pth_vae(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """AutoencoderKLWan from Wan's own VAE state dict (Wan2.1_VAE.pth), its architecture read from the names."""
+    from diffusers import AutoencoderKLWan
+
+    index = read_pth_index(path)
+    arguments = vae_arguments(index, path)
+    wan21_mean = inspect.signature(AutoencoderKLWan.__init__).parameters["latents_mean"].default
+    if arguments["z_dim"] != len(wan21_mean):
+        raise ConfigError(
+            f"{path}: z_dim {arguments['z_dim']}; the official layout carries no latent statistics, and "
+            f"Wan 2.1's (AutoencoderKLWan's defaults) are for z_dim {len(wan21_mean)}"
+        )
     with torch.device("meta"):
-        encoder = UMT5EncoderModel(UMT5Config(**umt5_arguments(index, layout.text_encoder)))
-    fill_from_pth(encoder, layout.text_encoder, index, umt5_names(encoder), dtype, device)
+        vae = AutoencoderKLWan(**arguments)  # latents_mean / latents_std: Wan 2.1's, as Wan2_1_VAE hard-codes
+    fill_from_pth(vae, path, index, vae_names(vae), dtype, device)
+    return vae.eval().requires_grad_(False)
+
+
+def load_pth_umt5(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """UMT5EncoderModel from Wan's own umT5 encoder state dict, its architecture read from the names."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    index = read_pth_index(path)
+    with torch.device("meta"):
+        encoder = UMT5EncoderModel(UMT5Config(**umt5_arguments(index, path)))
+    fill_from_pth(encoder, path, index, umt5_names(encoder), dtype, device)
     for tied, source in UMT5_TIED.items():
         assign(encoder, tied, encoder.get_parameter(source))
-    return encoder.eval().requires_grad_(False), tokenizer
+    return encoder.eval().requires_grad_(False)
 
 
 def fill_from_pth(module: torch.nn.Module, path: Path, index: dict, names: dict[str, str], dtype: torch.dtype,
