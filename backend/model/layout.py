@@ -30,6 +30,7 @@ DIFFUSERS_PARTS = {
     "text_encoder": "text_encoder",
     "tokenizer": "tokenizer",
 }
+LAYOUT_PARTS = {OFFICIAL: OFFICIAL_PARTS, DIFFUSERS: DIFFUSERS_PARTS}
 
 
 @dataclass(frozen=True)
@@ -75,22 +76,19 @@ def resolve_layout(checkpoint: str) -> CheckpointLayout:
     root = Path(checkpoint)
     if not root.is_dir():
         raise ConfigError(f"checkpoint directory {root} does not exist")
-    found = {kind: [p for p in parts.values() if (root / p).exists()]
-             for kind, parts in ((OFFICIAL, OFFICIAL_PARTS), (DIFFUSERS, DIFFUSERS_PARTS))}
-    complete = [kind for kind, parts in ((OFFICIAL, OFFICIAL_PARTS), (DIFFUSERS, DIFFUSERS_PARTS))
-                if len(found[kind]) == len(parts)]
+    missing = {kind: sorted(p for p in parts.values() if not (root / p).exists()) for kind, parts in LAYOUT_PARTS.items()}
+    complete = [kind for kind in LAYOUT_PARTS if not missing[kind]]
     if len(complete) == 2:
         raise ConfigError(f"checkpoint {root} holds both the official and the diffusers layout; point it at one")
     if not complete:
-        kind = max((OFFICIAL, DIFFUSERS), key=lambda k: len(found[k]))
-        if not found[kind]:
+        kind = min(LAYOUT_PARTS, key=lambda k: len(missing[k]) / len(LAYOUT_PARTS[k]))
+        if len(missing[kind]) == len(LAYOUT_PARTS[kind]):
             raise ConfigError(
-                f"checkpoint {root} holds neither layout: the official download has {sorted(OFFICIAL_PARTS.values())}, "
-                f"the diffusers one {sorted(DIFFUSERS_PARTS.values())}"
+                f"checkpoint {root} holds neither layout: the official download has "
+                f"{sorted(OFFICIAL_PARTS.values())}, the diffusers one {sorted(DIFFUSERS_PARTS.values())}"
             )
-        parts = OFFICIAL_PARTS if kind == OFFICIAL else DIFFUSERS_PARTS
-        missing = sorted(p for p in parts.values() if p not in found[kind])
-        raise ConfigError(f"checkpoint {root} is a partial {kind} layout (has {sorted(found[kind])}): missing {missing}")
-    parts = OFFICIAL_PARTS if complete[0] == OFFICIAL else DIFFUSERS_PARTS
-    return CheckpointLayout(complete[0], root, *(root / parts[k] for k in ("transformer", "vae", "text_encoder",
-                                                                            "tokenizer")))
+        present = sorted(set(LAYOUT_PARTS[kind].values()) - set(missing[kind]))
+        raise ConfigError(f"checkpoint {root} is a partial {kind} layout (has {present}): missing {missing[kind]}")
+    kind = complete[0]
+    parts = {k: root / LAYOUT_PARTS[kind][k] for k in ("transformer", "vae", "text_encoder", "tokenizer")}
+    return CheckpointLayout(kind, root, **parts)
