@@ -97,11 +97,12 @@ def main() -> None:
         return
     args.dtype = str(dtype).removeprefix("torch.")
     root = ensure_checkpoint(args.checkpoint, args.preset)
-    config = read_checkpoint_configs(str(root)).transformer
-    on_disk = sum(p.stat().st_size for p in (root / "transformer").glob("*.safetensors"))
+    configs = read_checkpoint_configs(str(root))
+    config, directory = configs.transformer, configs.layout.transformer
+    on_disk = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     torch.ones(1)  # torch's own allocations before the baseline
     before = current_rss_bytes()
-    model = load_transformer(root / "transformer", config, TORCH_DTYPES[args.dtype], torch.device("cpu"))
+    model = load_transformer(directory, config, TORCH_DTYPES[args.dtype], torch.device("cpu"))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     growth = peak_rss_bytes() - before
     gib = 2**30
