@@ -1,6 +1,6 @@
 """Write a random checkpoint in the diffusers directory format the engine loads (weights can't be downloaded).
 
-    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|mid] [--seed 0] [--if-stale]
+    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|tiny16|mid] [--seed 0] [--if-stale]
 
 Same layout as a real checkpoint: model_index.json, transformer/ (config.json + safetensors),
 vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel), tokenizer/, scheduler/.
