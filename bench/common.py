@@ -24,9 +24,11 @@ from backend.parallel.mesh import Mesh
 from backend.parallel.sequence import SequenceParallel
 from backend.serving.config import ServingConfig
 from backend.serving.threads import instance_cores
-from backend.api.contract import video_frames_for
+from backend.api.contract import BLOCK_FRAMES, video_frames_for
 from backend.api.request import SessionRequest
+from backend.api.errors import ConfigError
 from backend.api.settings import to_parameters
+from backend.model.layout import resolve_layout
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
 
@@ -40,7 +42,7 @@ class Workload:
 
     height: int
     width: int
-    blocks: int  # AR blocks of EngineConfig.block_frames latent frames
+    blocks: int  # AR blocks of BLOCK_FRAMES latent frames (engine_config sets it, whichever the layout)
     dtype: str
     window_frames: int
     sink_frames: int
@@ -49,7 +51,7 @@ class Workload:
 
     @property
     def num_frames(self) -> int:
-        return video_frames_for(self.blocks * EngineConfig.block_frames)
+        return video_frames_for(self.blocks * BLOCK_FRAMES)
 
 
 # The test suite's tiny-model settings (5 blocks: the 9-frame window fills, then slides past the sink).
@@ -59,7 +61,7 @@ GPU = Workload(height=480, width=832, blocks=7, dtype="bfloat16", window_frames=
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, preset: str) -> None:
-    parser.add_argument("--checkpoint", type=Path, help="diffusers-format checkpoint directory; if omitted, "
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (either download); if omitted, "
                         "a random --preset checkpoint in build/checkpoints/PRESET, written if absent")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=preset, help="random checkpoint size")
 
@@ -90,8 +92,10 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 def ensure_checkpoint(path: Path | None, preset: str) -> Path:
     """`path` as given, or the random `preset` checkpoint under build/checkpoints (written on first use)."""
     if path is not None:
-        if not (path / "model_index.json").is_file():
-            raise SystemExit(f"error: {path} is not a diffusers-format checkpoint (no model_index.json)")
+        try:
+            resolve_layout(str(path))
+        except ConfigError as exc:
+            raise SystemExit(f"error: {exc}") from exc
         return path
     root = BUILD_DIR / "checkpoints" / preset
     if ensure_current(root, preset):
@@ -101,7 +105,7 @@ def ensure_checkpoint(path: Path | None, preset: str) -> Path:
 
 def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu", tp: int = 1) -> EngineConfig:
     return EngineConfig(
-        checkpoint=str(checkpoint), sp_degree=sp, tp_degree=tp, dtype=w.dtype, device=device,
+        checkpoint=str(checkpoint), sp_degree=sp, tp_degree=tp, dtype=w.dtype, device=device, block_frames=BLOCK_FRAMES,
         window_frames=w.window_frames, sink_frames=w.sink_frames, default_height=w.height, default_width=w.width,
     )
 

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--action-dir", help="LingBot-World action dir: image.jpg, poses.npy, intrinsics.npy")
     p.add_argument("--hfov", type=float, default=DEFAULT_HFOV_DEG, help="preset horizontal FOV in degrees (default: %(default)s)")
     p.add_argument("--num-frames", type=int, default=81, help=f"video frames: {contract.frames_rule()} (default: %(default)s)")
+    p.add_argument("--block-frames", type=int, default=contract.BLOCK_FRAMES,
+                   help=f"the server's latent frames per AR block: {contract.BLOCK_FRAMES} for the diffusers download, 4 "
+                        f"(13 + 16 x k frames) for the official one (default: %(default)s)")
     p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
     p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         image, poses, intrinsics = request_arrays(args)
         inputs = build_inputs(image, args.prompt, poses, intrinsics, num_frames=args.num_frames,
-                              seed=args.seed, height=args.height, width=args.width)
+                              seed=args.seed, height=args.height, width=args.width, block_frames=args.block_frames)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -71,18 +71,20 @@ def build_inputs(
     seed: int,
     height: int,
     width: int,
+    block_frames: int = contract.BLOCK_FRAMES,
 ) -> list[grpcclient.InferInput]:
     """Validate one generation request (as the server will: `check_request`) and pack it as Triton inputs
-    (intrinsics optional). Raises ValueError naming the bad input."""
-    first, step = contract.whole_block_frames(1), contract.whole_block_frames(2) - contract.whole_block_frames(1)
-    if num_frames < first or (num_frames - first) % step:
-        raise ValueError(f"num_frames must be {contract.frames_rule()}, got {num_frames}")
+    (intrinsics optional); block_frames: the server's latent frames per AR block (3 for the diffusers download,
+    4 for the official one). Raises ValueError naming the bad input."""
+    first = contract.block_video_frames(block_frames, first=True)
+    if num_frames < first or (num_frames - first) % contract.block_video_frames(block_frames, first=False):
+        raise ValueError(f"num_frames must be {contract.frames_rule(block_frames)}, got {num_frames}")
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be positive, got {height}x{width}")
     request = SessionRequest(image=np.asarray(image), prompt=prompt, poses=np.asarray(poses, dtype=np.float32),
                              intrinsics=None if intrinsics is None else np.asarray(intrinsics, dtype=np.float32),
                              num_frames=num_frames, seed=seed, height=height, width=width)
-    check_request(request)
+    check_request(request, block_frames)
     return request_inputs(request)
 
 

@@ -23,10 +23,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 SERVER_FIXTURES = {"sp1_server", "sp2_server"}
 
 
+SERVER_STARTERS = ("running_server", "run_group")  # a module that imports one starts servers or process groups
+
+
+def starts_servers(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return bool(SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))) or any(
+        hasattr(module, name) for name in SERVER_STARTERS)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test on a real server must carry the `server` marker, or `-m "not server"` would start one."""
-    unmarked = [i.nodeid for i in items if SERVER_FIXTURES & set(getattr(i, "fixturenames", ()))
-                and i.get_closest_marker("server") is None]
+    unmarked = [i.nodeid for i in items if starts_servers(i) and i.get_closest_marker("server") is None]
     if unmarked:
         raise pytest.UsageError(f"tests on a real server without the `server` marker: {unmarked}")
 

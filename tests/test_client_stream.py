@@ -211,6 +211,11 @@ def test_build_inputs_rejects_bad_requests() -> None:
     image, poses = np.zeros((H, W, 3), np.uint8), camera_preset("static", FRAMES)
     with pytest.raises(ValueError, match=r"num_frames must be 9 \+ 12 x k, whole AR blocks \(e.g. 9, 21, 45 or 81\), got 8"):
         build_inputs(image, "p", camera_preset("static", 8), None, num_frames=8, seed=0, height=H, width=W)
+    with pytest.raises(ValueError, match=r"num_frames must be 13 \+ 16 x k, whole AR blocks \(e.g. 13, 29, 61 or 109\), got 81"):
+        build_inputs(image, "p", camera_preset("static", 81), None, num_frames=81, seed=0, height=H, width=W,
+                     block_frames=4)
+    assert len(build_inputs(image, "p", camera_preset("static", 77), None, num_frames=77, seed=0, height=H, width=W,
+                            block_frames=4)) > 0  # the official download's 4-frame blocks: 13 + 16 x 4
     with pytest.raises(ValueError, match=r"camera_poses must be FP32 \[9, 4, 4\]; got float32 \[5, 4, 4\]"):
         build_inputs(image, "p", poses[:5], None, num_frames=FRAMES, seed=0, height=H, width=W)
     with pytest.raises(ValueError, match=r"camera_intrinsics must be FP32 \[n, 4\]"):

@@ -79,7 +79,7 @@ def test_sequence_requests_parse_as_starts_and_steps() -> None:
     with pytest.raises(InputError, match=r"a step needs 'camera_poses'"):
         parse_request({}.get, "{}", "7", 0)
     with pytest.raises(InputError, match=r"'on_starve' must be one of|must be a string"):
-        check_request(parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: 3}), "8", start_flag))
+        check_request(parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: 3}), "8", start_flag), p.BLOCK_FRAMES)
 
 
 def test_instance_rank_cpu_groups_and_gpus() -> None:

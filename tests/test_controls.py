@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.api.contract import BLOCK_FRAMES
 from backend.api.controls import MOVE_PER_FRAME, TURN_PER_FRAME_DEG, integrate, parse_key_script, parse_keys
 from backend.api.errors import InputError
 from backend.engine.camera_track import CameraTrack, split_blocks
@@ -50,17 +51,20 @@ def trajectory(frames: int) -> np.ndarray:
     return np.stack(poses).astype(np.float32)
 
 
-def test_block_by_block_track_equals_the_reference_whole_clip_pipeline() -> None:
-    poses = trajectory(81)
-    reference = cam.framewise_deltas(cam.relative_to_first(cam.interpolate_poses(poses, 21)))
+@pytest.mark.parametrize(("block_frames", "frames"), [(BLOCK_FRAMES, 81), (4, 77)])
+def test_block_by_block_track_equals_the_reference_whole_clip_pipeline(block_frames: int, frames: int) -> None:
+    poses = trajectory(frames)
+    reference = cam.framewise_deltas(cam.relative_to_first(cam.interpolate_poses(poses, 1 + (frames - 1) // 4)))
     reference = cam.normalise_translations(reference, cam.translation_scale(reference))
-    track = CameraTrack.whole(poses, np.array([50, 50, 32, 32], np.float32))
-    assert torch.equal(torch.cat([track.next_block(block) for block in split_blocks(poses)]), reference)
+    track = CameraTrack.whole(poses, np.array([50, 50, 32, 32], np.float32), block_frames)
+    blocks = split_blocks(poses, block_frames)
+    assert [len(b) for b in blocks[:2]] == [1 + 4 * (block_frames - 1), 4 * block_frames]
+    assert torch.equal(torch.cat([track.next_block(block) for block in blocks]), reference)
 
 
 def test_a_steered_track_divides_by_the_running_maximum() -> None:
     poses = trajectory(33)
-    track = CameraTrack(np.array([50, 50, 32, 32], np.float32))
+    track = CameraTrack(np.array([50, 50, 32, 32], np.float32), BLOCK_FRAMES)
     first = track.next_block(poses[:9])
     scale_after_first = track.running_scale
     track.next_block(poses[9:21])
@@ -69,7 +73,7 @@ def test_a_steered_track_divides_by_the_running_maximum() -> None:
 
 
 def test_a_held_block_repeats_the_last_frame_motion() -> None:
-    track = CameraTrack(np.array([50, 50, 32, 32], np.float32))
+    track = CameraTrack(np.array([50, 50, 32, 32], np.float32), BLOCK_FRAMES)
     track.next_block(integrate(np.eye(4), "w", 9))
     held = track.resolve(None)
     assert held.shape == (12, 4, 4)

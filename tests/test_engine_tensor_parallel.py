@@ -22,6 +22,8 @@ from backend.parallel.local import run_group
 from factories import tiny_config, tiny_request
 from sp_workers import rollout
 
+pytestmark = pytest.mark.server  # starts groups of local processes (slow)
+
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (tp, sp)
 HEADS = 4  # tiny preset
 FLOAT32 = 4

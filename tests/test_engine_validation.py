@@ -63,9 +63,9 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         ({"default_height": 72}, 1, r"width x height = 64 x 72: each must be a positive multiple of the VAE x patch factor"),
         ({"dtype": "int8"}, 1, r"dtype='int8'"),
         ({"window_frames": 5, "sink_frames": 3}, 1,
-         r"window_frames=5 must hold sink_frames=3 plus one block of block_frames=3 \(sink_frames from 0 to "
+         r"window_frames=5 \(parameter\) must hold sink_frames=3 \(parameter\) plus one block of block_frames=3 \(sink_frames from 0 to "
          r"window_frames - block_frames = 2\)"),
-        ({"window_frames": 2, "sink_frames": 0}, 1, r"window_frames=2 must hold sink_frames=0 plus one block"),
+        ({"window_frames": 2, "sink_frames": 0}, 1, r"window_frames=2 \(parameter\) must hold sink_frames=0 \(parameter\) plus one block"),
     ],
 )
 def test_config_errors_before_weights(
@@ -79,7 +79,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         WorldModelEngine.load(tiny_config(str(tmp_path / "nowhere")))
     (tmp_path / "model_index.json").write_text('{"transformer": ["backend", "WanModelFast"]}')
-    with pytest.raises(ConfigError, match=r"lacks component\(s\) \['vae', 'text_encoder', 'tokenizer'\]"):
+    with pytest.raises(ConfigError, match=r"partial diffusers layout .*missing \['text_encoder', 'tokenizer', "
+                                          r"'transformer', 'vae'\]"):
         WorldModelEngine.load(tiny_config(str(tmp_path)))
 
 

@@ -14,6 +14,7 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from backend.model.checkpoint import load_text_encoder
+from backend.model.layout import DIFFUSERS, CheckpointLayout
 from backend.model.text_encoder import PromptEncoder
 from backend.model.tiny_checkpoint import PRESETS, WORDS, write_text_encoder
 from backend.model.vae import StreamingVae
@@ -103,7 +104,9 @@ def text_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_text_encoder_equals_the_reference_t5_encoder(text_root: Path, dtype: torch.dtype) -> None:
     text_len, prompt = 64, " ".join(WORDS[:20])
-    encoder, tokenizer = load_text_encoder(text_root, dtype, CPU)
+    layout = CheckpointLayout(DIFFUSERS, text_root, text_root / "transformer", text_root / "vae",
+                              text_root / "text_encoder", text_root / "tokenizer")
+    encoder, tokenizer = load_text_encoder(layout, dtype, CPU)
     states = PromptEncoder(encoder, tokenizer, text_len, CPU).encode(prompt)
 
     batch = tokenizer([prompt], padding="max_length", truncation=True, max_length=text_len,

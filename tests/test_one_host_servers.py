@@ -2,6 +2,7 @@
 serve (with one fixed default port the second would join or wait on the first one's store)."""
 from __future__ import annotations
 
+import pytest
 import subprocess
 import sys
 import urllib.request
@@ -14,6 +15,8 @@ from backend.api import contract
 from backend.parallel.ports import free_port
 from factories import TINY_SIZE
 from polling import wait_until
+
+pytestmark = pytest.mark.server  # starts real tritonservers
 
 
 def ready(http_port: int) -> bool:

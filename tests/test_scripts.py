@@ -2,6 +2,7 @@
 refused by name) and the tiny checkpoint writer (no progress bar through `>/dev/null`)."""
 from __future__ import annotations
 
+import pytest
 import os
 import socket
 import subprocess
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 from backend.parallel.ports import free_port
+
+pytestmark = pytest.mark.server  # runs the demo script and the launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 

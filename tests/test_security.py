@@ -30,6 +30,8 @@ from factories import tiny_request
 from polling import wait_until
 from triton_harness import inputs_with, metrics, running_server, stream, stream_in_background
 
+pytestmark = pytest.mark.server  # starts real tritonservers
+
 MODEL = contract.MODEL_NAME
 
 

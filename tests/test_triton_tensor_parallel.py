@@ -1,6 +1,7 @@
 """TP2 x SP2 behind a real tritonserver: four CPU instances, one rank each, against the SP1 engine."""
 from __future__ import annotations
 
+import pytest
 import re
 import threading
 from pathlib import Path
@@ -11,6 +12,8 @@ from backend.engine.rollout import WorldModelEngine
 from backend.model.memory import weight_parameters
 from factories import tiny_request
 from triton_harness import latents_of, running_server, stream
+
+pytestmark = pytest.mark.server  # starts a real tritonserver
 
 
 def test_tp2_sp2_through_triton_matches_sp1(tmp_path: Path, tiny_checkpoint: str, engine: WorldModelEngine) -> None:

@@ -24,6 +24,8 @@ from client.web.frames import decode_upload
 from factories import TINY_SIZE
 from polling import wait_until
 
+pytestmark = pytest.mark.server  # starts a real tritonserver and the bridge
+
 ROOT = Path(__file__).resolve().parent.parent
 BOUND_S = 60  # every exchange with the bridge finishes within this
 

@@ -1,7 +1,11 @@
 """Prometheus metrics of the served streams, on Triton's metrics endpoint (one label set per rank)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import triton_python_backend_utils as pb_utils
+
+from ..model.layout import Setting
 
 LATENCY_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0]
 
@@ -11,6 +15,7 @@ class StreamMetrics:
 
     def __init__(self, model_name: str, rank: int) -> None:
         labels = {"model": model_name, "rank": str(rank)}
+        self._labels = labels
         family = pb_utils.MetricFamily
         self._families = [
             family("lingbot_world_blocks_total", "AR blocks sent to clients", family.COUNTER),
@@ -39,6 +44,17 @@ class StreamMetrics:
         self.held_blocks = held.Metric(labels=labels)
         self.blocks_run = run.Metric(labels=labels)
         self.loop_cpu = loop_cpu.Metric(labels=labels)
+
+    def show_settings(self, settings: Mapping[str, Setting]) -> None:
+        """One gauge per resolved setting, its value, labelled with where it came from."""
+        family = pb_utils.MetricFamily("lingbot_world_setting", "a resolved engine setting; source: where it came from",
+                                       pb_utils.MetricFamily.GAUGE)
+        self._families.append(family)
+        self._settings = []
+        for name, setting in settings.items():
+            metric = family.Metric(labels={**self._labels, "setting": name, "source": setting.source})
+            metric.set(float(setting.value))
+            self._settings.append(metric)
 
     def loop_block(self, cpu_s: float, blocks: int) -> None:
         """The group loop's report before each run_block (serving.loop_cpu.Report)."""

@@ -15,7 +15,7 @@ from ..api.codec import parse_request
 from ..api.errors import ConfigError, InputError
 from ..api.request import StepRequest
 from ..engine.rollout import WorldModelEngine
-from ..engine.validation import checked_spec
+from ..engine.validation import checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
 from ..parallel.layout import RankLayout
@@ -68,6 +68,11 @@ class TritonPythonModel:
             threads = CoreSplit.of(cores)
         self.rank = rank
         self.metrics = StreamMetrics(self.model_name, rank)
+        self.metrics.show_settings(spec.settings)
+        if rank == 0:
+            log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind)
+            for line in describe_settings(spec):
+                log.info("setting %s", line)
         secret = group_secret() if world > 1 else ""
         groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
                             serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)

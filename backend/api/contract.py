@@ -129,6 +129,12 @@ def video_frames_for(latent_frames: int) -> int:
     return 1 + VAE_TEMPORAL_FACTOR * (latent_frames - 1)
 
 
+def block_video_frames(block_frames: int, first: bool) -> int:
+    """New video frames of one AR block of `block_frames` latent frames: 1 + 4 (n - 1) for the first (9 at 3,
+    13 at 4), 4 n for every later one (12 at 3, 16 at 4)."""
+    return video_frames_for(block_frames) if first else VAE_TEMPORAL_FACTOR * block_frames
+
+
 def whole_block_frames(blocks: int, block_frames: int = BLOCK_FRAMES) -> int:
     """Video frames of `blocks` whole AR blocks: 9, 21, 33, ... 81 (7 blocks) at 3 latent frames a block."""
     return video_frames_for(blocks * block_frames)

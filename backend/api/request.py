@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import ON_STARVE
+from .contract import ON_STARVE, block_video_frames
 from .errors import InputError
 
 DEFAULT_HFOV_DEG = 60.0
@@ -24,8 +24,6 @@ def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float
     return np.tile(row, (num_frames, 1))
 
 
-FIRST_BLOCK_VIDEO_FRAMES = 9  # block 0: 3 latent frames = 1 + 4 x 2 video frames
-BLOCK_VIDEO_FRAMES = 12  # every later block: 3 latent frames = 12 new video frames
 
 
 @dataclass
@@ -98,7 +96,7 @@ def check_poses(poses: np.ndarray, frames: int, name: str = "camera_poses") -> N
         raise InputError(f"{name}[{worst}]: the 3x3 block is not a rotation (orthonormal, det +1)")
 
 
-def check_request(request: SessionRequest) -> None:
+def check_request(request: SessionRequest, block_frames: int) -> None:
     """Checks of the inputs' types, shapes and values (the engine checks sizes first). Raises InputError."""
     image = request.image
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
@@ -110,7 +108,7 @@ def check_request(request: SessionRequest) -> None:
             raise InputError(f"request parameter 'on_starve' must be one of {list(ON_STARVE)}; got {request.on_starve!r}")
         if request.max_blocks < 0:
             raise InputError(f"request parameter 'max_blocks' must be >= 0; got {request.max_blocks}")
-        request.first_controls.check(FIRST_BLOCK_VIDEO_FRAMES)
+        request.first_controls.check(block_video_frames(block_frames, first=True))
     else:
         if request.poses is None:
             raise InputError("a whole-trajectory request (num_frames set) needs camera_poses for every frame")

@@ -14,13 +14,15 @@ import numpy as np
 import torch
 
 from ..api.controls import integrate
-from ..api.request import BLOCK_VIDEO_FRAMES, FIRST_BLOCK_VIDEO_FRAMES, Controls
+from ..api.contract import block_video_frames
+from ..api.request import Controls
 from ..model.camera import framewise_deltas, interpolate_poses, normalise_translations, se3_inverse, translation_scale
 
 
 class CameraTrack:
-    def __init__(self, intrinsics: np.ndarray, scale: float | None = None) -> None:
+    def __init__(self, intrinsics: np.ndarray, block_frames: int, scale: float | None = None) -> None:
         """scale: the clip's translation scale (a whole trajectory), None for the running maximum."""
+        self.block_frames = block_frames
         self.intrinsics = torch.from_numpy(np.asarray(intrinsics, dtype=np.float32))
         self.fixed_scale = scale
         self.running_scale = 0.0
@@ -30,12 +32,12 @@ class CameraTrack:
         self.last_motion: np.ndarray | None = None  # the last frame-to-frame motion (float64 [4, 4])
 
     @classmethod
-    def whole(cls, poses: np.ndarray, intrinsics: np.ndarray) -> CameraTrack:
+    def whole(cls, poses: np.ndarray, intrinsics: np.ndarray, block_frames: int) -> CameraTrack:
         """A whole trajectory's track: its scale is the clip's largest translation, found by a dry run."""
-        dry = cls(intrinsics)
-        for block in split_blocks(poses):
+        dry = cls(intrinsics, block_frames)
+        for block in split_blocks(poses, block_frames):
             dry.next_block(block)
-        return cls(intrinsics, dry.running_scale)
+        return cls(intrinsics, block_frames, dry.running_scale)
 
     @property
     def started(self) -> bool:
@@ -43,7 +45,7 @@ class CameraTrack:
 
     def video_frames(self) -> int:
         """New video frames the next block takes."""
-        return BLOCK_VIDEO_FRAMES if self.started else FIRST_BLOCK_VIDEO_FRAMES
+        return block_video_frames(self.block_frames, first=not self.started)
 
     def resolve(self, controls: Controls | None) -> np.ndarray:
         """The next block's video poses [n, 4, 4]: given, integrated from held keys, or (None) a held block: the
@@ -53,18 +55,18 @@ class CameraTrack:
         if controls is not None:
             if not self.started:
                 start = np.eye(4, dtype=np.float32)
-                return np.concatenate([start[None], integrate(start, controls.keys, FIRST_BLOCK_VIDEO_FRAMES - 1)])
-            return integrate(self.last_video, controls.keys, BLOCK_VIDEO_FRAMES)
+                return np.concatenate([start[None], integrate(start, controls.keys, self.video_frames() - 1)])
+            return integrate(self.last_video, controls.keys, self.video_frames())
         if self.last_motion is None:
             raise ValueError("no motion to hold before the first block")
         poses, pose = [], self.last_video.astype(np.float64)
-        for _ in range(BLOCK_VIDEO_FRAMES):
+        for _ in range(self.video_frames()):
             pose = pose @ self.last_motion
             poses.append(pose)
         return np.stack(poses).astype(np.float32)
 
     def next_block(self, video_poses: np.ndarray) -> torch.Tensor:
-        """The model poses [3, 4, 4] of the block whose new video frames have these camera-to-world poses."""
+        """The model poses [block_frames, 4, 4] of the block whose new video frames have these camera-to-world poses."""
         first = not self.started
         window = video_poses if first else np.concatenate([self.last_video[None], video_poses])
         latent = interpolate_poses(window, 1 + (len(window) - 1) // 4)
@@ -85,7 +87,7 @@ class CameraTrack:
         return normalise_translations(deltas, scale)
 
 
-def split_blocks(poses: np.ndarray) -> list[np.ndarray]:
-    """A whole trajectory's per-frame poses as each block's new video frames (9, then 12 each)."""
-    first = FIRST_BLOCK_VIDEO_FRAMES
-    return [poses[:first]] + [poses[i : i + BLOCK_VIDEO_FRAMES] for i in range(first, len(poses), BLOCK_VIDEO_FRAMES)]
+def split_blocks(poses: np.ndarray, block_frames: int) -> list[np.ndarray]:
+    """A whole trajectory's per-frame poses as each block's new video frames (9, then 12 each at 3 latent frames)."""
+    first, later = block_video_frames(block_frames, first=True), block_video_frames(block_frames, first=False)
+    return [poses[:first]] + [poses[i : i + later] for i in range(first, len(poses), later)]

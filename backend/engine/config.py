@@ -3,13 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api.contract import BLOCK_FRAMES
 from ..api.settings import runtime_field
 
 SUPPORTED_SP_MODES = ("ulysses",)
-# The official command's window and sink (latent frames), for a checkpoint whose config names none.
-DEFAULT_WINDOW_FRAMES = 18
-DEFAULT_SINK_FRAMES = 6
 KNOWN_UNSUPPORTED_SP_MODES = ("ring", "all_gather", "a2a_permute", "hybrid")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
 
@@ -25,11 +21,13 @@ class EngineConfig:
     dtype: str = "bfloat16"  # the DiT's weights and activations: bfloat16, float16 or float32
     attention_backend: str = "auto"  # auto, flash (flash-attn) or sdpa
     device: str = runtime_field("cpu")  # set by the instance: "cpu" or "cuda:<id>"
-    block_frames: int = BLOCK_FRAMES  # latent frames per AR block
+    # The next four, left at their "unset" value, come from the checkpoint (its files, else its layout's source:
+    # see model.layout.SOURCE_DEFAULTS); validation.resolve_settings resolves them once, with provenance.
+    block_frames: int = 0  # latent frames per AR block; 0: the checkpoint's
     denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward)
-    timestep_shift: float = 0.0  # 0: the checkpoint's scheduler shift (5.0 without one)
-    window_frames: int = 0  # latent frames a block attends to, itself included; 0: the checkpoint's (else 18)
-    sink_frames: int = -1  # first latent frames never evicted from the KV cache; -1: the checkpoint's (else 6)
+    timestep_shift: float = 0.0  # flow-matching shift; 0: the checkpoint's
+    window_frames: int = 0  # latent frames a block attends to, itself included; -1: global; 0: the checkpoint's
+    sink_frames: int = -1  # first latent frames never evicted from the KV cache; -1: the checkpoint's
     default_height: int = 480  # the resolution checked at start-up; requests may ask for others
     default_width: int = 832  # with default_height
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)

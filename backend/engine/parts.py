@@ -28,13 +28,12 @@ class EngineParts:
 
 def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> EngineParts:
     """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
-    checkpoint directory."""
-    config = spec.config
+    checkpoint, in either layout."""
+    config, layout = spec.config, spec.checkpoint.layout
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
-    root = Path(config.checkpoint)
-    transformer = load_transformer(root / "transformer", spec.checkpoint.transformer, dtype, device, part)
+    transformer = load_transformer(layout.transformer, spec.checkpoint.transformer, dtype, device, part)
     prompts = None
     if rank == ENCODER_RANK:
-        encoder, tokenizer = load_text_encoder(root, dtype, device)
+        encoder, tokenizer = load_text_encoder(layout, dtype, device)
         prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
-    return EngineParts(transformer, prompts, load_vae(root / "vae", torch.float32, device))
+    return EngineParts(transformer, prompts, load_vae(layout, torch.float32, device))

@@ -40,7 +40,7 @@ from .geometry import VideoGeometry
 from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
 from .session import Session
-from .validation import EngineSpec, checked_spec
+from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,19 @@ class WorldModelEngine:
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
-        check_request(request)
+        check_request(request, geometry.block_frames)
+        if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
+            raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
+                             "needs request parameter 'max_blocks' > 0 to bound its cache")
         return geometry
+
+    def session_window_frames(self, request: SessionRequest, geometry: VideoGeometry) -> int:
+        """The latent frames a session's cache holds: the window, or a clip's (or a bounded steered session's)
+        frames when they are fewer or attention is global."""
+        frames = request.max_blocks * geometry.block_frames if request.steered else geometry.latent_frames
+        if self.window_frames == GLOBAL_WINDOW:
+            return frames
+        return self.window_frames if request.steered else min(self.window_frames, frames)
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, session_id: str | None = None, owner: int = 0) -> Session:
@@ -115,9 +126,7 @@ class WorldModelEngine:
         text = self.transformer.text_caches(self.prompts.states(request.prompt), mesh.sp.head_slice(tp_heads), mesh.tp)
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
-            # A clip shorter than the window never needs the whole window.
-            window_tokens=(self.window_frames if request.steered else min(self.window_frames, geometry.latent_frames))
-            * geometry.tokens_per_frame,
+            window_tokens=self.session_window_frames(request, geometry) * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
             sink_tokens=self.sink_frames * geometry.tokens_per_frame,
             local_heads=tp_heads // mesh.sp.degree,
@@ -131,9 +140,9 @@ class WorldModelEngine:
             request=request,
             geometry=geometry,
             generator=torch.Generator("cpu").manual_seed(request.seed),
-            camera=(CameraTrack(request.camera_intrinsics()) if request.steered
-                    else CameraTrack.whole(request.poses, request.camera_intrinsics())),
-            planned=[] if request.steered else split_blocks(request.poses),
+            camera=(CameraTrack(request.camera_intrinsics(), geometry.block_frames) if request.steered
+                    else CameraTrack.whole(request.poses, request.camera_intrinsics(), geometry.block_frames)),
+            planned=[] if request.steered else split_blocks(request.poses, geometry.block_frames),
             condition=(self.conditions.start(prepare_image(image, request.height, request.width))
                        if self.conditions is not None else None),
             text=text,

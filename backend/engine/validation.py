@@ -1,31 +1,40 @@
 """Start-up validation: everything checkable from configs alone, before any weight is read."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..api.errors import ConfigError
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
 from ..model.dtypes import TORCH_DTYPES
-from .config import (
-    ATTENTION_BACKENDS,
-    DEFAULT_SINK_FRAMES,
-    DEFAULT_WINDOW_FRAMES,
-    KNOWN_UNSUPPORTED_SP_MODES,
-    SUPPORTED_SP_MODES,
-    EngineConfig,
-)
+from ..model.layout import Setting
+from .config import ATTENTION_BACKENDS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
 from .geometry import VideoGeometry
+
+GLOBAL_WINDOW = -1  # window_frames: every frame of a session stays in its KV cache (the reference's -1)
+PARAMETER = "parameter"
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Engine settings checked against the checkpoint's configs: what an engine is built from."""
+    """Engine settings checked against the checkpoint's configs: what an engine is built from. `config` holds
+    the resolved block_frames, timestep_shift, window_frames and sink_frames; `settings` says where each came from."""
 
     config: EngineConfig
     checkpoint: CheckpointConfigs
-    window_frames: int  # resolved: the setting, else the checkpoint's local_attn_size, else the default
-    sink_frames: int
-    shift: float
+    settings: dict[str, Setting]
+
+    @property
+    def window_frames(self) -> int:
+        return self.config.window_frames
+
+    @property
+    def sink_frames(self) -> int:
+        return self.config.sink_frames
+
+    @property
+    def shift(self) -> float:
+        return self.config.timestep_shift
 
 
 def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
@@ -36,13 +45,33 @@ def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
 
 def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> EngineSpec:
     """Resolve the settings against configs already in memory (a random-weights engine has no files), and validate."""
-    t = ckpt.transformer
-    from_checkpoint = t.local_attn_size > 0  # -1 (the reference class's default) means global attention
-    window = config.window_frames or (t.local_attn_size if from_checkpoint else DEFAULT_WINDOW_FRAMES)
-    sink = config.sink_frames if config.sink_frames >= 0 else (t.sink_size if from_checkpoint else DEFAULT_SINK_FRAMES)
-    spec = EngineSpec(config, ckpt, window, sink, config.timestep_shift or ckpt.shift)
+    settings = resolve_settings(config, ckpt)
+    resolved = dataclasses.replace(config, **{name: s.value for name, s in settings.items()})
+    spec = EngineSpec(resolved, ckpt, settings)
     validate_engine(spec, world_size)
     return spec
+
+
+def resolve_settings(config: EngineConfig, ckpt: CheckpointConfigs) -> dict[str, Setting]:
+    """The one place block_frames, timestep_shift, window_frames and sink_frames are decided: an explicit
+    parameter wins, else the checkpoint's (its file, else its layout's source default)."""
+    explicit = {
+        "block_frames": config.block_frames != 0,
+        "timestep_shift": config.timestep_shift != 0,
+        "window_frames": config.window_frames != 0,
+        "sink_frames": config.sink_frames != -1,
+    }
+    return {name: Setting(getattr(config, name), PARAMETER) if given else ckpt.settings[name]
+            for name, given in explicit.items()}
+
+
+def describe_settings(spec: EngineSpec) -> list[str]:
+    """One line per resolved setting: its value and where it came from (logged at load)."""
+    lines = [f"{name} = {s.value} ({s.source})" for name, s in spec.settings.items()]
+    if spec.window_frames == GLOBAL_WINDOW:
+        lines.append("window_frames = -1: global attention, each session's cache holds all its frames (no eviction, "
+                     "so sink_frames has no effect); a steered session needs max_blocks")
+    return lines
 
 
 def validate_engine(spec: EngineSpec, world_size: int) -> None:
@@ -86,10 +115,12 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
     # The reference's eviction keeps the sink and rolls the rest so that the new block fits the window:
     # it needs sink + block <= window (a larger sink would be overwritten by the block); any such sink and
     # window run, multiples of the block or not (e.g. window 6 / sink 3 with 3-frame blocks).
-    if not 0 <= sink <= window - config.block_frames:
+    if window != GLOBAL_WINDOW and not 0 <= sink <= window - config.block_frames:
         raise ConfigError(
-            f"window_frames={window} must hold sink_frames={sink} plus one block of block_frames="
-            f"{config.block_frames} (sink_frames from 0 to window_frames - block_frames = {window - config.block_frames})"
+            f"window_frames={window} ({spec.settings['window_frames'].source}) must hold sink_frames={sink} "
+            f"({spec.settings['sink_frames'].source}) plus one block of block_frames={config.block_frames} "
+            f"(sink_frames from 0 to window_frames - block_frames = {window - config.block_frames}), or be "
+            f"{GLOBAL_WINDOW} (global attention)"
         )
     camera_channels = 6 * vae.spatial_factor**2  # Pluecker [origin, direction] x the VAE's pixels per latent pixel
     if t.camera_channels != camera_channels:

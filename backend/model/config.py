@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..api.errors import ConfigError
+from .layout import SOURCE_DEFAULTS, CheckpointLayout, Setting, resolve_layout
+from .official_names import vae_arguments
+from .pth_files import read_pth_index
 from .weight_files import tensor_shape
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,10 @@ class TransformerConfig:
     qk_norm: bool = True
     cross_attn_norm: bool = True
     patch_size: tuple[int, int, int] = (1, 2, 2)
-    local_attn_size: int = 18  # latent frames a query block attends to (sink + rolling history + itself)
-    sink_size: int = 6  # first latent frames never evicted from the self-attention cache
+    # The KV window as config.json names it (None: not named; -1: global attention). What is served is
+    # resolved with the layout's source defaults and the parameters (engine.validation.resolve_settings).
+    local_attn_size: int | None = None  # latent frames a query block attends to (sink + rolling history + itself)
+    sink_size: int | None = None  # first latent frames never evicted from the self-attention cache
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -58,7 +63,8 @@ class TransformerConfig:
             raise ConfigError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim {self.head_dim} must be even (rotary pairs)")
-        if self.local_attn_size != -1 and not 0 <= self.sink_size < self.local_attn_size:
+        window, sink = self.local_attn_size, self.sink_size
+        if window is not None and sink is not None and window != -1 and not 0 <= sink < window:
             raise ConfigError(f"sink_size {self.sink_size} must be in [0, local_attn_size={self.local_attn_size})")
 
     @property
@@ -164,7 +170,7 @@ class TransformerConfig:
                 raise ConfigError(f"transformer config is missing required key {key!r}")
         for key in ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_dim", "freq_dim",
                     "text_len", "local_attn_size", "sink_size"):
-            if key in values:
+            if values.get(key) is not None:
                 values[key] = int(values[key])
         if "eps" in values:
             values["eps"] = float(values["eps"])
@@ -203,12 +209,9 @@ class VaeConfig:
         )
 
 
-DEFAULT_SHIFT = 5.0  # the reference's flow-matching shift for the fast model when the checkpoint names none
-
-
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"{path} not found: the checkpoint must be a diffusers-format model directory")
+        raise ConfigError(f"{path} not found")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -219,26 +222,43 @@ def read_json(path: Path) -> dict[str, Any]:
 class CheckpointConfigs:
     transformer: TransformerConfig
     vae: VaeConfig
-    shift: float  # scheduler/scheduler_config.json `shift`, DEFAULT_SHIFT without one
+    layout: CheckpointLayout | None  # None for a model built in memory (the random-weights benchmark)
+    # block_frames, timestep_shift, window_frames, sink_frames as the checkpoint's files or its layout's source say
+    settings: dict[str, Setting]
 
 
 def read_checkpoint_configs(checkpoint: str) -> CheckpointConfigs:
-    """Read only the JSON files of a checkpoint (and, when config.json omits text_dim, one safetensors header)."""
-    root = Path(checkpoint)
-    if not root.is_dir():
-        raise ConfigError(f"checkpoint directory {root} does not exist")
-    index = read_json(root / "model_index.json")
-    missing = [c for c in ("transformer", "vae", "text_encoder", "tokenizer") if c not in index]
-    if missing:
-        raise ConfigError(f"{root / 'model_index.json'} lacks component(s) {missing}")
-    raw = read_json(root / "transformer" / "config.json")
+    """Read only the JSON files of a checkpoint in either layout (and a safetensors header when config.json
+    omits text_dim; the official VAE's architecture from its .pth's tensor names and shapes)."""
+    layout = resolve_layout(checkpoint)
+    config_path = layout.transformer / "config.json"
+    raw = read_json(config_path)
     text_dim = None
     if "text_dim" not in raw:  # the reference class does not save it: read the text embedding's width
-        text_dim = tensor_shape(root / "transformer", "text_embedding.0.weight")[1]
-    scheduler = root / "scheduler" / "scheduler_config.json"
-    shift = float(read_json(scheduler).get("shift", DEFAULT_SHIFT)) if scheduler.is_file() else DEFAULT_SHIFT
+        text_dim = tensor_shape(layout.transformer, "text_embedding.0.weight")[1]
     try:
         transformer = TransformerConfig.from_dict(raw, log, text_dim=text_dim)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{root / 'transformer' / 'config.json'}: {exc}") from exc
-    return CheckpointConfigs(transformer, VaeConfig.from_dict(read_json(root / "vae" / "config.json")), shift)
+        raise ConfigError(f"{config_path}: {exc}") from exc
+    if layout.official:
+        vae = VaeConfig.from_dict(vae_arguments(read_pth_index(layout.vae), layout.vae))
+    else:
+        vae = VaeConfig.from_dict(read_json(layout.vae / "config.json"))
+    return CheckpointConfigs(transformer, vae, layout, checkpoint_settings(layout, transformer))
+
+
+def checkpoint_settings(layout: CheckpointLayout, transformer: TransformerConfig) -> dict[str, Setting]:
+    """The official layout's settings are its scripts' (the reference passes window and sink at load time,
+    over config.json's); the diffusers layout's come from its files where they name them."""
+    settings = dict(SOURCE_DEFAULTS[layout.kind])
+    if layout.official:
+        return settings
+    config_file = layout.transformer / "config.json"
+    if transformer.local_attn_size is not None:
+        settings["window_frames"] = Setting(transformer.local_attn_size, f"checkpoint file {config_file} local_attn_size")
+    if transformer.sink_size is not None:
+        settings["sink_frames"] = Setting(transformer.sink_size, f"checkpoint file {config_file} sink_size")
+    scheduler = layout.root / "scheduler" / "scheduler_config.json"
+    if scheduler.is_file() and "shift" in (raw := read_json(scheduler)):
+        settings["timestep_shift"] = Setting(float(raw["shift"]), f"checkpoint file {scheduler} shift")
+    return settings

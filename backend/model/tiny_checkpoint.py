@@ -1,6 +1,6 @@
 """Write a random checkpoint in the diffusers directory format the engine loads (weights can't be downloaded).
 
-    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|mid] [--seed 0] [--if-stale]
+    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|tiny16|mid] [--seed 0] [--if-stale]
 
 Same layout as a real checkpoint: model_index.json, transformer/ (config.json + safetensors),
 vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel), tokenizer/, scheduler/.
@@ -29,12 +29,23 @@ PRESETS: dict[str, dict] = {
         "z_dim": 4,
         "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
     },
+    # The tiny model with the Wan VAE's 16 latent channels and Wan 2.1's latent statistics (AutoencoderKLWan's
+    # defaults): what the official layout can carry, which names no statistics (see official_checkpoint).
+    "tiny16": {
+        "transformer": dict(num_heads=4, dim=64, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, text_len=16,
+                            local_attn_size=9, sink_size=3),
+        "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+        "z_dim": 16,
+        "wan21_latents": True,
+        "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+    },
     # GPU benchmark size: the real 40-head geometry, a fraction of the depth and width.
     "mid": {
         "transformer": dict(num_heads=40, dim=2560, text_dim=512, freq_dim=256, ffn_dim=6912, num_layers=8,
                             text_len=512, local_attn_size=18, sink_size=6),
         "vae": dict(base_dim=32, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
         "z_dim": 16,
+        "wan21_latents": True,
         "text_encoder": dict(d_model=512, d_kv=64, d_ff=1024, num_layers=2, num_heads=8),
     },
 }
@@ -92,11 +103,12 @@ def write_vae(out: Path, preset: dict, seed: int) -> None:
 
     z = preset["z_dim"]
     g = torch.Generator().manual_seed(seed)
-    mean = (torch.randn(z, generator=g) * 0.1).tolist()
-    std = (1.0 + torch.rand(z, generator=g) * 0.5).tolist()
+    stats = {} if preset.get("wan21_latents") else {
+        "latents_mean": (torch.randn(z, generator=g) * 0.1).tolist(),
+        "latents_std": (1.0 + torch.rand(z, generator=g) * 0.5).tolist(),
+    }
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**vae_arguments(preset), latents_mean=mean, latents_std=std)
-    vae.save_pretrained(str(out))
+    AutoencoderKLWan(**vae_arguments(preset), **stats).save_pretrained(str(out))
 
 
 def write_text_encoder(root: Path, preset: dict, seed: int) -> None:

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..api.errors import InputError
-from ..api.request import BLOCK_VIDEO_FRAMES, SessionRequest, StepRequest
+from ..api.contract import block_video_frames
+from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import messages
@@ -121,7 +122,7 @@ class GroupCoordinator:
                 return
             try:
                 if step.controls is not None:
-                    step.controls.check(BLOCK_VIDEO_FRAMES)
+                    step.controls.check(block_video_frames(self.engine.config.block_frames, first=False))
             except InputError as exc:
                 responder.send_error(str(exc))
                 return
