@@ -5,6 +5,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 from backend.parallel.local import run_group
 from factories import tiny_config, tiny_request
@@ -69,6 +71,22 @@ def test_all_to_all_bytes_do_not_grow_with_history(rollouts: dict[int, list[dict
     block_tokens, dim, layers, forwards = 48, 64, 2, 5
     expected = forwards * layers * 6 * (block_tokens // sp) * dim * 4 * (sp - 1) // sp
     assert per_block[0] == expected
+
+
+def test_float32_gemm_bits_depend_on_neither_rows_nor_threads() -> None:
+    """What SP1 == SPn rests on (MKL's strict reproducibility mode, set in backend/__init__.py): without it, on
+    AVX-512 this camera-sized Linear gives other bits for an SP4 rank's 12 of 48 rows, and at 1 vs 2 threads."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(48, 1536, generator=generator), torch.randn(64, 1536, generator=generator)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = F.linear(x, w)
+        assert all(torch.equal(F.linear(x[r : r + 12], w), whole[r : r + 12]) for r in range(0, 48, 12))
+        torch.set_num_threads(2)
+        assert torch.equal(F.linear(x, w), whole)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bfloat16_sp2_matches_sp1(tiny_checkpoint: str) -> None:
