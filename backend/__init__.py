@@ -15,6 +15,6 @@ import os
 # other bits for fewer than 16 rows (an SP rank's share of a block's tokens) than for the same rows among more,
 # and a 1536-input Linear (the camera embedding) other bits at 1 and 2 threads. STRICT pins one kernel and
 # reduction order: a row's result no longer depends on the rows beside it or on the thread count, which float32
-# SP1 == SPn and server == direct engine rest on. Measured cost: none (4096 x 2560 x 2560, one thread).
+# SP1 == SPn and server == direct engine rest on.
 # A caller's own MKL_CBWR is kept; `tests/test_engine_parallel.py` checks the mode is in force.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

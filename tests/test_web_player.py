@@ -1,11 +1,8 @@
 """The browser player end to end: real headless Chromium, the bridge (`python -m client serve`), real tritonserver."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -14,8 +11,8 @@ from pathlib import Path
 import imageio.v3 as iio
 import pytest
 
-from backend.parallel.local import free_port
 from factories import TINY_SIZE, sample_image
+from bridge_harness import running_bridge
 from polling import wait_until
 from system_tools import requires_tool
 from triton_harness import metrics
@@ -31,25 +28,10 @@ pytestmark = [pytest.mark.server, requires_tool(Path(CHROMIUM).is_file(), f"Chro
 
 
 @pytest.fixture(scope="module")
-def player_url(sp1_server) -> Iterator[str]:
+def player_url(sp1_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`python -m client serve` against the tiny server, as a user starts it."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", sp1_server.grpc_url, "--port", str(port)],
-                            cwd=Path(__file__).resolve().parent.parent)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        wait_until(lambda: _answers(url) or proc.poll() is not None, 60, "the player to serve its page")
-        assert proc.poll() is None, "the player exited at start-up"
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _answers(url: str) -> bool:
-    with contextlib.suppress(OSError):
-        return urllib.request.urlopen(url, timeout=2).status == 200
-    return False
+    with running_bridge(sp1_server.grpc_url, tmp_path_factory.mktemp("bridge") / "bridge.log") as base:
+        yield base + "/"
 
 
 @pytest.fixture(scope="module")

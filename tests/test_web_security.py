@@ -7,8 +7,6 @@ import base64
 import contextlib
 import io
 import json
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,38 +17,14 @@ import pytest
 from PIL import Image, ImageFile
 
 from backend.api.contract import MAX_INPUT_PIXELS
-from backend.parallel.local import free_port
 from client.web.frames import decode_upload
 from factories import TINY_SIZE
+from bridge_harness import running_bridge
 from polling import wait_until
 
 pytestmark = pytest.mark.server  # starts a real tritonserver and the bridge
 
-ROOT = Path(__file__).resolve().parent.parent
 BOUND_S = 60  # every exchange with the bridge finishes within this
-
-
-@contextlib.contextmanager
-def bridge(triton_url: str, log: Path, *args: str) -> Iterator[str]:
-    """`python -m client serve` with `args`; yields its base URL; its output goes to `log`."""
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", triton_url, "--port", str(port),
-                                 *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: answers(base + "/") or proc.poll() is not None, 60, "the bridge to serve its page")
-        assert proc.poll() is None, log.read_text()
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def answers(url: str) -> bool:
-    with contextlib.suppress(OSError):
-        return urllib.request.urlopen(url, timeout=2).status == 200
-    return False
 
 
 def status_of(url: str) -> int:
@@ -65,7 +39,7 @@ def status_of(url: str) -> int:
 @pytest.fixture(scope="module")
 def player(sp1_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     log = tmp_path_factory.mktemp("bridge") / "bridge.log"
-    with bridge(sp1_server.grpc_url, log, "--max-pages", "2") as base:
+    with running_bridge(sp1_server.grpc_url, log, "--max-pages", "2") as base:
         yield base, log
 
 
@@ -173,7 +147,7 @@ def test_a_message_over_the_size_limit_is_refused(player) -> None:
 
 def test_allow_origin_and_token(sp1_server, tmp_path: Path) -> None:
     other = "https://studio.example"
-    with bridge(sp1_server.grpc_url, tmp_path / "bridge.log", "--allow-origin", other, "--token", "s3cret") as base:
+    with running_bridge(sp1_server.grpc_url, tmp_path / "bridge.log", "--allow-origin", other, "--token", "s3cret") as base:
         for origin, query in ((other, ""), (other, "?token=wrong"), ("http://evil.example", "?token=s3cret")):
             with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
                 run(exchange(base, [], origin=origin, query=query))

@@ -16,7 +16,7 @@ class EngineConfig:
 
     checkpoint: str  # the diffusers-layout checkpoint directory
     sp_degree: int = 1  # Ulysses ranks: the model instances of all servers (the launcher sets it)
-    tp_degree: int = 1  # tensor parallelism: validated, not implemented (must be 1)
+    tp_degree: int = 1  # tensor parallelism inside the group: tp_degree x sp_degree ranks (docs/parallelism.md)
     sp_mode: str = "ulysses"  # the sequence-parallel scheme (only "ulysses")
     dtype: str = "bfloat16"  # the DiT's weights and activations: bfloat16, float16 or float32
     attention_backend: str = "auto"  # auto, flash (flash-attn) or sdpa

@@ -6,7 +6,6 @@ A setting's description is the comment on its line in the dataclass (and comment
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
 import sys
 from pathlib import Path
