@@ -52,7 +52,7 @@ def test_streamed_decode_equals_whole_clip_decode(engine: WorldModelEngine) -> N
     latents = torch.cat([out.latents for out, _ in results], dim=2)
     vae = engine.vae
     with torch.no_grad():
-        whole = vae.vae.decode(latents * vae.std + vae.mean).sample.clamp(-1, 1)[0]
+        whole = vae.vae.decode(latents / vae.inv_std + vae.mean).sample.clamp(-1, 1)[0]
     whole = ((whole + 1.0) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).numpy()
     assert streamed.shape == whole.shape == (33, 64, 64, 3)
     assert np.array_equal(streamed, whole)

@@ -115,7 +115,7 @@ def test_interpolation_at_non_integer_positions() -> None:
 
 def test_camera_features_shape_and_first_frame_at_origin() -> None:
     c2w = np.stack([pose(rot_z(0.02 * i), [0.1 * i, 0, 0]) for i in range(9)]).astype(np.float32)
-    poses = CameraTrack.whole(c2w, np.array([20, 20, 16, 8], np.float32)).next_block(c2w)
+    poses = CameraTrack.whole(c2w, np.array([20, 20, 16, 8], np.float32), 3).next_block(c2w)
     assert torch.equal(poses[0], torch.eye(4))
     assert cam.translation_scale(poses) == pytest.approx(1.0)
     features = cam.camera_features(poses, torch.tensor([20.0, 20.0, 16.0, 8.0]), 16, 32, 8)

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import socket
 
 import numpy as np
 import torch
@@ -76,6 +77,7 @@ class TritonPythonModel:
         secret = group_secret() if world > 1 else ""
         groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
                             serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)
+        self.load_id, self.host_rank, self._unload_claim = groups.load_id, serving.host_rank, None
         log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
         group = SequenceParallel(groups.data)
         mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
@@ -119,8 +121,14 @@ class TritonPythonModel:
         model loaded while a dead stub's response factory lives (forever), so finalize never runs here,
         and a reload needs this rank's rendezvous port and sockets back.
         """
-        log.error("rank %d: sequence-parallel group failed (%r); unloading %s", self.rank, exc, self.model_name)
         leave_group()
+        self._unload_claim = claim_for_this_host(f"lingbot-unload-{self.load_id}-{self.host_rank}")
+        if self._unload_claim is None:  # another instance of this server asked: a second ask, landing after an
+            # operator's prompt reload, would unload the new load
+            log.error("rank %d: sequence-parallel group failed (%r); this server's model is being unloaded",
+                      self.rank, exc)
+            return
+        log.error("rank %d: sequence-parallel group failed (%r); unloading %s", self.rank, exc, self.model_name)
         try:
             pb_utils.unload_model(self.model_name)
         except Exception as unload_error:  # noqa: BLE001 - only explicit model control allows it
@@ -128,6 +136,18 @@ class TritonPythonModel:
                 "cannot unload %s (%s); without --model-control-mode=explicit the model keeps reading ready "
                 "and refuses every request until the server restarts", self.model_name, unload_error,
             )
+
+
+def claim_for_this_host(name: str) -> socket.socket | None:
+    """A claim that the first process of this host (network namespace) to ask holds until it exits: the name of
+    an abstract unix socket, which the kernel frees with its process (nothing to clean up). None: held already."""
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind("\0" + name)
+    except OSError:
+        claim.close()
+        return None
+    return claim
 
 
 def _input(request: pb_utils.InferenceRequest, name: str) -> np.ndarray | None:

@@ -7,6 +7,7 @@ loopback too.
 from __future__ import annotations
 
 import datetime
+import secrets
 import ipaddress
 import logging
 import os
@@ -81,6 +82,7 @@ class GroupHandles:
     control: dist.ProcessGroup | None  # small control messages: always gloo
     decode: dist.ProcessGroup | None  # the split VAE decode's rows (parallel/rows): gloo, when the decode is split
     store: dist.Store | None = None  # the rendezvous store, hosted by rank 0 (keys prefixed with the secret)
+    load_id: str = ""  # this join's name, the same on every rank (rank 0 draws it): tells one load from the next
 
     def all_arrived(self, key: str) -> None:
         """A barrier under the long start-up timeout (the groups' own have the short one), e.g. after loading."""
@@ -111,6 +113,8 @@ def join_group(
         _hosted.append(dist.TCPStore(host, port, is_master=True, master_listen_fd=_listening_socket(host, port),
                                      timeout=datetime.timedelta(seconds=init_timeout_s), wait_for_workers=False))
     store = store_client(host, port, secret, init_timeout_s)
+    if rank == 0:
+        store.set("load_id", secrets.token_hex(8))
     _all_arrived(store, world_size, "joined")  # every rank is here: connecting needs no long timeout
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -119,6 +123,7 @@ def join_group(
         control=dist.new_group(backend="gloo", timeout=timeout / 2),
         decode=dist.new_group(backend="gloo", timeout=timeout) if split_decode else None,
         store=store,
+        load_id=store.get("load_id").decode(),
     )
 
 
