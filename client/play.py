@@ -2,7 +2,8 @@
 
     python -m client play --prompt "a castle" --keys "w*6,wa*2,j*3" --out out/play.mp4
 
-Each step of the script is one block (see backend/api/controls.py for the keys and step sizes). The client
+Each step of the script is one block (see backend/api/controls.py for the keys and step sizes); an entry
+"@text" is a world event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"). The client
 keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
 Per block it prints the step latency (request sent to block received) and the real-time factor: seconds of
 video at 16 fps delivered per second since the first block (>= 1 keeps up with playback).
@@ -14,7 +15,7 @@ import statistics
 import sys
 
 from backend.api import contract
-from backend.api.controls import parse_key_script
+from backend.api.controls import parse_play_script
 from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest
 from client.images import load_image, synthetic_image
@@ -30,7 +31,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
-    p.add_argument("--keys", default="w*6", help='key script, e.g. "w*6,wa*2,j*3" (default: %(default)s)')
+    p.add_argument("--keys", default="w*6",
+                   help='key script, e.g. "w*6,wa*2,@it starts to snow,j*3" (default: %(default)s)')
     p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
     p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
@@ -47,13 +49,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        steps = parse_key_script(args.keys)
+        steps = parse_play_script(args.keys)
         image = load_image(args.image) if args.image else synthetic_image(args.height, args.width)
     except (InputError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
-                             height=args.height, width=args.width, keys=steps[0], on_starve=args.on_starve)
+                             height=args.height, width=args.width, keys=steps[0][0], on_starve=args.on_starve)
     latencies: list[float] = []
     rate = DeliveryRate(DEFAULT_FPS)
     try:
@@ -62,7 +64,8 @@ def main(argv: list[str]) -> int:
             sent = 1
             for received in range(len(steps)):
                 while sent < len(steps) and sent - received <= args.lookahead:
-                    session.step(Controls(keys=steps[sent]), end=sent == len(steps) - 1)
+                    keys, prompt = steps[sent]
+                    session.step(Controls(keys=keys, prompt=prompt), end=sent == len(steps) - 1)
                     sent += 1
                 block = session.next_block(args.timeout)
                 latency = block.arrival_s - session.sent_s[received]
@@ -70,9 +73,11 @@ def main(argv: list[str]) -> int:
                 mp4.append(block.frames)
                 factor = rate.add(len(block.frames), block.arrival_s)
                 rtf = "n/a" if factor is None else f"{factor:.2f}x"
-                print(f"block {block.block_index}: keys {steps[received] or '-'!r:6} {len(block.frames)} frames, "
+                keys, prompt = steps[received]
+                event = "" if prompt is None else f", prompt now {prompt!r}"
+                print(f"block {block.block_index}: keys {keys or '-'!r:6} {len(block.frames)} frames, "
                       f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
-                      f"{', HELD (step late)' if block.held else ''}", flush=True)
+                      f"{', HELD (step late)' if block.held else ''}{event}", flush=True)
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import numpy as np
 import pytest
 import torch
 
+from backend.api.controls import parse_play_script
 from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest
 from backend.engine.blocks import BlockControls
@@ -15,6 +17,7 @@ from backend.serving.threads import CoreSplit, instance_cores
 from client.steer import SteeredSession
 from client.stream import StreamError
 from factories import tiny_request
+from triton_harness import metrics
 
 SNOW, RAIN = "it starts to snow", "heavy rain falls"
 
@@ -25,16 +28,8 @@ def steered(controls: Controls, seed: int = 42) -> SessionRequest:
 
 
 def keys(script: str) -> list[Controls]:
-    """"w,w,@snow,d": one block per key entry; an @entry is the next block's prompt (as `client play` reads it)."""
-    steps: list[Controls] = []
-    prompt = None
-    for entry in script.split(","):
-        if entry.startswith("@"):
-            prompt = entry[1:]
-            continue
-        steps.append(Controls(keys=entry, prompt=prompt))
-        prompt = None
-    return steps
+    """One block's Controls per entry of a `client play` key script with world events."""
+    return [Controls(keys=k, prompt=prompt) for k, prompt in parse_play_script(script)]
 
 
 def direct(engine: WorldModelEngine, steps: list[Controls]) -> np.ndarray:
@@ -95,3 +90,49 @@ def test_a_bad_event_is_refused_and_the_old_prompt_stays(engine: WorldModelEngin
         with pytest.raises(InputError, match=error):
             engine.set_prompt(session, prompt)
         assert session.text is text and session.prompt == "a castle in the forest"
+
+
+TWO_EVENTS = f"w,w,@{SNOW},w,d,@{RAIN},w"
+
+
+@pytest.mark.server
+def test_a_served_event_matches_the_direct_engine(sp1_server, engine: WorldModelEngine) -> None:
+    served = play(sp1_server.grpc_url, keys(TWO_EVENTS))
+    plain = play(sp1_server.grpc_url, keys("w,w,w,d,w"))
+    assert np.array_equal(served[:, : 2 * BLOCK], plain[:, : 2 * BLOCK])  # before the event: bit for bit
+    assert not np.allclose(served[:, 2 * BLOCK :], plain[:, 2 * BLOCK :])
+    assert np.array_equal(served, direct(engine, keys(TWO_EVENTS)))
+
+
+@pytest.mark.server
+def test_sp1_and_sp2_agree_bit_for_bit_with_two_events(sp1_server, sp2_server) -> None:
+    assert np.array_equal(play(sp1_server.grpc_url, keys(TWO_EVENTS)), play(sp2_server.grpc_url, keys(TWO_EVENTS)))
+
+
+@pytest.mark.server
+def test_a_repeated_event_prompt_hits_the_cache(sp1_server) -> None:
+    first, second = (f"{text} {uuid.uuid4().hex}" for text in (SNOW, RAIN))  # new to the server's cache
+    before = metrics(sp1_server, rank=0)
+    play(sp1_server.grpc_url, keys(f"w,@{first},w,@{second},w,@{first},w"))
+    after = metrics(sp1_server, rank=0)
+    assert after["lingbot_world_prompt_events_total"] - before.get("lingbot_world_prompt_events_total", 0) == 3
+    assert after["lingbot_world_prompt_cache_hits_total"] - before.get("lingbot_world_prompt_cache_hits_total", 0) == 1
+
+
+@pytest.mark.server
+def test_a_bad_event_is_refused_and_the_session_goes_on_under_its_old_prompt(sp1_server) -> None:
+    with SteeredSession(sp1_server.grpc_url) as session:
+        session.start(steered(Controls(keys="w")))
+        blocks = [session.next_block(60)]
+        session.step(Controls(keys="w", prompt="   "))
+        with pytest.raises(StreamError, match=r"prompt is empty"):
+            session.next_block(30)
+        session.step(Controls(keys="w", prompt="x" * 5000))
+        with pytest.raises(StreamError, match=r"prompt is 5000 bytes of UTF-8; at most 4096"):
+            session.next_block(30)
+        session._send({"action": np.array([b"w"], dtype=object), "prompt": np.array([b"\xffsnow"], dtype=object)})
+        with pytest.raises(StreamError, match=r"input 'prompt' is not valid UTF-8"):
+            session.next_block(30)
+        session.step(Controls(keys="w"), end=True)
+        blocks.append(session.next_block(60))
+    assert np.array_equal(np.concatenate([b.latents for b in blocks], axis=1), play(sp1_server.grpc_url, keys("w,w")))

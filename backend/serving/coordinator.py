@@ -281,7 +281,7 @@ class GroupCoordinator:
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""
         engine = self.engine
-        hits = engine.prompts.hits
+        hits, same = engine.prompts.hits, prompt == session.prompt
         try:
             engine.set_prompt(session, prompt)
         except Exception:  # the encode failed: every rank learns it in the same broadcast; the old prompt stays
@@ -289,7 +289,8 @@ class GroupCoordinator:
                         exc_info=True)
             return
         log.info("rank %d: session %s from block %d on: prompt %r (prompt cache: %s)", self.rank, session.id,
-                 session.block_index, prompt, "hit" if engine.prompts.hits > hits else "encoded")
+                 session.block_index, prompt,
+                 "unchanged" if same else "hit" if engine.prompts.hits > hits else "encoded")
         if self.on_prompts is not None:
             self.on_prompts(1, engine.prompts.hits - hits)
 
