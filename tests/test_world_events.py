@@ -136,3 +136,4 @@ def test_a_bad_event_is_refused_and_the_session_goes_on_under_its_old_prompt(sp1
         session.step(Controls(keys="w"), end=True)
         blocks.append(session.next_block(60))
     assert np.array_equal(np.concatenate([b.latents for b in blocks], axis=1), play(sp1_server.grpc_url, keys("w,w")))
+
