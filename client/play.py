@@ -22,7 +22,7 @@ from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
 from client.steer import SteeredSession
 from client.stream import StreamError
-from client.video import DEFAULT_FPS, Mp4Writer
+from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,6 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lookahead", type=int, default=1,
                    help="steps sent ahead of the block on screen (default: %(default)s)")
     p.add_argument("--out", default="out/play.mp4", help="MP4 written as blocks arrive (default: %(default)s)")
+    p.add_argument("--contact-sheet", help="also write a PNG grid of every 8th frame, world-event blocks framed")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one block (default: %(default)s)")
     return p.parse_args(argv)
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> int:
         return 2
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
                              height=args.height, width=args.width, keys=steps[0][0], on_starve=args.on_starve)
+    sheet = ContactSheet() if args.contact_sheet else None
     latencies: list[float] = []
     rate = DeliveryRate(DEFAULT_FPS)
     try:
@@ -71,6 +73,8 @@ def main(argv: list[str]) -> int:
                 latency = block.arrival_s - session.sent_s[received]
                 latencies.append(latency)
                 mp4.append(block.frames)
+                if sheet is not None:
+                    sheet.add(block.frames, block.block_index, event=steps[received][1] is not None)
                 factor = rate.add(len(block.frames), block.arrival_s)
                 rtf = "n/a" if factor is None else f"{factor:.2f}x"
                 keys, prompt = steps[received]
@@ -87,4 +91,7 @@ def main(argv: list[str]) -> int:
     later = latencies[1:] or latencies
     print(f"time to first block: {latencies[0]:.2f} s; mean step latency {statistics.fmean(later):.2f} s")
     print(f"video: {args.out} ({mp4.frames_written} frames)")
+    if sheet is not None:
+        sheet.save(args.contact_sheet)
+        print(f"contact sheet: {args.contact_sheet}")
     return 0
