@@ -97,8 +97,6 @@ def png(width: int, height: int) -> str:
          "unknown_keys", "empty_event", "not_a_picture", "huge_picture"],
 )
 def test_a_bad_message_gets_a_plain_error_and_a_clean_close(player, message, expected: str) -> None:
-    import re
-
     base, log = player
     received, code = run(exchange(base, [message]))
     assert [m["type"] for m in received] == ["session", "error"], received
