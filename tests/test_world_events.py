@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from backend.serving.threads import CoreSplit, instance_cores
 from client.steer import SteeredSession
 from client.stream import StreamError
 from factories import tiny_request
+from polling import wait_until
 from triton_harness import metrics
 
 SNOW, RAIN = "it starts to snow", "heavy rain falls"
@@ -137,3 +140,18 @@ def test_a_bad_event_is_refused_and_the_session_goes_on_under_its_old_prompt(sp1
         blocks.append(session.next_block(60))
     assert np.array_equal(np.concatenate([b.latents for b in blocks], axis=1), play(sp1_server.grpc_url, keys("w,w")))
 
+
+
+@pytest.mark.server
+def test_a_served_session_holds_the_same_cache_bytes_after_five_events(sp1_server) -> None:
+    log = Path(sp1_server.log_path)
+
+    def freed_after(script: str) -> int:
+        seen = len(log.read_text())
+        play(sp1_server.grpc_url, keys(script))
+        found = wait_until(lambda: re.findall(r"session r0-\d+ finished after .*; freed (\d+) cache bytes",
+                                              log.read_text()[seen:]), 30, "the session to end")
+        return int(found[-1])
+
+    events = ",".join(f"@{prompt},w" for prompt in (SNOW, RAIN, SNOW, RAIN, SNOW))
+    assert freed_after(f"w,{events}") == freed_after("w,w,w,w,w,w")
