@@ -2,7 +2,8 @@
 
     python -m client play --prompt "a castle" --keys "w*6,wa*2,j*3" --out out/play.mp4
 
-Each step of the script is one block (see backend/api/controls.py for the keys and step sizes). The client
+Each step of the script is one block (see backend/api/controls.py for the keys and step sizes); an entry
+"@text" is a world event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"). The client
 keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
 Per block it prints the step latency (request sent to block received) and the real-time factor: seconds of
 video at 16 fps delivered per second since the first block (>= 1 keeps up with playback).
@@ -14,14 +15,14 @@ import statistics
 import sys
 
 from backend.api import contract
-from backend.api.controls import parse_key_script
+from backend.api.controls import parse_play_script
 from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest
 from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
 from client.steer import SteeredSession
 from client.stream import StreamError
-from client.video import DEFAULT_FPS, Mp4Writer
+from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -30,7 +31,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
-    p.add_argument("--keys", default="w*6", help='key script, e.g. "w*6,wa*2,j*3" (default: %(default)s)')
+    p.add_argument("--keys", default="w*6",
+                   help='key script, e.g. "w*6,wa*2,@it starts to snow,j*3" (default: %(default)s)')
     p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
     p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
@@ -39,6 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lookahead", type=int, default=1,
                    help="steps sent ahead of the block on screen (default: %(default)s)")
     p.add_argument("--out", default="out/play.mp4", help="MP4 written as blocks arrive (default: %(default)s)")
+    p.add_argument("--contact-sheet", help="also write a PNG grid of every 8th frame, world-event blocks framed")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one block (default: %(default)s)")
     return p.parse_args(argv)
@@ -47,13 +50,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        steps = parse_key_script(args.keys)
+        steps = parse_play_script(args.keys)
         image = load_image(args.image) if args.image else synthetic_image(args.height, args.width)
     except (InputError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
-                             height=args.height, width=args.width, keys=steps[0], on_starve=args.on_starve)
+                             height=args.height, width=args.width, keys=steps[0][0], on_starve=args.on_starve)
+    sheet = ContactSheet() if args.contact_sheet else None
     latencies: list[float] = []
     rate = DeliveryRate(DEFAULT_FPS)
     try:
@@ -62,17 +66,22 @@ def main(argv: list[str]) -> int:
             sent = 1
             for received in range(len(steps)):
                 while sent < len(steps) and sent - received <= args.lookahead:
-                    session.step(Controls(keys=steps[sent]), end=sent == len(steps) - 1)
+                    keys, prompt = steps[sent]
+                    session.step(Controls(keys=keys, prompt=prompt), end=sent == len(steps) - 1)
                     sent += 1
                 block = session.next_block(args.timeout)
                 latency = block.arrival_s - session.sent_s[received]
                 latencies.append(latency)
                 mp4.append(block.frames)
+                if sheet is not None:
+                    sheet.add(block.frames, block.block_index, event=steps[received][1] is not None)
                 factor = rate.add(len(block.frames), block.arrival_s)
                 rtf = "n/a" if factor is None else f"{factor:.2f}x"
-                print(f"block {block.block_index}: keys {steps[received] or '-'!r:6} {len(block.frames)} frames, "
+                keys, prompt = steps[received]
+                event = "" if prompt is None else f", prompt now {prompt!r}"
+                print(f"block {block.block_index}: keys {keys or '-'!r:6} {len(block.frames)} frames, "
                       f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
-                      f"{', HELD (step late)' if block.held else ''}", flush=True)
+                      f"{', HELD (step late)' if block.held else ''}{event}", flush=True)
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -82,4 +91,7 @@ def main(argv: list[str]) -> int:
     later = latencies[1:] or latencies
     print(f"time to first block: {latencies[0]:.2f} s; mean step latency {statistics.fmean(later):.2f} s")
     print(f"video: {args.out} ({mp4.frames_written} frames)")
+    if sheet is not None:
+        sheet.save(args.contact_sheet)
+        print(f"contact sheet: {args.contact_sheet}")
     return 0

@@ -75,8 +75,10 @@ class Mp4Writer:
 
 class ContactSheet:
     """Collects a thumbnail of every `every`-th frame (frame 0 first) into a grid image, each labelled with its
-    frame and block; the grid has no empty cells (its column count divides the thumbnails, near `columns`)."""
+    frame and block; the grid has no empty cells (its column count divides the thumbnails, near `columns`). The
+    thumbnails of a block where a world event took effect are framed in EVENT_COLOUR."""
 
+    EVENT_COLOUR = (255, 200, 0)
     LABEL_HEIGHT = 12  # a strip under each thumbnail: "frame F  block B" (or "fF bB" when narrow)
 
     def __init__(self, every: int = 8, columns: int = 6, thumb_width: int = 208) -> None:
@@ -88,7 +90,8 @@ class ContactSheet:
         self._thumbs: list[np.ndarray] = []
         self.frames_seen = 0  # frames offered so far, to keep the stride across blocks
 
-    def add(self, frames: np.ndarray, block_index: int = 0) -> None:
+    def add(self, frames: np.ndarray, block_index: int = 0, event: bool = False) -> None:
+        """event: the block is the first under a new prompt (its thumbnails are framed)."""
         frames = _as_frames(frames)
         first = -self.frames_seen % self.every  # index in this block of the next frame to keep
         for i in range(first, len(frames), self.every):
@@ -101,6 +104,8 @@ class ContactSheet:
             if draw.textlength(label) > self.thumb_width - 4:  # narrow thumbnails get the short form
                 label = f"f{self.frames_seen + i} b{block_index}"
             draw.text((2, height), label, fill=(255, 255, 255))
+            if event:
+                draw.rectangle((0, 0, self.thumb_width - 1, height - 1), outline=self.EVENT_COLOUR, width=2)
             self._thumbs.append(np.asarray(thumb))
         self.frames_seen += len(frames)
 

@@ -62,3 +62,26 @@ def split_decode(groups: GroupHandles, config: EngineConfig, request: SessionReq
             else:
                 assert frames is None
     return {"shared": shared, "blocks": blocks}
+
+
+def steered_events(groups: GroupHandles, config: EngineConfig, request: SessionRequest, steps: list) -> dict:
+    """A steered session through `steps` (Controls; a step's prompt set as a world event before its block) on
+    every rank; returns the latents, this rank's text K/V bytes after each block and its final text K/V shards."""
+    from backend.engine.blocks import BlockControls
+
+    sp = SequenceParallel(groups.data)
+    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    with engine.session(request) as session:
+        latents, text_bytes = [], []
+        for controls in steps:
+            if controls.prompt is not None:
+                engine.set_prompt(session, controls.prompt)
+            (out,) = engine.run_block([session], {session.id: BlockControls(controls)})
+            latents.append(out.latents.numpy())
+            text_bytes.append(session.text.nbytes())
+        return {
+            "latents": np.concatenate(latents, axis=2),
+            "text_bytes": text_bytes,
+            "text_k": [k.float().numpy() for k in session.text.keys],
+            "text_v": [v.float().numpy() for v in session.text.values],
+        }

@@ -94,3 +94,15 @@ def test_synthetic_image() -> None:
     image = synthetic_image(480, 832)
     assert image.shape == (480, 832, 3) and image.dtype == np.uint8
     assert image[:240].std() > 1 and image[240:].std() > 10  # sky gradient over a checkered ground
+
+
+def test_contact_sheet_frames_the_blocks_where_an_event_took_effect() -> None:
+    sheet = ContactSheet(every=1, columns=2, thumb_width=16)
+    sheet.add(_frames(1, 0), 0)
+    sheet.add(_frames(1, 0), 1, event=True)
+    image = sheet.image()
+    h = image.shape[0] - ContactSheet.LABEL_HEIGHT  # the thumbnails' height
+    plain, marked = image[:h, :16], image[:h, 16:]
+    assert (plain == 0).all()  # frame 0 is black, unframed
+    assert tuple(marked[0, 8]) == ContactSheet.EVENT_COLOUR and tuple(marked[h // 2, 0]) == ContactSheet.EVENT_COLOUR
+    assert (marked[3 : h - 3, 3:13] == 0).all()  # only the border

@@ -78,6 +78,14 @@ def test_sequence_requests_parse_as_starts_and_steps() -> None:
     assert isinstance(repeated, StepRequest) and repeated.controls.keys == "w"  # the session's inputs are ignored
     with pytest.raises(InputError, match=r"a step needs 'camera_poses'"):
         parse_request({}.get, "{}", "7", 0)
+    event = parse_request({p.ACTION: np.array([b"w"], dtype=object),
+                           p.PROMPT: np.array(["it starts to snow".encode()], dtype=object)}.get, "{}", "7", 0)
+    assert event.controls.keys == "w" and event.controls.prompt == "it starts to snow"
+    with pytest.raises(InputError, match=r"input 'prompt' on a step rides on its block"):
+        parse_request({p.PROMPT: np.array([b"snow"], dtype=object)}.get, "{}", "7", end_flag)
+    with pytest.raises(InputError, match=r"input 'prompt' is not valid UTF-8"):
+        parse_request({p.ACTION: np.array([b"w"], dtype=object), p.PROMPT: np.array([b"\xff"], dtype=object)}.get,
+                      "{}", "7", 0)
     with pytest.raises(InputError, match=r"'on_starve' must be one of|must be a string"):
         check_request(parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: 3}), "8", start_flag), p.BLOCK_FRAMES)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from backend.api.contract import BLOCK_FRAMES
-from backend.api.controls import MOVE_PER_FRAME, TURN_PER_FRAME_DEG, integrate, parse_key_script, parse_keys
+from backend.api.controls import MOVE_PER_FRAME, TURN_PER_FRAME_DEG, integrate, parse_key_script, parse_keys, \
+    parse_play_script
 from backend.api.errors import InputError
 from backend.engine.camera_track import CameraTrack, split_blocks
 from backend.model import camera as cam
@@ -21,6 +22,17 @@ def test_keys_are_normalised_and_unknown_keys_named() -> None:
     assert parse_key_script("w*2,wa,-*2") == ["w", "w", "aw", "", ""]
     with pytest.raises(InputError, match=r"'w\*two'"):
         parse_key_script("w*two")
+
+
+def test_a_play_script_carries_world_events_on_the_next_block() -> None:
+    assert parse_play_script("w*2,@it starts to snow,d*2, @ rain ,-") == [
+        ("w", None), ("w", None), ("d", "it starts to snow"), ("d", None), ("", "rain")]
+    for script, error in [("@snow,w", r"before the first block"), ("w,@snow", r"no block after it"),
+                          ("w,@a,@b,w", r"two world events in a row"), ("w,@ ,w", r"empty world event")]:
+        with pytest.raises(InputError, match=error):
+            parse_play_script(script)
+    with pytest.raises(InputError, match=r"world event '@snow' where only keys are taken"):
+        parse_key_script("w,@snow,w")
 
 
 def test_each_key_moves_the_camera_in_its_own_axes() -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.api.request import Controls
 from backend.model.checkpoint import load_transformer
 from backend.model.config import read_checkpoint_configs
 from backend.model.memory import self_cache_bytes, text_cache_bytes, weight_parameters
@@ -20,7 +21,8 @@ from backend.model.tensor_slices import TensorPart
 from backend.parallel.layout import RankLayout
 from backend.parallel.local import run_group
 from factories import tiny_config, tiny_request
-from sp_workers import rollout
+from sp_workers import rollout, steered_events
+from test_world_events import TWO_EVENTS, keys, steered
 
 pytestmark = pytest.mark.server  # starts groups of local processes (slow)
 
@@ -193,3 +195,20 @@ def test_a_tp_rank_reads_only_its_slices(tiny_checkpoint: str, tiny_transformer,
             tiny_transformer, tp) * 4
         print(f"TP{tp} rank {rank}: {extra} B besides its weights (a whole load: {overhead} B)")
         assert 0 <= extra <= overhead < others
+
+
+def test_tp2_x_sp2_ranks_rebuild_only_their_head_shards(tiny_checkpoint: str) -> None:
+    """Two events under TP2 x SP2: the latents match SP1 to float32 rounding, each rank's text K/V after the events
+    is its heads' slice of SP1's, and its size never changes."""
+    config = tiny_config(tiny_checkpoint, decode_frames=False)
+    args = (steered(Controls(keys="w")), keys(TWO_EVENTS))
+    single = run_group(1, steered_events, (config,) + args)[0]
+    split = run_group(4, steered_events, (dataclasses.replace(config, tp_degree=2, sp_degree=2),) + args)
+    layout, local = RankLayout(2, 2), HEADS // 4
+    for rank, result in enumerate(split):
+        assert float(np.abs(result["latents"] - single["latents"]).max()) < 1e-5
+        assert len(set(result["text_bytes"])) == 1 and result["text_bytes"][0] * 4 == single["text_bytes"][0]
+        first = layout.tp_rank(rank) * HEADS // 2 + layout.sp_rank(rank) * local
+        for kind in ("text_k", "text_v"):
+            for shard, full in zip(result[kind], single[kind]):
+                np.testing.assert_allclose(shard, full[:, :, first : first + local], rtol=0, atol=1e-5)

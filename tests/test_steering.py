@@ -182,11 +182,14 @@ def test_play_cli_writes_the_steered_video(sp1_server, tmp_path: Path, capsys) -
 
     out = tmp_path / "play.mp4"
     size = str(TINY_SIZE)
-    code = main(["play", "--url", sp1_server.grpc_url, "--prompt", "a castle", "--keys", "w*2,wj", "--height", size,
-                 "--width", size, "--out", str(out), "--image", _image(tmp_path)])
+    sheet = tmp_path / "play.png"
+    code = main(["play", "--url", sp1_server.grpc_url, "--prompt", "a castle", "--keys", "w*2,@it starts to snow,wj",
+                 "--height", size, "--width", size, "--out", str(out), "--image", _image(tmp_path),
+                 "--contact-sheet", str(sheet)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "time to first block" in printed and "real-time factor" in printed
+    assert re.search(r"block 2: .*prompt now 'it starts to snow'", printed) and sheet.is_file()
     assert len(list(iio.imiter(out, plugin="FFMPEG"))) == 9 + 12 + 12
 
 

@@ -177,3 +177,21 @@ def test_the_page_has_a_favicon(player_url) -> None:
     response = urllib.request.urlopen(player_url + "favicon.ico", timeout=10)
     assert response.status == 200 and response.headers["Content-Type"].startswith("image/svg+xml")
     assert response.read().startswith(b"<svg")
+
+
+def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, browser, first_frame: Path) -> None:
+    before = metrics(sp1_server, rank=0).get("lingbot_world_prompt_events_total", 0.0)
+    page = browser.new_page()
+    start(page, player_url, first_frame)
+    wait_until(lambda: blocks(page) >= 1, BLOCK_S * 2, "the first block")
+    assert status(page, "prompt") == "a castle on a hill"
+    page.fill("#event", "it starts to snow")
+    page.press("#event", "Enter")
+    assert page.input_value("#event") == ""
+    wait_until(lambda: status(page, "prompt") == "it starts to snow", BLOCK_S * 4, "a block under the event's prompt")
+    assert 'prompt "it starts to snow"' in page.inner_text("#status") and status(page, "events") == "1"
+    page.click("#stop")
+    wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
+    assert metrics(sp1_server, rank=0)["lingbot_world_prompt_events_total"] - before == 1
+    assert re.search(r"from block \d+ on: prompt 'it starts to snow'", Path(sp1_server.log_path).read_text())
+    page.close()

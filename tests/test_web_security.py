@@ -7,6 +7,7 @@ import base64
 import contextlib
 import io
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -88,15 +89,14 @@ def png(width: int, height: int) -> str:
         ({"type": "open sesame"}, "unknown message type"),
         (b"\x00\x01", "JSON text messages only"),
         ({"type": "keys", "keys": "zz"}, "unknown key"),
+        ({"type": "event", "prompt": "  "}, "prompt is empty"),
         (start(image="data:image/png;base64,!!!"), "not a picture this player can read"),
         (start(image=png(4097, 4096)), f"4097 x 4096 pixels; this player takes at most {MAX_INPUT_PIXELS}"),
     ],
     ids=["not_json", "array", "huge_number", "nan", "image_not_string", "unknown_key", "unknown_type", "binary",
-         "unknown_keys", "not_a_picture", "huge_picture"],
+         "unknown_keys", "empty_event", "not_a_picture", "huge_picture"],
 )
 def test_a_bad_message_gets_a_plain_error_and_a_clean_close(player, message, expected: str) -> None:
-    import re
-
     base, log = player
     received, code = run(exchange(base, [message]))
     assert [m["type"] for m in received] == ["session", "error"], received
@@ -199,3 +199,39 @@ def test_open_pages_are_capped_with_a_busy_message(player) -> None:
     assert code == aiohttp.WSCloseCode.TRY_AGAIN_LATER
     # The two pages closed: a page gets in again.
     wait_until(lambda: run(exchange(base, [], until="session"))[0][0]["type"] == "session", 10, "a free page slot")
+
+
+async def play_with_event(base: str, prompt: str) -> list[dict]:
+    """Start, send a world event once the first block is in, stop once a block ran under it; the headers read."""
+    headers: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+        async with session.ws_connect(f"{base.replace('http', 'ws')}/ws", headers={"Origin": base}) as ws:
+            await ws.send_str(json.dumps(start()))
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                headers.append(json.loads(msg.data))
+                if headers[-1]["type"] != "block":
+                    if headers[-1]["type"] in ("ended", "error"):
+                        break
+                    continue
+                if headers[-1]["index"] == 0:
+                    await ws.send_str(json.dumps({"type": "event", "prompt": prompt}))
+                elif headers[-1]["event"]:
+                    await ws.send_str(json.dumps({"type": "stop"}))
+    return headers
+
+
+def test_a_page_event_rides_on_the_next_step_and_the_server_applies_it(player, sp1_server) -> None:
+    from triton_harness import metrics
+
+    base, _ = player
+    before = metrics(sp1_server, rank=0).get("lingbot_world_prompt_events_total", 0.0)
+    headers = run(play_with_event(base, "it starts to snow"))
+    blocks = [h for h in headers if h["type"] == "block"]
+    assert headers[-1]["type"] == "ended", headers
+    first = next(i for i, b in enumerate(blocks) if b["event"])
+    assert [b["prompt"] for b in blocks] == ["a street"] * first + ["it starts to snow"] * (len(blocks) - first)
+    assert metrics(sp1_server, rank=0)["lingbot_world_prompt_events_total"] - before == 1
+    assert re.search(r"session r0-\d+ from block \d+ on: prompt 'it starts to snow'",
+                     Path(sp1_server.log_path).read_text())

@@ -32,8 +32,12 @@ class StreamMetrics:
                    family.COUNTER),
             family("lingbot_world_loop_cpu_seconds_total",
                    "CPU of the group loop's thread outside run_block (the control plane)", family.COUNTER),
+            family("lingbot_world_prompt_events_total", "world events (a steered step's new prompt) applied",
+                   family.COUNTER),
+            family("lingbot_world_prompt_cache_hits_total", "world events whose prompt the prompt cache held (no encode)",
+                   family.COUNTER),
         ]
-        blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu = self._families
+        blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits = self._families
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
@@ -44,6 +48,8 @@ class StreamMetrics:
         self.held_blocks = held.Metric(labels=labels)
         self.blocks_run = run.Metric(labels=labels)
         self.loop_cpu = loop_cpu.Metric(labels=labels)
+        self.prompt_events = events.Metric(labels=labels)
+        self.prompt_cache_hits = hits.Metric(labels=labels)
 
     def show_settings(self, settings: Mapping[str, Setting]) -> None:
         """One gauge per resolved setting, its value, labelled with where it came from."""
@@ -60,3 +66,8 @@ class StreamMetrics:
         """The group loop's report before each run_block (serving.loop_cpu.Report)."""
         self.loop_cpu.increment(cpu_s)
         self.blocks_run.increment(blocks)
+
+    def prompts(self, events: int, hits: int) -> None:
+        """The group loop's report after a world event (GroupCoordinator's on_prompts)."""
+        self.prompt_events.increment(events)
+        self.prompt_cache_hits.increment(hits)

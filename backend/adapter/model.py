@@ -86,7 +86,8 @@ class TritonPythonModel:
         doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret, serving.collective_timeout_s) \
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
-                                            doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block))
+                                            doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block),
+                                            on_prompts=self.metrics.prompts)
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 

@@ -18,10 +18,14 @@ def _keys_array(keys: str) -> np.ndarray:
 
 
 def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
-    """The input arrays of one block's camera."""
+    """The input arrays of one block's camera (and its world event's prompt)."""
     if controls.keys is not None:
-        return {c.ACTION: _keys_array(controls.keys)}
-    return {c.CAMERA_POSES: np.ascontiguousarray(controls.poses, dtype=np.float32)}
+        arrays = {c.ACTION: _keys_array(controls.keys)}
+    else:
+        arrays = {c.CAMERA_POSES: np.ascontiguousarray(controls.poses, dtype=np.float32)}
+    if controls.prompt is not None:
+        arrays[c.PROMPT] = np.array([controls.prompt.encode("utf-8")], dtype=np.object_)
+    return arrays
 
 
 def request_arrays(request: SessionRequest) -> dict[str, np.ndarray]:
@@ -122,11 +126,16 @@ def parse_request(
     start, end = bool(flags & c.SEQUENCE_START), bool(flags & c.SEQUENCE_END)
     whole = c.NUM_FRAMES in values
     if sequence_key and not start and not whole:
-        # The session's own inputs (image, prompt, ...) are ignored on a step: tools such as perf_analyzer
-        # repeat every input on every request of a sequence.
+        # The session's own inputs (image, seed, ...) are ignored on a step: tools such as perf_analyzer
+        # repeat every input on every request of a sequence. A prompt on a step is a world event.
         controls = _controls(values)
         if controls is None and not end:
             raise InputError(f"a step needs '{c.CAMERA_POSES}' (the block's 12 new frames) or '{c.ACTION}'")
+        if c.PROMPT in values:
+            if controls is None:
+                raise InputError(f"input '{c.PROMPT}' on a step rides on its block: send it with "
+                                 f"'{c.CAMERA_POSES}' or '{c.ACTION}'")
+            controls.prompt = _text(values[c.PROMPT], c.PROMPT)
         latents = _parameter(params, next(p for p in c.REQUEST_PARAMETERS if p.name == c.PARAM_RETURN_LATENTS))
         return StepRequest(sequence_key, controls, end, latents)
     if whole and c.ACTION in values:

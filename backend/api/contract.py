@@ -52,13 +52,19 @@ WIDTH = "width"
 # browser bridge's limit on an uploaded picture, read from its header before it is decoded.
 MAX_INPUT_PIXELS = 4096 * 4096
 
+# A prompt's largest size in UTF-8 bytes (umT5 reads at most text_len = 512 tokens of it anyway).
+MAX_PROMPT_BYTES = 4096
+
 # Every input is optional to Triton: which ones a request needs depends on its kind, checked by the model.
 # A whole trajectory: image, prompt, camera_poses (every frame), num_frames, seed, height, width.
 # A steered session's first request: the same without num_frames, with the first block's camera (camera_poses
-# for its 9 frames, or action). Each later step: the next block's camera (12 frames' poses, or action).
+# for its 9 frames, or action). Each later step: the next block's camera (12 frames' poses, or action), and
+# optionally a new prompt (a world event).
 INPUTS: tuple[TensorSpec, ...] = (
     _spec(IMAGE, np.uint8, (-1, -1, 3), "first frame, resized to height x width by the server", optional=True),
-    _spec(PROMPT, np.object_, (1,), "UTF-8 text prompt", optional=True),
+    _spec(PROMPT, np.object_, (1,), f"UTF-8 text prompt (at most {MAX_PROMPT_BYTES} bytes). On a steered step: a "
+          "world event, the session's prompt from that step's block on (its response is the first block under "
+          "it; the history, camera and noise go on)", optional=True),
     _spec(CAMERA_POSES, np.float32, (-1, 4, 4), "camera-to-world poses, OpenCV axes: every frame of a whole "
           "trajectory, or a steered block's new frames", optional=True),
     _spec(CAMERA_INTRINSICS, np.float32, (-1, 4), "fx, fy, cx, cy in output pixels (first row used); default 60 "

@@ -33,8 +33,28 @@ def parse_keys(text: str) -> str:
 
 def parse_key_script(script: str) -> list[str]:
     """A session's steps from a key script such as "w*6,wa*2,j*3" (one entry per block)."""
-    steps: list[str] = []
+    steps = parse_play_script(script)
+    if (event := next((prompt for _, prompt in steps if prompt is not None), None)) is not None:
+        raise InputError(f"key script: world event '@{event}' where only keys are taken")
+    return [keys for keys, _ in steps]
+
+
+def parse_play_script(script: str) -> list[tuple[str, str | None]]:
+    """(keys, new prompt or None) per block from a key script with world events, such as
+    "w*6,@it starts to snow,w*4": an @entry (no comma in it) is a prompt event riding on the next block's step."""
+    steps: list[tuple[str, str | None]] = []
+    event: str | None = None
     for item in script.split(","):
+        if item.strip().startswith("@"):
+            if event is not None:
+                raise InputError(f"key script: two world events in a row ('@{event}', {item.strip()!r})")
+            if not steps:
+                raise InputError(f"key script: {item.strip()!r} before the first block: the first block takes "
+                                 f"the session's own prompt")
+            event = item.strip()[1:].strip()
+            if not event:
+                raise InputError("key script: an empty world event '@'")
+            continue
         keys, _, count = item.strip().partition("*")
         try:
             blocks = int(count) if count else 1
@@ -42,7 +62,10 @@ def parse_key_script(script: str) -> list[str]:
             raise InputError(f"key script item {item!r}: the count after '*' must be a whole number") from None
         if blocks < 1:
             raise InputError(f"key script item {item!r}: the count must be at least 1")
-        steps += [parse_keys(keys or NO_KEYS)] * blocks
+        steps += [(parse_keys(keys or NO_KEYS), event)] + [(parse_keys(keys or NO_KEYS), None)] * (blocks - 1)
+        event = None
+    if event is not None:
+        raise InputError(f"key script: world event '@{event}' with no block after it")
     return steps
 
 

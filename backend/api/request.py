@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import ON_STARVE, block_video_frames
+from .contract import MAX_PROMPT_BYTES, ON_STARVE, PROMPT, block_video_frames
 from .errors import InputError
 
 DEFAULT_HFOV_DEG = 60.0
@@ -32,12 +32,15 @@ class Controls:
 
     poses: np.ndarray | None = None  # float32 [n, 4, 4] camera-to-world, OpenCV axes
     keys: str | None = None  # normalised held keys ("" holds none)
+    prompt: str | None = None  # a step's world event: the session's prompt from this block on
 
     def check(self, frames: int) -> None:
         if (self.poses is None) == (self.keys is None):
             raise InputError("a step needs exactly one of camera_poses (the block's new frames) or action (held keys)")
         if self.poses is not None:
             check_poses(self.poses, frames)
+        if self.prompt is not None:
+            check_prompt(self.prompt)
 
 
 @dataclass
@@ -82,6 +85,13 @@ class StepRequest:
     return_latents: bool = True
 
 
+def check_prompt(prompt: str) -> None:
+    if not prompt.strip():
+        raise InputError(f"{PROMPT} is empty")
+    if (size := len(prompt.encode("utf-8"))) > MAX_PROMPT_BYTES:
+        raise InputError(f"{PROMPT} is {size} bytes of UTF-8; at most {MAX_PROMPT_BYTES}")
+
+
 def check_poses(poses: np.ndarray, frames: int, name: str = "camera_poses") -> None:
     if poses.dtype != np.float32 or poses.shape != (frames, 4, 4):
         raise InputError(f"{name} must be FP32 [{frames}, 4, 4]; got {poses.dtype} {list(poses.shape)}")
@@ -101,8 +111,7 @@ def check_request(request: SessionRequest, block_frames: int) -> None:
     image = request.image
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
         raise InputError(f"image must be UINT8 [H, W, 3]; got {image.dtype} {list(image.shape)}")
-    if not request.prompt.strip():
-        raise InputError("prompt is empty")
+    check_prompt(request.prompt)
     if request.steered:
         if request.on_starve not in ON_STARVE:
             raise InputError(f"request parameter 'on_starve' must be one of {list(ON_STARVE)}; got {request.on_starve!r}")

@@ -25,12 +25,14 @@ class SharedPrompts:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.capacity = capacity
         self.encoded = 0  # prompts this rank ran through the encoder
+        self.hits = 0  # prompts served from the cache (on every rank alike)
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def states(self, prompt: str) -> torch.Tensor:
         """[1, text_len, text_dim] umT5 states of `prompt` (a collective on a miss: every rank calls it)."""
         if (hit := self._cache.get(prompt)) is not None:
             self._cache.move_to_end(prompt)
+            self.hits += 1
             return hit
         ok = torch.ones(1, device=self.device)
         states = torch.zeros(self.shape, dtype=self.dtype, device=self.device)

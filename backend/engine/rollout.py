@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ..api.errors import InputError
-from ..api.request import SessionRequest, check_request
+from ..api.request import SessionRequest, check_prompt, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
 from ..model.condition import StreamingConditionEncoder, condition_mask, prepare_image
 from ..model.dtypes import TORCH_DTYPES
-from ..model.kv_cache import SelfAttentionCache
+from ..model.kv_cache import SelfAttentionCache, TextCache
 from ..model.rope import rope_tables
 from ..model.tensor_slices import TensorPart
 from ..model.schedule import dmd_schedule, flow_to_x0, renoise
@@ -83,6 +83,7 @@ class WorldModelEngine:
         steps = config.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
+        self.prompt_events = 0  # world events applied (set_prompt calls)
 
     @classmethod
     def load(cls, config: EngineConfig, sp: SequenceParallel | None = None,
@@ -123,7 +124,7 @@ class WorldModelEngine:
         image = torch.from_numpy(np.ascontiguousarray(request.image))
         mesh = self.mesh
         tp_heads = tcfg.num_heads // mesh.tp.degree
-        text = self.transformer.text_caches(self.prompts.states(request.prompt), mesh.sp.head_slice(tp_heads), mesh.tp)
+        text = self._text_caches(request.prompt)
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             window_tokens=self.session_window_frames(request, geometry) * geometry.tokens_per_frame,
@@ -145,12 +146,33 @@ class WorldModelEngine:
             planned=[] if request.steered else split_blocks(request.poses, geometry.block_frames),
             condition=(self.conditions.start(prepare_image(image, request.height, request.width))
                        if self.conditions is not None else None),
+            prompt=request.prompt,
             text=text,
             cache=cache,
             decode_state=decode_state,
             split_decode=decode_state is not None and self.vae.splits(geometry.latent_height),
             owner=owner,
         )
+
+    @torch.no_grad()
+    def set_prompt(self, session: Session, prompt: str) -> None:
+        """A world event: the session's text conditioning is `prompt` from its next block on; its self-attention
+        history, camera and noise go on. A collective on a prompt the cache lacks (every rank calls it alike).
+        Raises InputError on a bad prompt, leaving the session under its old one."""
+        check_prompt(prompt)
+        self.prompt_events += 1
+        if prompt == session.prompt:
+            return
+        text = self._text_caches(prompt)
+        session.text.keys.clear()  # the old head shard goes now
+        session.text.values.clear()
+        session.text, session.prompt = text, prompt
+
+    def _text_caches(self, prompt: str) -> TextCache:
+        """This rank's head shard (of its TP and SP group) of the cross-attention K/V of `prompt`, every layer."""
+        mesh = self.mesh
+        tp_heads = self.ckpt.transformer.num_heads // mesh.tp.degree
+        return self.transformer.text_caches(self.prompts.states(prompt), mesh.sp.head_slice(tp_heads), mesh.tp)
 
     # -- rollout ----------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ class Session:
     camera: CameraTrack
     planned: list[np.ndarray]  # a whole trajectory's video poses per block; empty for a steered session
     condition: ConditionState | None  # the first-frame condition's encoder (on ENCODER_RANK only)
-    text: TextCache
+    prompt: str  # the prompt in force (the request's, until a world event changes it)
+    text: TextCache  # its cross-attention K/V (this rank's head shard)
     cache: SelfAttentionCache
     decode_state: DecodeState | None
     split_decode: bool  # every rank decodes a band of its blocks' rows (else its owner decodes them alone)

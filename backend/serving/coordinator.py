@@ -23,6 +23,7 @@ from ..api.errors import InputError
 from ..api.contract import block_video_frames
 from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
+from ..engine.session import Session
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import messages
 from .cancel_watch import CancelWatch
@@ -50,6 +51,7 @@ class GroupCoordinator:
         doorbell: Doorbell | None = None,
         threads: CoreSplit | None = None,  # torch threads of the loop (DiT) and the decode; None: as they are
         cpu: LoopCpu | None = None,
+        on_prompts: Callable[[int, int], None] | None = None,  # (world events applied, prompt cache hits) since the last call
     ) -> None:
         self.engine: WorldModelEngine | None = engine
         self.settings = settings
@@ -62,6 +64,7 @@ class GroupCoordinator:
         self.scheduler = Scheduler(settings)  # a copy on every rank: all plan alike from the same events
         self.threads = threads
         self.cpu = cpu or LoopCpu()
+        self.on_prompts = on_prompts
         self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring)
         # Every session this rank knows: the ones it owns from their request on, the others from their opening;
         # ended steered sessions it owned stay a while (state done) to answer late steps.
@@ -263,6 +266,8 @@ class GroupCoordinator:
             if controls.controls is None:
                 log.info("rank %d: block %d of session %s runs on held controls (its step is late)",
                          self.rank, self.sessions[sid].engine.block_index, sid)
+            elif controls.controls.prompt is not None:
+                self._set_prompt(self.sessions[sid].engine, controls.controls.prompt)
         with self.cpu.run_block(len(plan.batch)):
             outputs = self.engine.run_block([r.engine for r in records], plan.controls)
         for record, output in zip(records, outputs):
@@ -272,6 +277,22 @@ class GroupCoordinator:
                 self.decoder.block(stream, session, output, final=session.done)
             if session.done:
                 self._end(record.id, "finished")
+
+    def _set_prompt(self, session: Session, prompt: str) -> None:
+        """A world event, at the same block on every rank (its step travelled to all as news)."""
+        engine = self.engine
+        hits, same = engine.prompts.hits, prompt == session.prompt
+        try:
+            engine.set_prompt(session, prompt)
+        except Exception:  # the encode failed: every rank learns it in the same broadcast; the old prompt stays
+            log.warning("rank %d: the world event of session %s failed; its prompt stays", self.rank, session.id,
+                        exc_info=True)
+            return
+        log.info("rank %d: session %s from block %d on: prompt %r (prompt cache: %s)", self.rank, session.id,
+                 session.block_index, prompt,
+                 "unchanged" if same else "hit" if engine.prompts.hits > hits else "encoded")
+        if self.on_prompts is not None:
+            self.on_prompts(1, engine.prompts.hits - hits)
 
     def _open_all(self, opens: list[SharedSession]) -> None:
         failed: dict[str, str] = {}

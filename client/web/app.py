@@ -1,7 +1,7 @@
 """The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
 
 Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?},
-{"type": "keys", keys}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video}, then per block a
+{"type": "keys", keys}, {"type": "event", prompt} (a world event), {"type": "stop"}. Bridge -> page: {"type": "session", id, video}, then per block a
 {"type": "block", ...} header followed by its frames as binary JPEG messages, then {"type": "ended", frames} or
 {"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
 
@@ -105,6 +105,8 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                     task = asyncio.create_task(player.play(start_request(message)))
                 elif message["type"] == "keys":
                     player.hold(message.get("keys") or "")
+                elif message["type"] == "event":
+                    player.event(message.get("prompt") or "")
                 elif message["type"] == "stop":
                     player.stop()
             except ValueError as exc:  # a page that breaks the protocol gets why, and the door

@@ -1,7 +1,8 @@
 """One page session: a steered session on Triton, stepped with the page's held keys, its blocks relayed as JPEG.
 
 Lookahead 1, like `python -m client play`: when a block arrives the next step is sent at once with the keys
-held at that moment, so the server always has the camera of the block after the one it is computing.
+held at that moment, so the server always has the camera of the block after the one it is computing. A world
+event (the page's new prompt) rides on the next step sent; each block's header names the prompt in force.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.api.controls import parse_keys
-from backend.api.request import Controls, SessionRequest
+from backend.api.request import Controls, SessionRequest, check_prompt
 from client.images import synthetic_image
 from client.pace import DeliveryRate
 from client.steer import SteeredSession
@@ -50,11 +51,22 @@ class Player:
     def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float) -> None:
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
         self.keys = ""
+        self.pending: str | None = None  # a world event not sent yet
         self.stopping = False
         self._session: SteeredSession | None = None
 
     def hold(self, keys: str) -> None:
         self.keys = parse_keys(keys or "-")
+
+    def event(self, prompt: str) -> None:
+        """A world event: `prompt` rides on the next step (a newer one before it is sent replaces it)."""
+        prompt = prompt.strip()
+        check_prompt(prompt)  # InputError (a ValueError) names what is wrong
+        self.pending = prompt
+
+    def _next_step(self) -> Controls:
+        prompt, self.pending = self.pending, None
+        return Controls(keys=self.keys, prompt=prompt)
 
     def stop(self) -> None:
         """End the session after the blocks already asked for."""
@@ -82,19 +94,24 @@ class Player:
 
     async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer) -> None:
         session.start(request)
-        session.step(Controls(keys=self.keys))
-        sent_keys = [request.keys or "", self.keys]  # the keys of every request, in order
+        step = self._next_step()
+        session.step(step)
+        sent = [Controls(keys=request.keys or ""), step]  # every request's keys and event, in order
+        prompt = request.prompt  # in force at the block received
         received, rate = 0, DeliveryRate()
         while (block := await asyncio.to_thread(session.next_block, self.timeout)) is not None:
             latency = block.arrival_s - session.sent_s[received]
             if not self.stopping:
-                session.step(Controls(keys=self.keys))
-                sent_keys.append(self.keys)
+                step = self._next_step()
+                session.step(step)
+                sent.append(step)
+            prompt = sent[received].prompt or prompt
             await asyncio.to_thread(mp4.append, block.frames)
             jpegs = await asyncio.to_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
             await self.send({
                 "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
-                "keys": sent_keys[received], "step_latency_s": latency,
+                "keys": sent[received].keys, "prompt": prompt, "event": sent[received].prompt is not None,
+                "step_latency_s": latency,
                 "first_block_s": block.arrival_s - session.sent_s[0] if received == 0 else None,
                 "realtime_factor": rate.add(len(jpegs), block.arrival_s),
             })

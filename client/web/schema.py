@@ -15,6 +15,7 @@ INT_RANGE = {"height": (1, 1 << 16), "width": (1, 1 << 16), "seed": (-(1 << 63),
 MESSAGES: dict[str, dict[str, type]] = {
     "start": {"prompt": str, "image": str, "height": int, "width": int, "seed": int, "keys": str},
     "keys": {"keys": str},
+    "event": {"prompt": str},  # a world event: the prompt from the next step's block on
     "stop": {},
 }
 

@@ -19,6 +19,8 @@ function show(state, extra = "") {
     s.dataset.blocks = stats.blocks;
     s.dataset.frames = stats.frames;
     s.dataset.keys = stats.keys.join(",");
+    s.dataset.prompt = stats.prompt;
+    s.dataset.events = stats.events;
   }
   const parts = [`state: ${state}`];
   if (state === "starting") {
@@ -29,7 +31,8 @@ function show(state, extra = "") {
   if (stats && stats.blocks) {
     parts.push(`blocks ${stats.blocks}`, `frames ${stats.frames}`,
       `first block ${stats.first.toFixed(2)} s`, `step latency ${stats.latency.toFixed(2)} s`,
-      `real-time factor ${stats.rtf === null ? "n/a" : stats.rtf.toFixed(2) + "x"}`, `held blocks ${stats.held}`);
+      `real-time factor ${stats.rtf === null ? "n/a" : stats.rtf.toFixed(2) + "x"}`, `held blocks ${stats.held}`,
+      `prompt "${stats.prompt}"`);
   }
   s.textContent = parts.join(" · ") + extra;
 }
@@ -84,6 +87,8 @@ function onMessage(event) {
     stats.frames += msg.frames;
     stats.held += msg.held ? 1 : 0;
     stats.keys.push(msg.keys || "-");
+    stats.prompt = msg.prompt;
+    stats.events += msg.event ? 1 : 0;
     stats.latency = msg.step_latency_s;
     stats.rtf = msg.realtime_factor;
     if (msg.first_block_s !== null) stats.first = msg.first_block_s;
@@ -115,7 +120,8 @@ async function start(event) {
     ws.close();
   }
   queue = [];
-  stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], stopping: false};
+  stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], prompt: "", events: 0,
+    stopping: false};
   const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...
   ws = socket;
   socket.binaryType = "blob";
@@ -134,6 +140,15 @@ async function start(event) {
 }
 
 $("setup").addEventListener("submit", start);
+// A world event: Enter sends the box's prompt; it rides on the next step (the status line shows it once in force).
+$("event").addEventListener("keydown", (e) => {
+  if (e.key !== "Enter") return;
+  e.preventDefault();
+  const prompt = $("event").value.trim();
+  if (!prompt || !ws || ws.readyState !== WebSocket.OPEN) return;
+  ws.send(JSON.stringify({type: "event", prompt}));
+  $("event").value = "";
+});
 $("stop").addEventListener("click", () => {
   if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "stop"}));
   stats.stopping = true;
