@@ -119,6 +119,8 @@ def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: P
             client.load_model(MODEL, headers=server.admin_headers())
             assert client.is_model_ready(MODEL)
         assert len(stream(server.grpc_url, tiny_request(num_frames=21), timeout=60)) == 2
+        # The killed owner's gauge read 1 past its death; the reloaded model counts from zero.
+        assert metrics(server)["lingbot_world_streams_open"] == 0
 
 
 def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:

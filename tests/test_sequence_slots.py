@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
 import statistics
 import time
@@ -13,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.api import contract
 from backend.api.codec import request_arrays, request_parameters
-from backend.api.request import Controls, SessionRequest
+from backend.api.request import SessionRequest
 from client.steer import SteeredSession
 from client.stream import new_sequence_id, pack_inputs
 from factories import tiny_request
@@ -51,7 +50,7 @@ def test_refused_starts_leave_no_slot_behind(tmp_path: Path, tiny_checkpoint: st
         arrays = request_arrays(request)
         answers: queue.Queue = queue.Queue()
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            client.start_stream(callback=functools.partial(lambda q, result, error: q.put(error), answers))
+            client.start_stream(callback=lambda result, error: answers.put(error))
             slowest = 0.0
             for i in range(REFUSED_STARTS):
                 sent = time.perf_counter()
