@@ -119,6 +119,31 @@ def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: P
             client.load_model(MODEL, headers=server.admin_headers())
             assert client.is_model_ready(MODEL)
         assert len(stream(server.grpc_url, tiny_request(num_frames=21), timeout=60)) == 2
+        # The killed owner's gauge read 1 past its death; the reloaded model counts from zero.
+        assert metrics(server)["lingbot_world_streams_open"] == 0
+
+
+@pytest.mark.parametrize("case", ["open_sequence", "dead_owner"])
+def test_stop_ends_in_under_10_s_and_removes_its_shared_memory(tmp_path: Path, tiny_checkpoint: str, case: str) -> None:
+    """A steered sequence left without its end flag, or a stub killed while it owns a stream: Triton 2.51 does
+    not finish on SIGTERM, so stop() kills it after its grace and removes the regions it left."""
+    with running_server(tmp_path, tiny_checkpoint, sp=1) as server, SteeredSession(server.grpc_url) as session:
+        base = tiny_request(num_frames=9, decode=False)
+        session.start(dataclasses.replace(base, num_frames=None, poses=None, keys="w"))
+        assert session.next_block(60).block_index == 0
+        if case == "dead_owner":
+            threads, _ = stream_in_background(server.grpc_url, range(1), 30)
+            wait_until(lambda: metrics(server).get("lingbot_world_blocks_total", 0) > 1, 60, "a block of the stream")
+            os.kill(server.stub_pids()[0], signal.SIGKILL)
+        assert server.shm_regions()
+        began = time.monotonic()
+        server.stop()
+        took = time.monotonic() - began
+        print(f"{case}: stop took {took:.1f} s")
+        assert took < 10 and not server.shm_regions()
+        if case == "dead_owner":
+            for t in threads:
+                t.join()
 
 
 def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:

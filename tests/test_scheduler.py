@@ -3,11 +3,17 @@ backpressure, cancels, and the steering of steered sessions (steps, hold, end, e
 from __future__ import annotations
 
 import dataclasses
+import time
+
+import numpy as np
+import torch
 
 from backend.api.request import Controls
+from backend.engine.blocks import BlockOutput
 from backend.serving.config import ServingConfig
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
 from backend.serving.sessions import OwnerPart, SharedSession, State
+from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
 
@@ -133,14 +139,43 @@ def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None
         == [("w", False), ("d", True)]
 
 
+class Answered:
+    """A request's reply channel that only records its block."""
+
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        self.blocks.append(output.block_index)
+
+    def send_error(self, message: str) -> None:
+        raise AssertionError(message)
+
+    def finish(self) -> None:
+        pass
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def block(index: int) -> BlockOutput:
+    return BlockOutput("a", index, 0, torch.zeros(1), 0.0, 0)
+
+
 def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
+    """The idle clock runs only while the server waits on the client (every request answered)."""
     settings = ServingConfig(session_idle_timeout_s=60, max_session_s=100)
-    owner = OwnerPart(stream=None, key="7", started_s=1000.0, last_step_s=1000.0)  # type: ignore[arg-type]
-    assert owner.deadline(settings) == 1060.0 and owner.expiry(settings, 1059.9) is None
-    assert "session_idle_timeout_s=60 s" in owner.expiry(settings, 1060.0)
-    owner.last_step_s = 1050.0
-    assert owner.deadline(settings) == 1100.0 and owner.expiry(settings, 1099.0) is None
-    assert "max_session_s=100 s" in owner.expiry(settings, 1100.0)
+    stream = SteeredStream(Answered(), on_delivered=lambda: None)
+    owner = OwnerPart(stream=stream, key="7", started_s=time.monotonic())
+    far = owner.started_s + 99.0  # past the idle limit, within the lifetime
+    assert owner.deadline(settings) == owner.started_s + 100.0 and owner.expiry(settings, far) is None
+    stream.send_block(block(0), np.zeros(1), 0.0, True)  # answered: now the server waits on the client
+    answered = stream.waits_on_client_since()
+    assert answered is not None and owner.deadline(settings) == answered + 60.0
+    assert "session_idle_timeout_s=60 s" in owner.expiry(settings, answered + 60.0)
+    stream.add(Answered(), end=False)  # a step waits for its block (behind a long one, say): no idle clock
+    assert owner.expiry(settings, answered + 90.0) is None
+    assert "max_session_s=100 s" in owner.expiry(settings, owner.started_s + 100.0)
     s = Scheduler(settings)
     s.plan([RankEvents(submissions=[steered("a")])])
     plan = s.plan([RankEvents(expired=[("a", "why"), ("gone", "why")])])

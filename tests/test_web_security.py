@@ -235,3 +235,43 @@ def test_a_page_event_rides_on_the_next_step_and_the_server_applies_it(player, s
     assert metrics(sp1_server, rank=0)["lingbot_world_prompt_events_total"] - before == 1
     assert re.search(r"session r0-\d+ from block \d+ on: prompt 'it starts to snow'",
                      Path(sp1_server.log_path).read_text())
+
+
+PAGES = 24  # four times the workers of asyncio's default pool on 2 cores (6): the issue's stall came at 10
+
+
+def test_pages_waiting_for_blocks_leave_the_bridge_responsive(sp1_server, tmp_path: Path) -> None:
+    """PAGES pages play (or wait for a slot, or are told the server is busy) at once: GET / still answers
+    within 1 s, since each page waits for its blocks on its own thread."""
+    async def page(base: str, ws_url: str, playing: asyncio.Event) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+            async with session.ws_connect(ws_url, headers={"Origin": base}) as ws:
+                await ws.send_str(json.dumps(start()))
+                async for msg in ws:
+                    kind = json.loads(msg.data)["type"] if msg.type == aiohttp.WSMsgType.TEXT else None
+                    if kind in ("block", "error"):  # a page plays, or is told the server is busy
+                        playing.set()
+                    if kind in ("ended", "error"):
+                        return
+
+    async def load(base: str) -> list[float]:
+        playing = asyncio.Event()
+        pages = [asyncio.create_task(page(base, f"{base.replace('http', 'ws')}/ws", playing)) for _ in range(PAGES)]
+        await asyncio.wait_for(playing.wait(), BOUND_S)
+        took = []
+        async with aiohttp.ClientSession() as session:
+            for _ in range(10):
+                began = asyncio.get_running_loop().time()
+                async with session.get(base + "/", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    assert response.status == 200
+                    await response.read()
+                took.append(asyncio.get_running_loop().time() - began)
+        for task in pages:
+            task.cancel()
+        await asyncio.gather(*pages, return_exceptions=True)
+        return took
+
+    with running_bridge(sp1_server.grpc_url, tmp_path / "bridge.log", "--max-pages", str(PAGES)) as base:
+        took = asyncio.run(asyncio.wait_for(load(base), BOUND_S))
+    print(f"GET / with {PAGES} pages open: {', '.join(f'{t:.3f}' for t in took)} s")
+    assert max(took) < 1.0

@@ -41,6 +41,8 @@ class StreamMetrics:
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
+        # Triton keeps a family's values across a model's reload and past a killed stub: start from zero.
+        self.streams_open.set(0.0)
         self.time_to_first_block = first.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.inter_block = inter.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.block_dit = dit.Metric(labels=labels, buckets=LATENCY_BUCKETS_S)

@@ -62,8 +62,14 @@ def render_instance_group(*, instances: int, kind: str, device_ids: list[int] | 
 def render_sequence_batching(values: dict[str, str]) -> str:
     """Every session is a Triton sequence: the oldest-first batcher keeps a sequence on one instance (its owner)
     without capping concurrent sequences at the instance count, as the direct strategy would. Its idle timeout
-    is a backstop behind the model's own session_idle_timeout_s (which answers the client first)."""
-    candidates = int(values["max_sessions"]) + int(values["max_queue"])
+    is a backstop behind the model's own session_idle_timeout_s (which answers the client first).
+
+    Triton 2.51 frees a sequence's slot only at its end flag or that idle timeout, not at the model's final
+    response: a start the model refuses, or one its client abandons, keeps its slot until then. The model's own
+    limits (max_sessions, max_queue) decide admission, so the batcher gets `sequence_slots`, far more than them:
+    refused and abandoned starts cannot starve a valid session unless a client sends more than that within one
+    idle timeout."""
+    candidates = int(values["sequence_slots"])
     idle_us = int((float(values["session_idle_timeout_s"]) + 60.0) * 1e6)
     return (
         "# A session is a Triton sequence (correlation id, start and end flags); a whole trajectory is a\n"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import secrets
@@ -24,6 +25,12 @@ from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
 
 _PR_SET_PDEATHSIG = 1
+SHM_PREFIX = "lingbot_"
+SHM_DIR = Path("/dev/shm")
+# After tritonserver's own exit timeout, what stop() waits before it kills the process group.
+KILL_GRACE_S = 2.0
+
+log = logging.getLogger(__name__)
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
 
 # Thread settings the backend stubs need before they import numpy (the Python backend does, before the model), so in
@@ -85,7 +92,7 @@ class TritonServer:
         admin_key: str | None = None,
         group_secret: str | None = None,
         log_verbose: int = 0,
-        exit_timeout_s: int = 10,
+        exit_timeout_s: int = 5,
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
         wheel: PytritonWheel | None = None,
@@ -141,7 +148,7 @@ class TritonServer:
             "--model-control-mode=explicit",
             # Each server's Python-backend shared-memory regions get their own names: servers on one host
             # (tests, multi-host ranks on one machine) otherwise share "triton_python_backend_shm_region_*".
-            f"--backend-config=python,shm-region-prefix-name=lingbot_{self.grpc_port}_",
+            f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}{self.grpc_port}_",
             *(f"--load-model={name}" for name in self.models()),
         ]
         return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args
@@ -231,21 +238,36 @@ class TritonServer:
         raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_excerpt()}")
 
     def stop(self) -> int | None:
-        """SIGTERM the process group (server and stubs), SIGKILL if still up after the exit timeout.
+        """SIGTERM the process group (server and stubs), SIGKILL if still up `KILL_GRACE_S` after tritonserver's
+        exit timeout, then remove the Python backend's shared-memory regions a killed process leaves.
 
-        Returns the server's exit code (None if it was never started).
+        Triton 2.51 does not finish on SIGTERM while a sequence is left without its end flag or a killed stub's
+        streams are open: it waits out its exit timeout and may hang past it. Returns the server's exit code
+        (None if it was never started).
         """
         if self.process is None:
             return None
         if self.process.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
-                self.process.wait(self.exit_timeout_s + 10)
+                self.process.wait(self.exit_timeout_s + KILL_GRACE_S)
             except subprocess.TimeoutExpired:
+                log.warning("tritonserver (pid %d) did not exit %g s after SIGTERM; killed it (log %s)",
+                            self.process.pid, self.exit_timeout_s + KILL_GRACE_S, self.log_path)
                 self._signal_group(signal.SIGKILL)
                 self.process.wait()
         self._signal_group(signal.SIGKILL)  # stubs that outlived the server
+        left = self.shm_regions()
+        for region in left:
+            region.unlink(missing_ok=True)
+        if left:
+            log.warning("removed %d shared-memory region(s) tritonserver left: %s", len(left),
+                        " ".join(r.name for r in left))
         return self.process.returncode
+
+    def shm_regions(self) -> list[Path]:
+        """This server's Python-backend shared-memory regions (named after its gRPC port)."""
+        return sorted(SHM_DIR.glob(f"{SHM_PREFIX}{self.grpc_port}_*"))
 
     def _signal_group(self, sig: signal.Signals) -> None:
         assert self.process is not None

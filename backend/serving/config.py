@@ -30,6 +30,7 @@ class ServingConfig:
     collective_timeout_s: float = 120.0  # a rank silent this long is declared failed
     session_idle_timeout_s: float = 60.0  # a steered session without a step this long is ended
     max_session_s: float = 3600.0  # a steered session is ended after this long in all
+    sequence_slots: int = 4096  # Triton sequences held at once (a refused or abandoned start holds one a while)
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_rank < self.host_count:

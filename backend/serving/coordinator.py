@@ -129,7 +129,6 @@ class GroupCoordinator:
             except InputError as exc:
                 responder.send_error(str(exc))
                 return
-            record.owner.last_step_s = time.monotonic()
             if step.controls is not None:
                 stream.add(responder, step.end)
             else:  # an end flag alone: the request is answered when the session closes

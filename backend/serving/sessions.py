@@ -74,17 +74,20 @@ class OwnerPart:
     stream: OwnerStream
     key: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
-    last_step_s: float = field(default_factory=time.monotonic)
 
     def deadline(self, settings: ServingConfig) -> float:
-        """When a steered session is ended for its idle or lifetime limit (monotonic seconds)."""
-        return min(self.started_s + settings.max_session_s, self.last_step_s + settings.session_idle_timeout_s)
+        """When a steered session is ended for its idle or lifetime limit (monotonic seconds). The idle clock
+        runs only while the server waits on the client (every request answered)."""
+        lifetime = self.started_s + settings.max_session_s
+        waiting = self.stream.waits_on_client_since()
+        return lifetime if waiting is None else min(lifetime, waiting + settings.session_idle_timeout_s)
 
     def expiry(self, settings: ServingConfig, now: float) -> str | None:
         """Why the session must end now, or None."""
         if now - self.started_s >= settings.max_session_s:
             return messages.session_too_long(settings.max_session_s)
-        if now - self.last_step_s >= settings.session_idle_timeout_s:
+        waiting = self.stream.waits_on_client_since()
+        if waiting is not None and now - waiting >= settings.session_idle_timeout_s:
             return messages.session_idle(settings.session_idle_timeout_s)
         return None
 

@@ -7,6 +7,7 @@ doorbell: a session held back by a slow client may run again).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -63,6 +64,10 @@ class WholeStream(OwnerStream):
     def is_cancelled(self) -> bool:
         return self._responder.is_cancelled()
 
+    def waits_on_client_since(self) -> float | None:
+        """A whole trajectory never waits on its client."""
+        return None
+
 
 class SteeredStream(OwnerStream):
     """A steered session: blocks go to the waiting requests in order. A block computed before its request
@@ -76,6 +81,19 @@ class SteeredStream(OwnerStream):
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
         self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes
         self._closed = False
+        self._answered_s = time.monotonic()  # when its last waiting request was answered
+
+    def waits_on_client_since(self) -> float | None:
+        """Since when every request is answered, so the server waits on the client; None while one waits (the
+        server's own time: its block runs, or waits behind other sessions' blocks)."""
+        with self._lock:
+            return None if self._waiting else self._answered_s
+
+    def _delivered(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
+                   final: bool) -> None:
+        super()._delivered(responder, output, frames, decode_ms, final)
+        if not self._waiting:
+            self._answered_s = time.monotonic()
 
     def add(self, responder: Responder, end: bool) -> None:
         """A step's request: answered by the next block (at once if one is ready)."""

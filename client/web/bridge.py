@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ def plain(exc: Exception) -> str:
 
 
 class Player:
-    """Plays one steered session for one page: `hold` keys, `stop`, and `close` when the page goes."""
+    """Plays one steered session for one page: `hold` keys, `stop`, and `close` when the page goes.
+
+    Its blocking calls (the wait for a block, the MP4 and JPEG encodes) run on its own thread, not asyncio's
+    shared pool: pages waiting for blocks would otherwise take every worker of that pool, which the web server
+    uses too (serving files), and stall each other and the page itself.
+    """
 
     def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float) -> None:
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
@@ -83,31 +89,37 @@ class Player:
     async def play(self, request: SessionRequest) -> None:
         """Run the session to its end, relaying every block; errors go to the page."""
         self._session = SteeredSession(self.url, model_name=self.model)
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
         try:
             with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
-                await self._relay(self._session, request, mp4)
+                await self._relay(self._session, request, mp4, thread)
             await self.send({"type": "ended", "frames": mp4.frames_written})
         except (StreamError, ValueError) as exc:
             await self.send({"type": "error", "message": plain(exc)})
         finally:
-            await asyncio.to_thread(self.close)
+            await asyncio.to_thread(self.close)  # cancels the stream: a wait still on the thread ends with it
+            thread.shutdown(wait=False)
 
-    async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer) -> None:
+    async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer,
+                     thread: ThreadPoolExecutor) -> None:
+        def on_thread(call: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+            return asyncio.get_running_loop().run_in_executor(thread, call, *args)
+
         session.start(request)
         step = self._next_step()
         session.step(step)
         sent = [Controls(keys=request.keys or ""), step]  # every request's keys and event, in order
         prompt = request.prompt  # in force at the block received
         received, rate = 0, DeliveryRate()
-        while (block := await asyncio.to_thread(session.next_block, self.timeout)) is not None:
+        while (block := await on_thread(session.next_block, self.timeout)) is not None:
             latency = block.arrival_s - session.sent_s[received]
             if not self.stopping:
                 step = self._next_step()
                 session.step(step)
                 sent.append(step)
             prompt = sent[received].prompt or prompt
-            await asyncio.to_thread(mp4.append, block.frames)
-            jpegs = await asyncio.to_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
+            await on_thread(mp4.append, block.frames)
+            jpegs = await on_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
             await self.send({
                 "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
                 "keys": sent[received].keys, "prompt": prompt, "event": sent[received].prompt is not None,
