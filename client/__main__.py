@@ -3,6 +3,7 @@
     python -m client --prompt "a sunny street" --camera forward --out out/session.mp4
     python -m client play --prompt "a sunny street" --keys "w*6,wa*2,j*3"   (a steered session)
     python -m client serve --url localhost:8001 --port 8080                  (the browser player)
+    python -m client replay out/world.npz                                    (a recording, checked bit for bit)
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Stream one camera-controlled generation from Triton, writing the MP4 as blocks arrive.",
         epilog="other commands:\n"
                "  python -m client play ...   a steered session from a key script (play --help)\n"
-               "  python -m client serve ...  the browser player (serve --help)",
+               "  python -m client serve ...  the browser player (serve --help)\n"
+               "  python -m client replay ... a recorded world, checked bit for bit (replay --help)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
@@ -138,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from client.web.serve import main as serve
 
         return serve(argv[1:])
+    if argv[:1] == ["replay"]:  # a recording (client/replay.py)
+        from client.replay import main as replay
+
+        return replay(argv[1:])
     args = parse_args(argv)
     try:
         image, poses, intrinsics = request_arrays(args)

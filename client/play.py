@@ -6,7 +6,8 @@ Each step of the script is one block (see backend/api/controls.py for the keys a
 "@text" is a world event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"). The client
 keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
 Per block it prints the step latency (request sent to block received) and the real-time factor: seconds of
-video at 16 fps delivered per second since the first block (>= 1 keeps up with playback).
+video at 16 fps delivered per second since the first block (>= 1 keeps up with playback). With --record FILE
+it also writes what the server ran (held blocks' cameras included) for `python -m client replay FILE`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest
 from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
+from client.recording import Recorder
 from client.steer import SteeredSession
 from client.stream import StreamError
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
@@ -42,6 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="steps sent ahead of the block on screen (default: %(default)s)")
     p.add_argument("--out", default="out/play.mp4", help="MP4 written as blocks arrive (default: %(default)s)")
     p.add_argument("--contact-sheet", help="also write a PNG grid of every 8th frame, world-event blocks framed")
+    p.add_argument("--record", help="also write the session's recording here (.npz), for `python -m client replay`")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one block (default: %(default)s)")
     return p.parse_args(argv)
@@ -56,7 +59,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
-                             height=args.height, width=args.width, keys=steps[0][0], on_starve=args.on_starve)
+                             height=args.height, width=args.width, keys=steps[0][0], on_starve=args.on_starve,
+                             return_used=args.record is not None)
+    recorder = Recorder(request) if args.record else None
     sheet = ContactSheet() if args.contact_sheet else None
     latencies: list[float] = []
     rate = DeliveryRate(DEFAULT_FPS)
@@ -73,6 +78,8 @@ def main(argv: list[str]) -> int:
                 latency = block.arrival_s - session.sent_s[received]
                 latencies.append(latency)
                 mp4.append(block.frames)
+                if recorder is not None:
+                    recorder.add(block)
                 if sheet is not None:
                     sheet.add(block.frames, block.block_index, event=steps[received][1] is not None)
                 factor = rate.add(len(block.frames), block.arrival_s)
@@ -84,9 +91,11 @@ def main(argv: list[str]) -> int:
                       f"{', HELD (step late)' if block.held else ''}{event}", flush=True)
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        save_partial(recorder, args.record)
         return 1
     except KeyboardInterrupt:
         print("interrupted: session cancelled", file=sys.stderr)
+        save_partial(recorder, args.record)
         return 130
     later = latencies[1:] or latencies
     print(f"time to first block: {latencies[0]:.2f} s; mean step latency {statistics.fmean(later):.2f} s")
@@ -94,4 +103,14 @@ def main(argv: list[str]) -> int:
     if sheet is not None:
         sheet.save(args.contact_sheet)
         print(f"contact sheet: {args.contact_sheet}")
+    if recorder is not None:
+        recorder.save(args.record)
+        print(f"recording: {args.record} ({len(recorder.recording.blocks)} blocks; replay: python -m client replay "
+              f"{args.record})")
     return 0
+
+
+def save_partial(recorder: Recorder | None, path: str | None) -> None:
+    """Keep the blocks recorded before a failure or an interrupt (a bug report's evidence)."""
+    if recorder is not None and recorder.save(path) is not None:
+        print(f"partial recording kept: {path} ({len(recorder.recording.blocks)} blocks)", file=sys.stderr)

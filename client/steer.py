@@ -27,6 +27,7 @@ class SteeredSession:
         self.model_name = model_name
         self.sequence_id = sequence_id or new_sequence_id()
         self.sent_s: list[float] = []  # send time of every request, in order
+        self._step_parameters: dict[str, bool] = {}  # the start's per-request choices, repeated on every step
         self._client = grpcclient.InferenceServerClient(url=url)
         self._responses: queue.Queue[Any] = queue.Queue()
         self._client.start_stream(callback=functools.partial(self._on_response, self._responses))
@@ -38,10 +39,12 @@ class SteeredSession:
     def start(self, request: SessionRequest) -> None:
         if not request.steered:
             raise ValueError("a steered session's request has no num_frames")
+        self._step_parameters = {contract.PARAM_RETURN_LATENTS: request.return_latents,
+                                 contract.PARAM_RETURN_USED: request.return_used}
         self._send(request_arrays(request), start=True, parameters=request_parameters(request))
 
     def step(self, controls: Controls, end: bool = False) -> None:
-        self._send(controls_arrays(controls), end=end)
+        self._send(controls_arrays(controls), end=end, parameters=self._step_parameters)
 
     def end(self) -> None:
         """Close the session without another block (its answer is an empty final response)."""

@@ -11,6 +11,8 @@ from pathlib import Path
 import imageio.v3 as iio
 import pytest
 
+from client.recording import Recording
+from client.replay import check_blocks, replay_whole
 from factories import TINY_SIZE, sample_image
 from bridge_harness import running_bridge
 from polling import wait_until
@@ -117,6 +119,15 @@ def test_play_steer_stop_and_download(player_url, sp1_server, browser, first_fra
     mp4 = tmp_path / "played.mp4"
     download.value.save_as(mp4)
     assert len(list(iio.imiter(mp4, plugin="FFMPEG"))) == frames
+    # Beside the MP4, the recording: what the server ran, which replays bit for bit.
+    with page.expect_download() as download:
+        page.click("#download-recording")
+    recording = tmp_path / "played.npz"
+    download.value.save_as(recording)
+    kept = Recording.load(recording)
+    assert len(kept.blocks) == played and sum(len(b.camera) for b in kept.blocks) == frames
+    replayed = replay_whole(kept, sp1_server.grpc_url, "lingbot_world", False, 120)
+    assert all(check.same for check in check_blocks(kept, replayed))
 
     # The server received every step and ended the session after exactly the blocks the page played.
     ends = wait_until(lambda: session_ends(Path(sp1_server.log_path), "ended by its client")[ended_before:], 30,

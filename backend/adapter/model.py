@@ -82,6 +82,7 @@ class TritonPythonModel:
         group = SequenceParallel(groups.data)
         mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
         self.engine = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
+        self.settings_used = self.engine.settings_used  # sent with a session's first block on return_used
         groups.all_arrived("loaded")  # every rank has loaded before the loop starts
         doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret, serving.collective_timeout_s) \
             if world > 1 else None
@@ -105,7 +106,8 @@ class TritonPythonModel:
                 TritonResponder(sender, False, self.metrics).send_error(str(exc))
                 continue
             steered = isinstance(parsed, StepRequest) or parsed.steered
-            self.coordinator.submit(parsed, TritonResponder(sender, parsed.return_latents, self.metrics, steered))
+            used = self.settings_used if parsed.return_used else None
+            self.coordinator.submit(parsed, TritonResponder(sender, parsed.return_latents, self.metrics, steered, used))
         return None
 
     def finalize(self) -> None:

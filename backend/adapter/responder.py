@@ -8,7 +8,8 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..api.codec import block_outputs
+from ..api.codec import BlockUsed, block_outputs
+from ..api.provenance import latents_sha256
 from ..engine.blocks import BlockOutput
 from .metrics import StreamMetrics
 
@@ -39,11 +40,13 @@ class TritonResponder:
     process_lock = threading.RLock()
 
     def __init__(
-        self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics, step: bool = False
+        self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics, step: bool = False,
+        settings_used: str | None = None,
     ) -> None:
         self.sender = sender
         self.step = step  # a steered session's request: one block, its latency is the step latency
         self.return_latents = return_latents
+        self.settings_used = settings_used  # the request asked for return_used: the engine's settings_used
         self.metrics = metrics
         self.arrival = time.perf_counter()
         self.last_block: float | None = None
@@ -53,10 +56,13 @@ class TritonResponder:
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
         now = time.perf_counter()
         since_arrival_ms = (now - self.arrival) * 1000.0
-        latents = output.latents[0].numpy() if self.return_latents else None
+        latents = output.latents[0].numpy()
+        used = None if self.settings_used is None else BlockUsed(
+            output.camera, output.prompt, latents_sha256(latents),
+            self.settings_used if output.block_index == 0 else None)
         tensors = block_outputs(
-            output.block_index, output.num_blocks, latents, frames, (output.dit_ms, decode_ms, since_arrival_ms),
-            output.held,
+            output.block_index, output.num_blocks, latents if self.return_latents else None, frames,
+            (output.dit_ms, decode_ms, since_arrival_ms), output.held, used,
         )
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         if self._send(response, FINAL if final else 0):

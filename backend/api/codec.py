@@ -52,6 +52,12 @@ def request_parameters(request: SessionRequest) -> dict[str, bool | int | str]:
     params: dict[str, bool | int | str] = {c.PARAM_DECODE: request.decode, c.PARAM_RETURN_LATENTS: request.return_latents}
     if request.steered:
         params |= {c.PARAM_ON_STARVE: request.on_starve, c.PARAM_MAX_BLOCKS: request.max_blocks}
+    elif request.pose_scale != c.POSE_SCALES[0]:
+        params[c.PARAM_POSE_SCALE] = request.pose_scale
+    if request.return_used:
+        params[c.PARAM_RETURN_USED] = True
+    if request.expect_settings:
+        params[c.PARAM_EXPECT_SETTINGS] = request.expect_settings
     return params
 
 
@@ -136,8 +142,9 @@ def parse_request(
                 raise InputError(f"input '{c.PROMPT}' on a step rides on its block: send it with "
                                  f"'{c.CAMERA_POSES}' or '{c.ACTION}'")
             controls.prompt = _text(values[c.PROMPT], c.PROMPT)
-        latents = _parameter(params, next(p for p in c.REQUEST_PARAMETERS if p.name == c.PARAM_RETURN_LATENTS))
-        return StepRequest(sequence_key, controls, end, latents)
+        step = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
+                if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED)}
+        return StepRequest(sequence_key, controls, end, step[c.PARAM_RETURN_LATENTS], step[c.PARAM_RETURN_USED])
     if whole and c.ACTION in values:
         raise InputError(f"input '{c.ACTION}' steers a session block by block; a whole trajectory "
                          f"('{c.NUM_FRAMES}' set) takes '{c.CAMERA_POSES}' for every frame instead")
@@ -165,6 +172,9 @@ def parse_request(
         on_starve=settings[c.PARAM_ON_STARVE],
         max_blocks=1 if end and not whole else settings[c.PARAM_MAX_BLOCKS],  # start and end at once: one block
         session_key=None if whole else sequence_key,
+        return_used=settings[c.PARAM_RETURN_USED],
+        expect_settings=settings[c.PARAM_EXPECT_SETTINGS],
+        pose_scale=settings[c.PARAM_POSE_SCALE],
     )
 
 
@@ -175,8 +185,9 @@ def block_outputs(
     frames: np.ndarray,
     timing_ms: tuple[float, float, float],
     held: bool = False,
+    used: BlockUsed | None = None,
 ) -> dict[str, np.ndarray]:
-    """The output tensors of one block's response, each in its contract dtype."""
+    """The output tensors of one block's response, each in its contract dtype (what it was made from with `used`)."""
     values = {
         c.BLOCK_INDEX: [block_index],
         c.NUM_BLOCKS: [num_blocks],
@@ -184,12 +195,26 @@ def block_outputs(
         c.FRAMES: frames,
         c.TIMING_MS: timing_ms,
         c.HELD: [held],
+        c.CAMERA_USED: None if used is None else used.camera,
+        c.PROMPT_USED: None if used is None else [used.prompt.encode("utf-8")],
+        c.LATENTS_SHA256: None if used is None else [used.latents_sha256.encode("ascii")],
+        c.SETTINGS_USED: None if used is None or used.settings is None else [used.settings.encode("utf-8")],
     }
     return {
         spec.name: np.ascontiguousarray(np.asarray(values[spec.name], dtype=spec.dtype))
         for spec in c.OUTPUTS
         if values[spec.name] is not None
     }
+
+
+@dataclass(frozen=True)
+class BlockUsed:
+    """What a block was made from (request parameter return_used; see api/provenance)."""
+
+    camera: np.ndarray  # float32 [n, 4, 4]: the camera-to-world poses of its new video frames, as run
+    prompt: str  # the prompt in force
+    latents_sha256: str
+    settings: str | None = None  # the server's settings_used (a session's first block)
 
 
 @dataclass(frozen=True)
@@ -203,6 +228,7 @@ class BlockResponse:
     timing_ms: tuple[float, ...]  # server: DiT compute, VAE decode, since request arrival
     arrival_s: float  # time.perf_counter() when the response reached the client
     held: bool = False  # a steered block run on held controls (its step came late)
+    used: BlockUsed | None = None  # with return_used
 
 
 def parse_block(output: Callable[[str], np.ndarray | None], arrival_s: float) -> BlockResponse:
@@ -222,6 +248,16 @@ def parse_block(output: Callable[[str], np.ndarray | None], arrival_s: float) ->
         raise ResponseError(f"server sent {c.FRAMES!r} as {frames.dtype} {list(frames.shape)}; expected uint8 [n, H, W, 3]")
     timing = output(c.TIMING_MS)
     held = output(c.HELD)
+    camera = output(c.CAMERA_USED)
+    used = None
+    if camera is not None:
+        if camera.dtype != np.float32 or camera.ndim != 3 or camera.shape[1:] != (4, 4):
+            raise ResponseError(f"server sent {c.CAMERA_USED!r} as {camera.dtype} {list(camera.shape)}; "
+                                f"expected float32 [n, 4, 4]")
+        settings = output(c.SETTINGS_USED)
+        used = BlockUsed(camera=camera, prompt=_response_text(output, c.PROMPT_USED),
+                         latents_sha256=_response_text(output, c.LATENTS_SHA256),
+                         settings=None if settings is None else _response_text(output, c.SETTINGS_USED))
     return BlockResponse(
         block_index=first(c.BLOCK_INDEX),
         num_blocks=first(c.NUM_BLOCKS),
@@ -230,4 +266,16 @@ def parse_block(output: Callable[[str], np.ndarray | None], arrival_s: float) ->
         timing_ms=() if timing is None else tuple(float(t) for t in timing.reshape(-1)),
         arrival_s=arrival_s,
         held=bool(held.reshape(-1)[0]) if held is not None else False,
+        used=used,
     )
+
+
+def _response_text(output: Callable[[str], np.ndarray | None], name: str) -> str:
+    array = output(name)
+    if array is None or array.size != 1:
+        raise ResponseError(f"server response lacks a one-element {name!r} output")
+    raw = array.reshape(-1)[0]
+    try:
+        return raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ResponseError(f"server sent {name!r} that is not UTF-8") from exc

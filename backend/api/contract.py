@@ -84,6 +84,10 @@ LATENTS = "latents"
 FRAMES = "frames"
 TIMING_MS = "timing_ms"
 HELD = "held"
+CAMERA_USED = "camera_used"
+PROMPT_USED = "prompt_used"
+LATENTS_SHA256 = "latents_sha256"
+SETTINGS_USED = "settings_used"
 
 # One response per AR block; the last block's response carries the final flag.
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -93,6 +97,15 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     _spec(FRAMES, np.uint8, (-1, -1, -1, 3), "[n, height, width, 3] decoded RGB frames of this block (n = 0 without decode)"),
     _spec(TIMING_MS, np.float32, (3,), "DiT compute, VAE decode, time since the request arrived (ms)"),
     _spec(HELD, np.bool_, (1,), "the block ran on held controls: its step came late (on_starve=hold)"),
+    # What the block was made from (request parameter return_used): what a recording keeps, a replay checks.
+    _spec(CAMERA_USED, np.float32, (-1, 4, 4), "camera-to-world poses of the block's new video frames as the server "
+          "ran them (a held block's included); with return_used"),
+    _spec(PROMPT_USED, np.object_, (1,), "the prompt in force for this block (after any world event); with "
+          "return_used"),
+    _spec(LATENTS_SHA256, np.object_, (1,), "hex SHA-256 of the block's latents (float32 [z, block_frames, h, w], "
+          "C order); with return_used"),
+    _spec(SETTINGS_USED, np.object_, (1,), "the server settings the latents depend on, key=value;... (a session's "
+          "first block only; with return_used)"),
 )
 
 INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
@@ -112,7 +125,11 @@ PARAM_DECODE = "decode"
 PARAM_RETURN_LATENTS = "return_latents"
 PARAM_ON_STARVE = "on_starve"
 PARAM_MAX_BLOCKS = "max_blocks"
+PARAM_RETURN_USED = "return_used"
+PARAM_EXPECT_SETTINGS = "expect_settings"
+PARAM_POSE_SCALE = "pose_scale"
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
+POSE_SCALES = ("clip", "running")  # a whole trajectory's translation scale: the clip's largest, or the largest so far
 
 # Per-request parameters (Triton request `parameters`); a steered session takes its settings from its first request.
 REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
@@ -120,6 +137,13 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_RETURN_LATENTS, True, "send the latents tensor"),
     ParameterSpec(PARAM_ON_STARVE, ON_STARVE[0], "steered: when the next step is late, 'wait' for it or 'hold' the last motion"),
     ParameterSpec(PARAM_MAX_BLOCKS, 0, "steered: end the session after this many blocks (0: when the client ends it)"),
+    ParameterSpec(PARAM_RETURN_USED, False, "send what each block was made from: camera_used, prompt_used, "
+                  "latents_sha256 (and settings_used on the first block)"),
+    ParameterSpec(PARAM_EXPECT_SETTINGS, "", "refuse the request unless this server's settings_used equal these "
+                  "key=value pairs (a replay's check; empty: no check)"),
+    ParameterSpec(PARAM_POSE_SCALE, POSE_SCALES[0], "whole trajectory: divide camera translations by the clip's "
+                  "largest ('clip', as the reference) or by the largest so far ('running', as a steered session "
+                  "does: a steered recording replays bit for bit)"),
 )
 
 # Triton sequence flags on a request (python backend `request.flags()`).

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import MAX_PROMPT_BYTES, ON_STARVE, PROMPT, block_video_frames
+from .contract import MAX_PROMPT_BYTES, ON_STARVE, POSE_SCALES, PROMPT, block_video_frames
 from .errors import InputError
+from .provenance import parse_settings
 
 DEFAULT_HFOV_DEG = 60.0
 
@@ -59,6 +60,9 @@ class SessionRequest:
     on_starve: str = ON_STARVE[0]
     max_blocks: int = 0  # steered: end after this many blocks (0: when the client ends it)
     session_key: str | None = None  # steered: the Triton sequence (correlation id) that carries it
+    return_used: bool = False  # send what each block was made from (api/provenance)
+    expect_settings: str = ""  # refuse unless the server's settings_used equal these ("": no check)
+    pose_scale: str = POSE_SCALES[0]  # a whole trajectory's translation scale: "clip" or "running" (as steered)
 
     @property
     def steered(self) -> bool:
@@ -83,6 +87,7 @@ class StepRequest:
     controls: Controls | None  # None with `end`: close without another block
     end: bool = False
     return_latents: bool = True
+    return_used: bool = False
 
 
 def check_prompt(prompt: str) -> None:
@@ -122,6 +127,10 @@ def check_request(request: SessionRequest, block_frames: int) -> None:
         if request.poses is None:
             raise InputError("a whole-trajectory request (num_frames set) needs camera_poses for every frame")
         check_poses(request.poses, request.num_frames)
+    if request.pose_scale not in POSE_SCALES:
+        raise InputError(f"request parameter 'pose_scale' must be one of {list(POSE_SCALES)}; got {request.pose_scale!r}")
+    if request.expect_settings:
+        parse_settings(request.expect_settings)
     if request.intrinsics is not None:
         k = request.intrinsics
         if k.dtype != np.float32 or k.ndim != 2 or k.shape[1] != 4 or len(k) < 1:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..api.request import Controls
@@ -20,6 +21,8 @@ class BlockOutput:
     all_gather_bytes: int = 0  # this rank's TP all-gather payload during them
     held: bool = False  # a steered block run on its last motion because its step came late
     last: bool = False  # the session's last block
+    camera: np.ndarray | None = None  # float32 [n, 4, 4]: the camera-to-world poses of its new video frames, as run
+    prompt: str = ""  # the prompt in force
 
 
 @dataclass(frozen=True)

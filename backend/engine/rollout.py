@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..api.errors import InputError
+from ..api.provenance import RESULT_SETTINGS, format_settings, parse_settings, setting_differences
 from ..api.request import SessionRequest, check_prompt, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
@@ -106,7 +107,16 @@ class WorldModelEngine:
         if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
             raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
                              "needs request parameter 'max_blocks' > 0 to bound its cache")
+        if request.expect_settings and (differ := setting_differences(
+                parse_settings(request.expect_settings), parse_settings(self.settings_used, "settings_used"))):
+            raise InputError(f"this server's settings differ from request parameter 'expect_settings' (the "
+                             f"recording's): {'; '.join(differ)}")
         return geometry
+
+    @property
+    def settings_used(self) -> str:
+        """The settings a block's latents depend on (api/provenance), as this engine runs them."""
+        return format_settings({name: getattr(self.config, name) for name in RESULT_SETTINGS})
 
     def session_window_frames(self, request: SessionRequest, geometry: VideoGeometry) -> int:
         """The latent frames a session's cache holds: the window, or a clip's (or a bounded steered session's)
@@ -141,7 +151,8 @@ class WorldModelEngine:
             request=request,
             geometry=geometry,
             generator=torch.Generator("cpu").manual_seed(request.seed),
-            camera=(CameraTrack(request.camera_intrinsics(), geometry.block_frames) if request.steered
+            camera=(CameraTrack(request.camera_intrinsics(), geometry.block_frames)
+                    if request.steered or request.pose_scale == "running"  # the largest translation so far
                     else CameraTrack.whole(request.poses, request.camera_intrinsics(), geometry.block_frames)),
             planned=[] if request.steered else split_blocks(request.poses, geometry.block_frames),
             condition=(self.conditions.start(prepare_image(image, request.height, request.width))
@@ -199,10 +210,11 @@ class WorldModelEngine:
         condition = self._conditions(sessions, starts, geometry)
         fold = self.ckpt.vae.spatial_factor
         steps = [controls[s.id] if s.steered else BlockControls(None) for s in sessions]
+        video_poses = [s.camera.resolve(c.controls) if s.steered else s.planned[s.block_index]
+                       for s, c in zip(sessions, steps)]
         camera = torch.stack([
-            camera_features(s.camera.next_block(s.camera.resolve(c.controls) if s.steered else s.planned[s.block_index]),
-                            s.camera.intrinsics, geometry.height, geometry.width, fold)
-            for s, c in zip(sessions, steps)
+            camera_features(s.camera.next_block(poses), s.camera.intrinsics, geometry.height, geometry.width, fold)
+            for s, poses in zip(sessions, video_poses)
         ]).to(self.device)
         noise_shape = (1, z, bf, geometry.latent_height, geometry.latent_width)
 
@@ -239,6 +251,8 @@ class WorldModelEngine:
                     all_gather_bytes=self.mesh.tp.stats.all_gather_bytes,
                     held=s.steered and step.controls is None,
                     last=s.done,
+                    camera=np.ascontiguousarray(video_poses[i], dtype=np.float32),
+                    prompt=s.prompt,
                 )
             )
         return outputs

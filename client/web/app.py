@@ -1,9 +1,9 @@
 """The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
 
 Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?},
-{"type": "keys", keys}, {"type": "event", prompt} (a world event), {"type": "stop"}. Bridge -> page: {"type": "session", id, video}, then per block a
-{"type": "block", ...} header followed by its frames as binary JPEG messages, then {"type": "ended", frames} or
-{"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
+{"type": "keys", keys}, {"type": "event", prompt} (a world event), {"type": "stop"}. Bridge -> page: {"type":
+"session", id, video, recording}, then per block a {"type": "block", ...} header followed by its frames as binary
+JPEG messages, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
 
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, while fewer than `max_pages` pages are open; videos are served by session id from this bridge's own table.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from client.web.bridge import Player, start_request
+from client.web.bridge import Player, recording_path, start_request
 from client.web.schema import MAX_MESSAGE_BYTES, parse_message
 
 STATIC = Path(__file__).parent / "static"
@@ -73,6 +73,14 @@ async def video(request: web.Request) -> web.FileResponse:
     return web.FileResponse(path, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
+async def recording(request: web.Request) -> web.FileResponse:
+    path = request.app[SESSIONS].get(request.match_info["sid"])  # an id from the table, never a path
+    if path is None or not recording_path(path).is_file():
+        raise web.HTTPNotFound(text="no recording for this session (no block yet, or its page has closed)")
+    name = f"lingbot-{request.match_info['sid']}.npz"
+    return web.FileResponse(recording_path(path), headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
 async def websocket(request: web.Request) -> web.WebSocketResponse:
     if (refusal := request.app[ACCESS].refusal(request)) is not None:
         raise web.HTTPForbidden(text=refusal)
@@ -93,7 +101,8 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     player = Player(video_path=path, send=send, **request.app[SETTINGS])
     task: asyncio.Task | None = None
     try:
-        await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4"})
+        await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4",
+                    "recording": f"/sessions/{sid}/recording.npz"})
         async for msg in ws:
             try:
                 if msg.type == WSMsgType.ERROR:  # e.g. larger than MAX_MESSAGE_BYTES
@@ -119,6 +128,7 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
             task.cancel()
         await asyncio.to_thread(player.close)
         path.unlink(missing_ok=True)
+        recording_path(path).unlink(missing_ok=True)
         sessions.pop(sid, None)
     return ws
 
@@ -133,5 +143,6 @@ def make_app(url: str, model: str, timeout: float, access: Access) -> web.Applic
     app.router.add_get("/ws", websocket)
     app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/sessions/{sid}/video.mp4", video)
+    app.router.add_get("/sessions/{sid}/recording.npz", recording)
     app.router.add_static("/static", STATIC)
     return app

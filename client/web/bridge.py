@@ -2,7 +2,8 @@
 
 Lookahead 1, like `python -m client play`: when a block arrives the next step is sent at once with the keys
 held at that moment, so the server always has the camera of the block after the one it is computing. A world
-event (the page's new prompt) rides on the next step sent; each block's header names the prompt in force.
+event (the page's new prompt) rides on the next step sent; each block's header names the prompt in force. The
+session is recorded as it plays (what the server ran, see client/recording.py), beside its MP4.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest, check_prompt
 from client.images import synthetic_image
 from client.pace import DeliveryRate
+from client.recording import Recorder
 from client.steer import SteeredSession
 from client.stream import StreamError
 from client.video import DEFAULT_FPS, Mp4Writer
@@ -38,7 +40,13 @@ def start_request(message: dict[str, Any]) -> SessionRequest:
         raise ValueError(f"height and width must be between 1 and {MAX_SIDE}, got {height}x{width}")
     image = decode_upload(message["image"]) if message.get("image") else synthetic_image(height, width)
     return SessionRequest(image=image, prompt=prompt, poses=None, num_frames=None, seed=seed, height=height,
-                          width=width, keys=parse_keys(str(message.get("keys") or "-")), return_latents=False)
+                          width=width, keys=parse_keys(str(message.get("keys") or "-")), return_latents=False,
+                          return_used=True)
+
+
+def recording_path(video_path: Path) -> Path:
+    """Where a page session's recording goes, beside its MP4."""
+    return video_path.with_suffix(".npz")
 
 
 def plain(exc: Exception) -> str:
@@ -56,6 +64,7 @@ class Player:
 
     def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float) -> None:
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
+        self.recording_path = recording_path(video_path)
         self.keys = ""
         self.pending: str | None = None  # a world event not sent yet
         self.stopping = False
@@ -90,17 +99,23 @@ class Player:
         """Run the session to its end, relaying every block; errors go to the page."""
         self._session = SteeredSession(self.url, model_name=self.model)
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
+        recorder = Recorder(request)
+
+        async def save() -> bool:  # what was played, also before a failure (a bug report's evidence)
+            saved = await asyncio.get_running_loop().run_in_executor(thread, recorder.save, self.recording_path)
+            return saved is not None
+
         try:
             with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
-                await self._relay(self._session, request, mp4, thread)
-            await self.send({"type": "ended", "frames": mp4.frames_written})
+                await self._relay(self._session, request, mp4, recorder, thread)
+            await self.send({"type": "ended", "frames": mp4.frames_written, "recorded": await save()})
         except (StreamError, ValueError) as exc:
-            await self.send({"type": "error", "message": plain(exc)})
+            await self.send({"type": "error", "message": plain(exc), "recorded": await save()})
         finally:
             await asyncio.to_thread(self.close)  # cancels the stream: a wait still on the thread ends with it
             thread.shutdown(wait=False)
 
-    async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer,
+    async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer, recorder: Recorder,
                      thread: ThreadPoolExecutor) -> None:
         def on_thread(call: Callable[..., Any], *args: Any) -> Awaitable[Any]:
             return asyncio.get_running_loop().run_in_executor(thread, call, *args)
@@ -118,6 +133,7 @@ class Player:
                 session.step(step)
                 sent.append(step)
             prompt = sent[received].prompt or prompt
+            recorder.add(block)
             await on_thread(mp4.append, block.frames)
             jpegs = await on_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
             await self.send({

@@ -82,6 +82,7 @@ function onMessage(event) {
   const msg = JSON.parse(event.data);
   if (msg.type === "session") {
     $("download").href = msg.video;
+    $("download-recording").href = msg.recording;
   } else if (msg.type === "block") {
     stats.blocks += 1;
     stats.frames += msg.frames;
@@ -96,9 +97,11 @@ function onMessage(event) {
   } else if (msg.type === "ended") {
     show("ended");
     $("download").hidden = msg.frames === 0;
+    $("download-recording").hidden = !msg.recorded;
     finish();
   } else if (msg.type === "error") {
     fail(msg.message);
+    $("download-recording").hidden = !msg.recorded;
     show(stats ? "failed" : "idle");
     finish();
   }
@@ -113,6 +116,7 @@ async function start(event) {
   event.preventDefault();
   $("error").hidden = true;
   $("download").hidden = true;
+  $("download-recording").hidden = true;
   let image;
   try { image = await readImage(); } catch (e) { fail(e.message); return; }
   if (ws) {  // the previous session's socket: its late events must not touch this session

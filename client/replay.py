@@ -1,0 +1,148 @@
+"""`python -m client replay FILE`: run a recorded world again and check its latents, block by block, bit for bit.
+
+    python -m client replay out/world.npz --url localhost:8001 --out out/replay.mp4
+    python -m client replay out/world.npz --steps
+
+By default one whole trajectory carries every recorded pose (pose_scale=running, as the steered session scaled
+its translations); --steps replays it as a steered session again, one step per block with its world event. Both
+send the recording's settings as expect_settings, so a server with other settings refuses before any work.
+Exit status: 0 when every block's latents equal the recorded hashes, 1 when one differs or the stream fails,
+2 for a recording that cannot be replayed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.api import contract
+from backend.api.codec import BlockResponse, request_parameters
+from backend.api.provenance import latents_sha256
+from backend.api.request import Controls, SessionRequest
+from client.recording import Recording, RecordingError
+from client.steer import SteeredSession
+from client.stream import StreamError, StreamingSession, request_inputs
+from client.video import DEFAULT_FPS, Mp4Writer
+
+
+@dataclass(frozen=True)
+class BlockCheck:
+    index: int
+    recorded: str
+    replayed: str | None  # None: the block did not come back
+
+    @property
+    def same(self) -> bool:
+        return self.recorded == self.replayed
+
+
+def base_request(recording: Recording, decode: bool, **kinds: object) -> SessionRequest:
+    return SessionRequest(
+        image=recording.image, prompt=recording.prompt, seed=recording.seed, height=recording.height,
+        width=recording.width, intrinsics=recording.intrinsics, decode=decode, return_latents=False,
+        return_used=True, expect_settings=recording.settings, **kinds,
+    )
+
+
+def whole_request(recording: Recording, decode: bool) -> SessionRequest:
+    """The recording as one whole trajectory; a recording with world events needs --steps (one prompt here)."""
+    if recording.events:
+        raise RecordingError(f"world events at block(s) {sorted(recording.events)}: a whole trajectory takes one "
+                             f"prompt; replay it with --steps")
+    poses = np.concatenate([b.camera for b in recording.blocks])
+    return base_request(recording, decode, poses=poses, num_frames=len(poses), pose_scale="running")
+
+
+def replay_whole(recording: Recording, url: str, model: str, decode: bool, timeout: float) -> list[BlockResponse]:
+    request = whole_request(recording, decode)
+    with StreamingSession(url, model_name=model) as session:
+        session.send(request_inputs(request), request_id="replay", parameters=request_parameters(request))
+        return list(session.responses(timeout))
+
+
+def replay_steps(recording: Recording, url: str, model: str, decode: bool, timeout: float) -> list[BlockResponse]:
+    """A steered session again: the first request with block 0's poses, then one step per block (lookahead 1),
+    each with its recorded poses and world event; on_starve=wait, so no block is held this time."""
+    blocks = recording.blocks
+    steps = [Controls(poses=b.camera, prompt=b.event) for b in blocks[1:]]
+    received: list[BlockResponse] = []
+    with SteeredSession(url, model_name=model) as session:
+        session.start(base_request(recording, decode, poses=blocks[0].camera, num_frames=None))
+        sent = 0
+        for _ in blocks:
+            if sent < len(steps):
+                session.step(steps[sent], end=sent == len(steps) - 1)
+                sent += 1
+            block = session.next_block(timeout)
+            if block is None:
+                raise StreamError(f"the session ended after {len(received)} of {len(blocks)} blocks")
+            received.append(block)
+        if not steps:  # one block: close the session (its answer is an empty final response)
+            session.end()
+            session.next_block(timeout)
+    return received
+
+
+def check_blocks(recording: Recording, blocks: list[BlockResponse]) -> list[BlockCheck]:
+    """Each recorded block against what came back (the server's hash, checked against the latents if sent)."""
+    checks = []
+    for i, recorded in enumerate(recording.blocks):
+        block = blocks[i] if i < len(blocks) else None
+        replayed = block.used.latents_sha256 if block is not None and block.used is not None else None
+        if block is not None and block.latents is not None and replayed != latents_sha256(block.latents):
+            raise StreamError(f"block {i}: the server's latents_sha256 does not match the latents it sent")
+        checks.append(BlockCheck(i, recorded.latents_sha256, replayed))
+    return checks
+
+
+def table(recording: Recording, checks: list[BlockCheck]) -> str:
+    lines = [f"{'block':>5}  {'frames':>6}  {'held':>4}  {'recorded':<16}  {'replayed':<16}  same  event"]
+    for check, block in zip(checks, recording.blocks):
+        lines.append(f"{check.index:>5}  {len(block.camera):>6}  {'yes' if block.held else '-':>4}  "
+                     f"{check.recorded[:16]:<16}  {(check.replayed or 'missing')[:16]:<16}  "
+                     f"{'yes' if check.same else 'NO':<4}  {block.event or ''}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m client replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("recording", help="a recording from `python -m client play --record` or the page")
+    p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
+    p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+    p.add_argument("--steps", action="store_true", help="replay step by step as a steered session")
+    p.add_argument("--out", help="also decode and write the replayed video here (MP4)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole replay (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        recording = Recording.load(args.recording)
+        if not args.steps:
+            whole_request(recording, decode=False)  # refuse a whole replay of world events before connecting
+    except RecordingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kind = "step by step" if args.steps else "as one whole trajectory"
+    print(f"replaying {args.recording} ({len(recording.blocks)} blocks, {recording.settings}) {kind} at {args.url}")
+    replay = replay_steps if args.steps else replay_whole
+    try:
+        blocks = replay(recording, args.url, args.model, args.out is not None, args.timeout)
+        checks = check_blocks(recording, blocks)
+        with Mp4Writer(args.out, DEFAULT_FPS) if args.out else contextlib.nullcontext() as mp4:
+            for block in blocks if mp4 is not None else ():
+                mp4.append(block.frames)
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(table(recording, checks))
+    same = sum(c.same for c in checks)
+    print(f"latents bit-identical to the recording: {same} of {len(checks)} blocks"
+          + ("" if same == len(checks) else f" (differ: {[c.index for c in checks if not c.same]})"))
+    if args.out:
+        print(f"video: {args.out}")
+    return 0 if same == len(checks) else 1

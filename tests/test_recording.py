@@ -1,0 +1,153 @@
+"""Recordings without a server: what a block reports it was made from, the file's checks, the settings check,
+and the one engine fact replay rests on (a whole trajectory with pose_scale=running is the steered session)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.api.codec import BlockResponse, BlockUsed
+from backend.api.errors import InputError
+from backend.api.provenance import RESULT_SETTINGS, latents_sha256, parse_settings
+from backend.api.request import Controls
+from backend.engine.blocks import BlockControls
+from client.recording import Recorder, Recording, RecordingError
+from factories import tiny_request
+
+SETTINGS = "block_frames=3;denoise_steps=4;dtype=float32;sink_frames=3;timestep_shift=5.0;window_frames=9"
+
+
+def steered_request(keys: str = "w", **changes):
+    request = tiny_request(num_frames=9, decode=False, return_used=True)
+    return dataclasses.replace(request, num_frames=None, poses=None, keys=keys, **changes)
+
+
+def test_a_steered_session_replays_as_a_whole_trajectory_with_the_running_scale(engine) -> None:
+    """Key changes vary the translation per frame (w, then wa: sqrt 2 more), so the clip's largest translation
+    is not the first block's: only pose_scale=running gives the steered latents back, bit for bit."""
+    steps = [Controls(keys="w"), None, Controls(keys="wa"), Controls(keys="d")]  # None: a held block
+    with engine.session(steered_request("w")) as session:
+        steered = [engine.run_block([session], {session.id: BlockControls(c, last=i == len(steps) - 1)})[0]
+                   for i, c in enumerate(steps)]
+    assert steered[1].held and steered[1].camera.dtype == np.float32
+    assert [len(o.camera) for o in steered] == [9, 12, 12, 12]
+    poses = np.concatenate([o.camera for o in steered])
+    base = tiny_request(num_frames=len(poses), decode=False)
+    running = [o for o, _ in engine.generate(dataclasses.replace(base, poses=poses, pose_scale="running"), False)]
+    clip = [o for o, _ in engine.generate(dataclasses.replace(base, poses=poses), False)]
+    for s, r in zip(steered, running):
+        assert latents_sha256(s.latents[0].numpy()) == latents_sha256(r.latents[0].numpy())
+        assert np.array_equal(s.camera, r.camera) and r.prompt == s.prompt
+    assert not bool((steered[0].latents == clip[0].latents).all()), "the reference's clip scale must differ here"
+
+
+def test_expect_settings_are_checked_before_any_work(engine) -> None:
+    ours = parse_settings(engine.settings_used, "settings_used")
+    assert list(ours) == list(RESULT_SETTINGS)
+    request = tiny_request(num_frames=9, expect_settings=engine.settings_used)
+    engine.validate(request)  # its own settings pass
+    other = engine.settings_used.replace(f"timestep_shift={ours['timestep_shift']}", "timestep_shift=10.0")
+    with pytest.raises(InputError, match=rf"timestep_shift: expected 10.0, this server {ours['timestep_shift']}"):
+        engine.validate(dataclasses.replace(request, expect_settings=other))
+    for bad, why in (("block_frames=3", "lacks"), ("nonsense", "not key=value"), ("tp_degree=2;" + SETTINGS, "unknown"),
+                     ("x" * 600, "longer than")):
+        with pytest.raises(InputError, match=why):
+            engine.validate(dataclasses.replace(request, expect_settings=bad))
+    with pytest.raises(InputError, match="pose_scale"):
+        engine.validate(dataclasses.replace(request, pose_scale="largest"))
+
+
+def block(index: int, prompt: str, frames: int, held: bool = False, settings: str | None = None) -> BlockResponse:
+    camera = np.tile(np.eye(4, dtype=np.float32), (frames, 1, 1))
+    camera[:, 2, 3] = np.arange(frames) * 0.05 + index
+    return BlockResponse(index, 0, None, np.empty((0, 0, 0, 3), np.uint8), (), 0.0, held,
+                         BlockUsed(camera, prompt, f"{index:064x}", settings))
+
+
+@pytest.fixture
+def recording_file(tmp_path: Path) -> Path:
+    recorder = Recorder(steered_request(prompt="a castle"))
+    recorder.add(block(0, "a castle", 9, settings=SETTINGS))
+    recorder.add(block(1, "a castle", 12, held=True))
+    recorder.add(block(2, "it snows", 12))
+    recorder.add(block(3, "it snows", 12))
+    return recorder.save(tmp_path / "world.npz")
+
+
+def test_a_recording_keeps_what_the_server_used(recording_file: Path) -> None:
+    loaded = Recording.load(recording_file)
+    assert [len(b.camera) for b in loaded.blocks] == [9, 12, 12, 12]
+    assert [b.held for b in loaded.blocks] == [False, True, False, False]
+    assert loaded.events == {2: "it snows"} and loaded.settings == SETTINGS and loaded.block_frames == 3
+    assert loaded.blocks[3].camera[0, 2, 3] == np.float32(3.0) and loaded.blocks[3].latents_sha256 == f"{3:064x}"
+    assert loaded.image.dtype == np.uint8 and (loaded.seed, loaded.height, loaded.width) == (42, 64, 64)
+    # Small: the image once, 45 poses as float32, compressed.
+    assert recording_file.stat().st_size < 64 * 64 * 3 + 45 * 64 + 4096
+
+
+def rewrite(path: Path, **changes) -> Path:
+    """The recording with arrays replaced (None drops one); meta changes as a dict merged into its JSON."""
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    if "meta" in changes and isinstance(changes["meta"], dict):
+        changes["meta"] = np.array(json.dumps(json.loads(str(arrays["meta"])) | changes["meta"]))
+    arrays |= changes
+    out = path.with_name("changed.npz")
+    np.savez(out, **{k: v for k, v in arrays.items() if v is not None})
+    return out
+
+
+def truncated(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def meta_blocks(path: Path) -> list[dict]:
+    with np.load(path, allow_pickle=False) as npz:
+        return json.loads(str(npz["meta"]))["blocks"]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: truncated(p), "not a readable recording"),
+    (lambda p: rewrite(p, meta={"version": 2}), "recording version 2; this client reads version 1"),
+    (lambda p: rewrite(p, meta={"format": "mp4"}), "not a LingBot-World recording"),
+    (lambda p: rewrite(p, camera=None), r"missing array\(s\) \['camera'\]"),
+    (lambda p: rewrite(p, meta={"seed": "42"}), "meta.seed must be int"),
+    (lambda p: rewrite(p, camera=np.full((45, 4, 4), np.nan, np.float32)), "camera poses of block 0 holds NaN or Inf"),
+    (lambda p: rewrite(p, camera=np.tile(np.eye(4, dtype=np.float32), (44, 1, 1))), "count 45 frames but camera holds 44"),
+    (lambda p: rewrite(p, meta={"blocks": meta_blocks(p)[:3]}), "count 33 frames but camera holds 45"),
+    (lambda p: rewrite(p, meta={"settings": SETTINGS.replace("block_frames=3", "block_frames=4")}),
+     r"meta.blocks\[0\].frames is 9; block 0 has 13 at block_frames=4"),
+    (lambda p: rewrite(p, meta={"blocks": [b | {"latents_sha256": "zz"} for b in meta_blocks(p)]}), "64 lowercase hex"),
+    (lambda p: rewrite(p, image=np.zeros((4, 4), np.uint8)), r"image must be uint8 \[H, W, 3\]"),
+    (lambda p: rewrite(p, meta=np.array(b"\x00".decode())), "meta is not JSON"),
+])
+def test_a_damaged_recording_is_refused_naming_what_is_wrong(recording_file: Path, corrupt, message: str) -> None:
+    with pytest.raises(RecordingError, match=message):
+        Recording.load(corrupt(recording_file))
+
+
+def test_a_file_that_is_no_recording_is_refused(tmp_path: Path) -> None:
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    (tmp_path / "text.npz").write_text("hello")
+    with zipfile.ZipFile(tmp_path / "objects.npz", "w") as z:  # a pickled array inside: never unpickled
+        with z.open("meta.npy", "w") as f:
+            np.lib.format.write_array(f, np.array([{"format": "x"}], dtype=object), allow_pickle=True)
+    for name in ("one.npy", "text.npz", "objects.npz", "absent.npz"):
+        with pytest.raises(RecordingError, match=name):
+            Recording.load(tmp_path / name)
+
+
+def test_a_recorder_needs_what_each_block_was_made_from() -> None:
+    with pytest.raises(ValueError, match="return_used"):
+        Recorder(steered_request(return_used=False))
+    recorder = Recorder(steered_request())
+    with pytest.raises(RecordingError, match="settings_used"):
+        recorder.add(block(0, "a", 9))
+    with pytest.raises(RecordingError, match="block 1 came without"):
+        recorder.add(dataclasses.replace(block(1, "a", 12), used=None))

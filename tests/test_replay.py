@@ -1,0 +1,106 @@
+"""Record a played world at SP2 and replay it at SP1 and SP2, whole and step by step, bit for bit (real servers)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.api.provenance import latents_sha256
+from backend.api.request import Controls
+from client.__main__ import main
+from client.recording import Recorder, Recording
+from client.replay import check_blocks, replay_steps, replay_whole
+from client.steer import SteeredSession
+from client.stream import StreamError
+from factories import TINY_SIZE, sample_image, tiny_request
+from polling import wait_until
+
+pytestmark = pytest.mark.server  # starts real tritonservers
+
+
+@pytest.fixture(scope="module")
+def recorded(sp2_server, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A session played at SP2 with on_starve=hold: block 1 held (its step came late), then key changes."""
+    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w",
+                                  on_starve="hold", return_used=True, return_latents=True)
+    recorder = Recorder(request)
+    log = Path(sp2_server.log_path)
+    held_before = len(re.findall(r"block 1 of session r\d-\d+ runs on held controls", log.read_text()))
+    with SteeredSession(sp2_server.grpc_url) as session:
+        session.start(request)
+        recorder.add(session.next_block(60))
+        wait_until(lambda: len(re.findall(r"block 1 of session r\d-\d+ runs on held controls", log.read_text()))
+                   > held_before, 60, "a held block")
+        for i, keys in enumerate(["j", "wa", "d", "-"]):
+            session.step(Controls(keys=keys), end=i == 3)
+            block = session.next_block(60)
+            assert block.used is not None and block.used.latents_sha256 == latents_sha256(block.latents)
+            recorder.add(block)
+    recording = recorder.recording
+    assert [b.held for b in recording.blocks][:2] == [False, True] and len(recording.blocks) == 5
+    return recorder.save(tmp_path_factory.mktemp("rec") / "world.npz")
+
+
+@pytest.mark.parametrize("server", ["sp1_server", "sp2_server"])
+@pytest.mark.parametrize("replay", [replay_whole, replay_steps], ids=["whole", "steps"])
+def test_a_recorded_world_replays_bit_for_bit(recorded: Path, server: str, replay, request) -> None:
+    recording = Recording.load(recorded)
+    url = request.getfixturevalue(server).grpc_url
+    blocks = replay(recording, url, "lingbot_world", False, 120)
+    checks = check_blocks(recording, blocks)
+    assert [c.same for c in checks] == [True] * 5, [(c.recorded[:8], (c.replayed or "")[:8]) for c in checks]
+    # What came back is what was recorded: the held block's camera too, now sent as poses.
+    for block, kept in zip(blocks, recording.blocks):
+        assert np.array_equal(block.used.camera, kept.camera)
+
+
+def test_the_replay_cli_reports_a_differing_block(recorded: Path, sp1_server, tmp_path: Path, capsys) -> None:
+    """A recording whose block 3 hash is not what the server computes: the table says which, the exit is 1."""
+    with np.load(recorded, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["meta"] = np.array(str(arrays["meta"]).replace(Recording.load(recorded).blocks[3].latents_sha256, "0" * 64))
+    changed = tmp_path / "changed.npz"
+    np.savez(changed, **arrays)
+    assert main(["replay", str(changed), "--url", sp1_server.grpc_url]) == 1
+    out = capsys.readouterr().out
+    assert "latents bit-identical to the recording: 4 of 5 blocks (differ: [3])" in out
+    assert re.search(r"^\s+3\s+12\s+-\s+0{16}\s+[0-9a-f]{16}\s+NO", out, re.M), out
+
+
+def test_a_server_with_other_settings_refuses_the_replay_naming_them(recorded: Path, sp1_server) -> None:
+    recording = Recording.load(recorded)
+    shift = re.search(r"timestep_shift=([^;]+)", recording.settings).group(1)
+    other = dataclasses.replace(recording, settings=recording.settings.replace(f"timestep_shift={shift}",
+                                                                               "timestep_shift=10.0"))
+    for replay in (replay_whole, replay_steps):
+        with pytest.raises(StreamError, match=rf"settings differ .*timestep_shift: expected 10.0, this server {shift}"):
+            replay(other, sp1_server.grpc_url, "lingbot_world", False, 60)
+
+
+def test_play_records_and_replay_checks_it_from_the_command_line(sp1_server, tmp_path: Path, capsys) -> None:
+    """`play --record` with a world event, replayed step by step (exit 0); a whole replay of an event is refused
+    before connecting (exit 2), as is a damaged file."""
+    import imageio.v3 as iio
+
+    image = tmp_path / "first.png"
+    iio.imwrite(image, sample_image())
+    record = tmp_path / "played.npz"
+    size = str(TINY_SIZE)
+    assert main(["play", "--url", sp1_server.grpc_url, "--prompt", "a castle", "--keys", "w,@it starts to snow,wj",
+                 "--height", size, "--width", size, "--out", str(tmp_path / "p.mp4"), "--image", str(image),
+                 "--record", str(record)]) == 0
+    assert f"recording: {record} (2 blocks" in capsys.readouterr().out
+    assert Recording.load(record).events == {1: "it starts to snow"}
+    out_mp4 = tmp_path / "replayed.mp4"
+    assert main(["replay", str(record), "--steps", "--url", sp1_server.grpc_url, "--out", str(out_mp4)]) == 0
+    out = capsys.readouterr().out
+    assert "latents bit-identical to the recording: 2 of 2 blocks" in out and "it starts to snow" in out
+    assert len(list(iio.imiter(out_mp4, plugin="FFMPEG"))) == 9 + 12
+    assert main(["replay", str(record), "--url", "127.0.0.1:1"]) == 2
+    assert "world events at block(s) [1]" in capsys.readouterr().err
+    record.write_bytes(record.read_bytes()[:100])
+    assert main(["replay", str(record), "--url", sp1_server.grpc_url]) == 2
+    assert "not a readable recording" in capsys.readouterr().err
