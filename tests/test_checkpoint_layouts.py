@@ -21,7 +21,10 @@ from backend.model.layout import OFFICIAL_PARTS, resolve_layout
 from backend.model.official_checkpoint import official_from_diffusers
 from backend.model.pth_files import read_pth_index, read_pth_tensors
 from backend.model.tiny_checkpoint import write_checkpoint
-from factories import tiny_config, tiny_request
+from client.recording import RecordedBlock, Recording
+from client.replay import replay_whole
+from client.stream import StreamError
+from factories import forward_poses, sample_image, tiny_config, tiny_request
 from triton_harness import latents_of, running_server, stream
 
 pytestmark = pytest.mark.server  # starts real tritonservers and groups of local processes
@@ -182,6 +185,12 @@ def setting_metrics(server) -> dict[str, tuple[float, str]]:
     return found
 
 
+def diffusers_recording() -> Recording:
+    """A one-block recording made on the diffusers tiny checkpoint's settings (as the shared servers run it)."""
+    settings = "block_frames=3;denoise_steps=4;dtype=float32;sink_frames=3;timestep_shift=5.0;window_frames=9"
+    return Recording(sample_image(), "a castle", 42, 64, 64, settings, None, [RecordedBlock(forward_poses(9), "0" * 64)])
+
+
 def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts, tmp_path: Path) -> None:
     """The official layout's own settings (4 latent frames a block, shift 10, window 18, sink 6) through Triton."""
     request = tiny_request(num_frames=77)  # 5 blocks of 4 latent frames: 13 video frames, then 16 each
@@ -193,6 +202,9 @@ def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts
             if sp == 1:
                 shown = setting_metrics(server)
                 log = server.log_path.read_text(errors="replace")
+                with pytest.raises(StreamError, match=r"block_frames: expected 3, this server 4; sink_frames: expected "
+                                   r"3, this server 6; timestep_shift: expected 5.0, this server 10.0; window_frames"):
+                    replay_whole(diffusers_recording(), server.grpc_url, "lingbot_world", False, 60)
         assert [b.frames.shape[0] for b in blocks] == [13, 16, 16, 16, 16]
         assert all(b.latents.shape == (16, 4, 8, 8) for b in blocks)
         latents[sp] = latents_of(blocks)

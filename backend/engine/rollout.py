@@ -100,6 +100,11 @@ class WorldModelEngine:
 
         Serving limits (max_frames, max_pixels) are the serving layer's to check, before this.
         """
+        # First: a replay made on other settings would otherwise fail on what they imply (its frame counts).
+        if request.expect_settings and (differ := setting_differences(
+                parse_settings(request.expect_settings), parse_settings(self.settings_used, "settings_used"))):
+            raise InputError(f"this server's settings differ from request parameter 'expect_settings' (the "
+                             f"recording's): {'; '.join(differ)}")
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
@@ -107,10 +112,6 @@ class WorldModelEngine:
         if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
             raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
                              "needs request parameter 'max_blocks' > 0 to bound its cache")
-        if request.expect_settings and (differ := setting_differences(
-                parse_settings(request.expect_settings), parse_settings(self.settings_used, "settings_used"))):
-            raise InputError(f"this server's settings differ from request parameter 'expect_settings' (the "
-                             f"recording's): {'; '.join(differ)}")
         return geometry
 
     @property
