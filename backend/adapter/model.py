@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import contextlib
+import ctypes
 import functools
+import gc
 import json
 import logging
 import os
@@ -78,7 +81,8 @@ class TritonPythonModel:
         groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
                             serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)
         self.load_id, self.host_rank, self._unload_claim = groups.load_id, serving.host_rank, None
-        log.info("rank %d/%d on %s: loading %s", rank, world, device, engine_config.checkpoint)
+        log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, device, engine_config.checkpoint,
+                 _rss())
         group = SequenceParallel(groups.data)
         mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
         self.engine = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
@@ -113,9 +117,16 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self.coordinator.stop()
         leave_group()
+        self._drop_engine()
+
+    def _drop_engine(self) -> None:
         self.engine = None
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap pages; give them back
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        log.info("rank %d: model released (RSS now %s)", self.rank, _rss())
 
     def _on_group_failure(self, exc: BaseException) -> None:
         """In-flight streams already got their error; leave the group and unload the model.
@@ -125,6 +136,7 @@ class TritonPythonModel:
         and a reload needs this rank's rendezvous port and sockets back.
         """
         leave_group()
+        self._drop_engine()  # the weights and caches go now: finalize may never run (see above)
         self._unload_claim = claim_for_this_host(f"lingbot-unload-{self.load_id}-{self.host_rank}")
         if self._unload_claim is None:  # another instance of this server asked: a second ask, landing after an
             # operator's prompt reload, would unload the new load
@@ -151,6 +163,15 @@ def claim_for_this_host(name: str) -> socket.socket | None:
         claim.close()
         return None
     return claim
+
+
+def _rss() -> str:
+    """This process's resident memory, where /proc tells it."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return "unknown"
+    return f"{pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MB"
 
 
 def _input(request: pb_utils.InferenceRequest, name: str) -> np.ndarray | None:

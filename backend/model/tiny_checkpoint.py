@@ -1,6 +1,6 @@
 """Write a random checkpoint in the diffusers directory format the engine loads (weights can't be downloaded).
 
-    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|tiny16|mid] [--seed 0] [--if-stale]
+    python -m backend.model.tiny_checkpoint OUT_DIR [--preset tiny|tiny16|wide|mid] [--seed 0] [--if-stale]
 
 Same layout as a real checkpoint: model_index.json, transformer/ (config.json + safetensors),
 vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel), tokenizer/, scheduler/.
@@ -37,6 +37,15 @@ PRESETS: dict[str, dict] = {
         "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
         "z_dim": 16,
         "wan21_latents": True,
+        "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+    },
+    # The tiny model made wide (about 370 MB of float32 transformer weights): large enough that a process
+    # freeing its weights shows in its RSS (bench.kill_matrix).
+    "wide": {
+        "transformer": dict(num_heads=8, dim=1024, text_dim=32, freq_dim=32, ffn_dim=4096, num_layers=4, text_len=16,
+                            local_attn_size=9, sink_size=3),
+        "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+        "z_dim": 4,
         "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
     },
     # GPU benchmark size: the real 40-head geometry, a fraction of the depth and width.

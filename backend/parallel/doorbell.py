@@ -18,6 +18,9 @@ import torch.distributed as dist
 from .group import store_client
 
 KEY = "doorbell"  # under the group's secret prefix (group.store_client)
+# A last-word connection (waking the loops or the listener) gives up this soon: with a dead store, the
+# collective timeout's connect retries would hold the failing loop for tens of seconds.
+WAKE_TIMEOUT_S = 2.0
 log = logging.getLogger(__name__)
 
 
@@ -70,6 +73,7 @@ class StoreDoorbell:
 
     def __init__(self, host: str, port: int, secret: str, timeout_s: float) -> None:
         self._connect = functools.partial(store_client, host, port, secret, timeout_s)
+        self._wake = functools.partial(store_client, host, port, secret, min(timeout_s, WAKE_TIMEOUT_S))
         self._ringer = self._connect()
         self._lock = threading.Lock()  # a store call and the check of its answer, as one step
         self._seen = 0  # the highest count read
@@ -78,7 +82,7 @@ class StoreDoorbell:
         self._listener = RingListener(self._connect(), self.count())
         # Once this doorbell is dropped, the listener is woken by a last ring and ends, so no store wait
         # is left open when the group closes its store.
-        weakref.finalize(self, self._listener.close, self._connect)
+        weakref.finalize(self, self._listener.close, self._wake)
 
     def _add(self, amount: int) -> int:
         with self._lock:
@@ -105,9 +109,12 @@ class StoreDoorbell:
             first, self._broken = self._broken is None, self._broken or exc
         if not first:
             return
+        if isinstance(exc, dist.DistNetworkError):  # the store (rank 0) is gone: nothing to wake through
+            log.error("the group's store is unreachable (%r); the group loops fail at their next exchange", exc)
+            return
         log.error("the group's doorbell failed (%r); waking the group loops to fail the group", exc)
         try:
-            self._connect().set(f"{KEY}/{self._awaited}", b"")
+            self._wake().set(f"{KEY}/{self._awaited}", b"")
         except Exception as wake_error:  # noqa: BLE001 - then the heartbeat finds it
             log.warning("cannot wake the group loops (%r); the next heartbeat fails the group", wake_error)
 
@@ -125,6 +132,7 @@ class RingListener:
         self._store = store
         self._seen = seen
         self._closing = False
+        self._ended = False  # its store wait failed: the store is gone
         self._changed = threading.Condition()
         threading.Thread(target=self._follow, name="doorbell", daemon=True).start()
 
@@ -133,6 +141,7 @@ class RingListener:
             try:
                 self._store.wait([f"{KEY}/{self._seen + 1}"], self.NO_TIMEOUT)
             except RuntimeError:  # the store is gone: waits time out, and the exchange will tell
+                self._ended = True
                 return
             with self._changed:
                 if self._closing:
@@ -149,5 +158,7 @@ class RingListener:
         with self._changed:
             self._closing = True
             awaited = f"{KEY}/{self._seen + 1}"
+        if self._ended:
+            return
         with contextlib.suppress(Exception):  # the store may be gone already: then the thread's wait ends
             connect().set(awaited, b"")
