@@ -112,6 +112,7 @@ PARAM_DECODE = "decode"
 PARAM_RETURN_LATENTS = "return_latents"
 PARAM_ON_STARVE = "on_starve"
 PARAM_MAX_BLOCKS = "max_blocks"
+PARAM_PAUSE = "pause"
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
 
 # Per-request parameters (Triton request `parameters`); a steered session takes its settings from its first request.
@@ -120,6 +121,10 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_RETURN_LATENTS, True, "send the latents tensor"),
     ParameterSpec(PARAM_ON_STARVE, ON_STARVE[0], "steered: when the next step is late, 'wait' for it or 'hold' the last motion"),
     ParameterSpec(PARAM_MAX_BLOCKS, 0, "steered: end the session after this many blocks (0: when the client ends it)"),
+    ParameterSpec(PARAM_PAUSE, False, "steered: a pause, a step without a camera that keeps the session open while "
+                  "the client sends nothing: held without a block until the sequence's next request (then answered "
+                  "empty, first) or the session's end; the idle limit does not run meanwhile, and a client that "
+                  "disconnects ends the session at once. No camera, prompt, start or end flag"),
 )
 
 # Triton sequence flags on a request (python backend `request.flags()`).
