@@ -303,3 +303,19 @@ def test_pauses_without_a_running_session_get_errors_naming_the_pause(ended) -> 
     assert late.error == "request parameter 'pause': session 7 was ended by its end flag; start a new one"
     wait([closing])
     assert first.blocks == [0] and closing.error is None and reasons == ["ended by its client"]
+
+
+def test_an_open_pause_still_ends_at_max_session_s(engine: WorldModelEngine) -> None:
+    reasons: list[str] = []
+    failures: list[BaseException] = []
+    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=60.0, max_session_s=2.0)
+    group = GroupCoordinator(engine, settings, None, on_failure=failures.append, on_ended=reasons.append)
+    try:
+        first, paused = RecordingResponder(), RecordingResponder()
+        send(group, steered_request(), first)
+        wait([first])
+        send(group, pause(), paused)
+        wait([paused], timeout=10)
+    finally:
+        group.stop()
+    assert not failures and reasons == ["expired"] and "max_session_s=2 s" in paused.error
