@@ -59,7 +59,7 @@ def ended(server, reason: str) -> float:
 
 
 def log_count(server, what: str) -> int:
-    return len(re.findall(rf"session r\d-\d+ {what} after", Path(server.log_path).read_text()))
+    return len(re.findall(rf"session r\d-\d+ {what}", Path(server.log_path).read_text()))
 
 
 def happens_within(condition, seconds: float) -> bool:
@@ -72,7 +72,7 @@ def happens_within(condition, seconds: float) -> bool:
 
 def test_a_killed_player_ends_its_session_as_cancelled_within_5_s(sp2_server, tmp_path: Path) -> None:
     server = sp2_server
-    cancelled, counted = log_count(server, "cancelled"), ended(server, "cancelled")
+    cancelled, counted = log_count(server, "cancelled after 3 blocks"), ended(server, "cancelled")
     out = tmp_path / "player.out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     with out.open("w") as stdout:
@@ -85,10 +85,10 @@ def test_a_killed_player_ends_its_session_as_cancelled_within_5_s(sp2_server, tm
         player.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         player.wait(10)
-    wait_until(lambda: log_count(server, "cancelled") > cancelled, 5, "the session logged cancelled")
+    wait_until(lambda: log_count(server, "cancelled after 3 blocks") > cancelled, 5, "the session logged cancelled")
     took = time.monotonic() - killed
     print(f"SIGKILL to 'cancelled' in the log: {took:.2f} s")
-    wait_until(lambda: ended(server, "cancelled") == counted + 1, 5, "the cancelled session counted")
+    wait_until(lambda: ended(server, "cancelled") >= counted + 1, 5, "the cancelled session counted")
     with SteeredSession(server.grpc_url) as session:  # the server serves a new session
         session.start(steered(seed=3))
         assert session.next_block(60).block_index == 0
@@ -102,10 +102,10 @@ def test_a_quiet_player_keeps_its_session_past_the_idle_limit(sp2_server, monkey
     with SteeredSession(server.grpc_url) as session:
         session.start(steered(seed=4))
         assert session.next_block(60).block_index == 0
-        before = sum(ended(server, reason) for reason in ("expired", "cancelled"))
-        # Three idle limits with nothing sent but the library's pauses: the session is not ended.
-        assert not happens_within(lambda: sum(ended(server, r) for r in ("expired", "cancelled")) > before,
-                                  3 * SP2_IDLE_S)
+        before = ended(server, "expired")
+        # Three idle limits with nothing sent but the library's pauses: no session expires, and its next step
+        # gets its block (an ended session would answer it with an error).
+        assert not happens_within(lambda: ended(server, "expired") > before, 3 * SP2_IDLE_S)
         session.step(Controls(keys="d"))
         block = session.next_block(60)
         assert block.block_index == 1 and not block.held
