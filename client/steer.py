@@ -2,12 +2,19 @@
 
 The first request (sequence start) carries the image, prompt, seed, size and the first block's camera; each
 step carries the next block's camera, as poses or held keys; the end flag closes the session.
+
+Keep-alive: Triton's Python backend learns that a client left only through a request it still holds, so
+whenever every request of the session is answered this client sends a pause (request parameter `pause`), which
+the server holds open until the next request: a client that vanishes then ends its session at once, and one
+that sends nothing for minutes keeps it. Pauses are tagged with `PAUSE_ID` and their answers never reach the
+caller.
 """
 from __future__ import annotations
 
-import functools
 import queue
+import threading
 import time
+from collections import deque
 from typing import Any
 
 import tritonclient.grpc as grpcclient
@@ -18,23 +25,72 @@ from backend.api.codec import BlockResponse, controls_arrays, request_arrays, re
 from backend.api.request import Controls, SessionRequest
 from client.stream import StreamError, model_error, new_sequence_id, pack_inputs, parse_response
 
+PAUSE_ID = "lingbot-pause"  # the request id of this client's pauses
+# An open pause is renewed this often (so it is at most twice as old): Triton's sequence batcher forgets a
+# sequence that sent no request for session_idle_timeout_s + 60 s, however long its pause has been open.
+RENEW_S = 20.0
+
 
 class SteeredSession:
-    """Use as a context manager; `start`, then `step` (as many as wanted ahead), `next_block` for each."""
+    """Use as a context manager; `start`, then `step` (as many as wanted ahead), `next_block` for each.
+    keep_alive=False sends no pauses: the server then ends the session session_idle_timeout_s after its last
+    answer, and learns of a disconnect only while a step waits for its block."""
 
-    def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, sequence_id: int | None = None) -> None:
+    def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, sequence_id: int | None = None,
+                 keep_alive: bool = True) -> None:
         self.url = url
         self.model_name = model_name
         self.sequence_id = sequence_id or new_sequence_id()
-        self.sent_s: list[float] = []  # send time of every request, in order
+        self.sent_s: list[float] = []  # send time of every request, in order (pauses not included)
         self._step_parameters: dict[str, bool] = {}  # the start's per-request choices, repeated on every step
         self._client = grpcclient.InferenceServerClient(url=url)
         self._responses: queue.Queue[Any] = queue.Queue()
-        self._client.start_stream(callback=functools.partial(self._on_response, self._responses))
+        self._lock = threading.Lock()  # sends, and the record of what is unanswered
+        self._unanswered: deque[bool] = deque()  # every request sent and not answered yet: is it a pause?
+        self._keep_alive = keep_alive  # pauses still wanted: not after the end flag, a refused pause, or close
+        self._closed = threading.Event()
+        self._client.start_stream(callback=self._on_response)
+        if keep_alive:
+            threading.Thread(target=self._renew, name=f"steer-keep-alive-{self.sequence_id}", daemon=True).start()
 
-    @staticmethod
-    def _on_response(responses: queue.Queue, result: Any = None, error: Any = None) -> None:
-        responses.put((result, error, time.perf_counter()))
+    def _on_response(self, result: Any = None, error: Any = None) -> None:
+        """tritonclient's stream thread: a request's answer (or the stream's failure)."""
+        arrival = time.perf_counter()
+        with self._lock:
+            if error is not None and error.status() is not None:  # the stream failed: no request's answer
+                self._keep_alive, pause = False, False
+            else:  # a result names its request; answers come in request order, so an error is the oldest's
+                pause = result.get_response().id == PAUSE_ID if error is None else self._oldest_is_pause()
+                if pause in self._unanswered:
+                    self._unanswered.remove(pause)
+                if pause and error is not None:  # refused: the session is not running
+                    self._keep_alive = False
+                elif not pause and not self._unanswered:
+                    self._pause()
+        if not pause:
+            self._responses.put((result, error, arrival))
+
+    def _oldest_is_pause(self) -> bool:
+        return bool(self._unanswered) and self._unanswered[0]
+
+    def _pause(self) -> None:
+        """Hold the session open while the caller sends nothing (under the lock)."""
+        if not self._keep_alive:
+            return
+        try:
+            self._client.async_stream_infer(
+                self.model_name, [], request_id=PAUSE_ID, parameters={contract.PARAM_PAUSE: True},
+                sequence_id=self.sequence_id, enable_empty_final_response=True,
+            )
+        except InferenceServerException:
+            return  # the stream is gone: the caller's next request or next_block says so
+        self._unanswered.append(True)
+
+    def _renew(self) -> None:
+        while not self._closed.wait(RENEW_S):
+            with self._lock:
+                if list(self._unanswered) == [True]:  # only a pause is open: a new one answers it
+                    self._pause()
 
     def start(self, request: SessionRequest) -> None:
         if not request.steered:
@@ -51,14 +107,17 @@ class SteeredSession:
         self._send({}, end=True)
 
     def _send(self, arrays: dict, start: bool = False, end: bool = False, parameters: dict | None = None) -> None:
-        try:
-            self._client.async_stream_infer(
-                self.model_name, pack_inputs(arrays), parameters=parameters, sequence_id=self.sequence_id,
-                sequence_start=start, sequence_end=end, enable_empty_final_response=True,
-            )
-        except InferenceServerException as exc:
-            raise StreamError(f"sending to {self.url} failed: {exc.message()}") from exc
-        self.sent_s.append(time.perf_counter())
+        with self._lock:
+            try:
+                self._client.async_stream_infer(
+                    self.model_name, pack_inputs(arrays), parameters=parameters, sequence_id=self.sequence_id,
+                    sequence_start=start, sequence_end=end, enable_empty_final_response=True,
+                )
+            except InferenceServerException as exc:
+                raise StreamError(f"sending to {self.url} failed: {exc.message()}") from exc
+            self._unanswered.append(False)
+            self._keep_alive &= not end
+            self.sent_s.append(time.perf_counter())
 
     def next_block(self, timeout: float | None = None) -> BlockResponse | None:
         """The answer to the oldest unanswered request: its block, or None for an end without a camera."""
@@ -72,6 +131,9 @@ class SteeredSession:
         return block
 
     def close(self) -> None:
+        with self._lock:
+            self._keep_alive = False
+        self._closed.set()
         self._client.stop_stream(cancel_requests=True)
         self._client.close()
 

@@ -106,3 +106,23 @@ def test_instance_rank_cpu_groups_and_gpus() -> None:
     assert instance_rank(args, gpu, host_rank=1, host_count=2) == (7, 8)
     cpu_args = {"model_instance_kind": "CPU", "model_instance_name": "m_1_0", "model_name": "m"}
     assert instance_rank(cpu_args, cpu, host_rank=2, host_count=3) == (12, 15)
+
+
+@pytest.mark.parametrize(
+    ("values", "flags", "message"),
+    [
+        ({p.CAMERA_POSES: forward_poses(12)}, 0, r"a pause \(request parameter 'pause'\) carries no block: send it "
+                                                 r"without \['camera_poses'\]"),
+        ({p.ACTION: np.array([b"w"], dtype=object), p.PROMPT: np.array([b"snow"], dtype=object)}, 0,
+         r"send it without \['action', 'prompt'\]"),
+        ({p.ACTION: np.array([b"w"], dtype=object)}, p.SEQUENCE_START,
+         r"'pause' pauses a running steered session; a request with the start flag cannot pause"),
+        ({}, p.SEQUENCE_END, r"'pause' and the end flag exclude each other"),
+        (valid_inputs(), p.SEQUENCE_START | p.SEQUENCE_END, r"a whole trajectory \('num_frames' set\) cannot pause"),
+    ],
+)
+def test_a_pause_is_a_step_without_a_block(values: dict, flags: int, message: str) -> None:
+    paused = parse_request({p.IMAGE: sample_image()}.get, json.dumps({p.PARAM_PAUSE: True}), "7", 0)
+    assert isinstance(paused, StepRequest) and paused.pause and paused.controls is None and not paused.end
+    with pytest.raises(InputError, match=message):
+        parse_request(values.get, json.dumps({p.PARAM_PAUSE: "true"}), "7", flags)

@@ -3,6 +3,7 @@ its threads' torch threads and the control plane's CPU."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 
 import numpy as np
@@ -215,3 +216,106 @@ def test_cancellation_wakes_an_idle_loop(counted) -> None:
     wait_until(lambda: not group.sessions, 5, "the cancelled session to end")
     client.release.set()
     assert exchanges[0] - idle_since <= 3, "the idle loop went round without news"
+
+
+class OrderedResponder(RecordingResponder):
+    """Records into a list shared by several responders, to check the order they were answered in."""
+
+    def __init__(self, name: str, answers: list[str]) -> None:
+        super().__init__()
+        self.name, self.answers = name, answers
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        self.answers.append(f"{self.name}: block {output.block_index}")
+        super().send_block(output, frames, decode_ms, final)
+
+    def finish(self) -> None:
+        self.answers.append(f"{self.name}: closed")
+        super().finish()
+
+
+def send(group: GroupCoordinator, request, responder: RecordingResponder) -> None:
+    """As the Triton adapter does: a request of a sequence first answers that sequence's open pause."""
+    group.end_pause(request.session_key)
+    group.submit(request, responder)
+
+
+def pause() -> StepRequest:
+    return StepRequest("7", None, pause=True)
+
+
+@pytest.fixture()
+def ended(engine: WorldModelEngine):
+    """A one-rank loop (steered idle limit 2 s) that records why the sessions it owned ended."""
+    failures: list[BaseException] = []
+    reasons: list[str] = []
+    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=2.0)
+    group = GroupCoordinator(engine, settings, None, on_failure=failures.append, on_ended=reasons.append)
+    yield group, reasons
+    group.stop()
+    assert not failures, failures
+
+
+def test_a_pause_stops_the_idle_clock_and_is_answered_before_the_next_request(ended) -> None:
+    group, reasons = ended
+    answers: list[str] = []
+    first = OrderedResponder("start", answers)
+    send(group, steered_request(), first)
+    wait([first])
+    one, two = OrderedResponder("pause 1", answers), OrderedResponder("pause 2", answers)
+    send(group, pause(), one)
+    # Three idle limits without a step: the open pause keeps the session (an expiry would close the pause).
+    assert not one.closed.wait(3 * group.settings.session_idle_timeout_s), one.error
+    send(group, pause(), two)  # a second pause answers the first
+    step = OrderedResponder("step", answers)
+    send(group, StepRequest("7", Controls(keys="d")), step)
+    wait([step])
+    assert answers == ["start: block 0", "pause 1: closed", "pause 2: closed", "step: block 1"]
+    assert one.error is None and two.error is None and not one.blocks and not two.blocks
+    (record,) = group.sessions.values()
+    assert record.shared.requests == 2 and record.shared.computed == 2  # the pauses asked for no block
+    # Every request answered, no pause: the idle clock runs again and ends the session.
+    wait_until(lambda: reasons, 10, "the session to expire")
+    assert reasons == ["expired"]
+
+
+def test_a_cancelled_pause_ends_its_session_as_cancelled(ended) -> None:
+    group, reasons = ended
+    first, paused = RecordingResponder(), RecordingResponder()
+    send(group, steered_request(), first)
+    wait([first])
+    send(group, pause(), paused)
+    paused.cancelled = True  # the client's stream closed
+    wait_until(lambda: reasons, 5, "the session to end")
+    assert reasons == ["cancelled"] and not any(r.engine for r in group.sessions.values())
+
+
+def test_pauses_without_a_running_session_get_errors_naming_the_pause(ended) -> None:
+    group, reasons = ended
+    stranger = RecordingResponder()
+    send(group, pause(), stranger)
+    assert re.fullmatch(r"request parameter 'pause': no running session 7: it never started here.*", stranger.error)
+    first, closing, late = RecordingResponder(), RecordingResponder(), RecordingResponder()
+    send(group, steered_request(), first)
+    wait([first])
+    send(group, StepRequest("7", None, end=True), closing)
+    send(group, pause(), late)
+    assert late.error == "request parameter 'pause': session 7 was ended by its end flag; start a new one"
+    wait([closing])
+    assert first.blocks == [0] and closing.error is None and reasons == ["ended by its client"]
+
+
+def test_an_open_pause_still_ends_at_max_session_s(engine: WorldModelEngine) -> None:
+    reasons: list[str] = []
+    failures: list[BaseException] = []
+    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=60.0, max_session_s=2.0)
+    group = GroupCoordinator(engine, settings, None, on_failure=failures.append, on_ended=reasons.append)
+    try:
+        first, paused = RecordingResponder(), RecordingResponder()
+        send(group, steered_request(), first)
+        wait([first])
+        send(group, pause(), paused)
+        wait([paused], timeout=10)
+    finally:
+        group.stop()
+    assert not failures and reasons == ["expired"] and "max_session_s=2 s" in paused.error

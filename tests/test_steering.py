@@ -90,7 +90,7 @@ def test_a_key_script_equals_the_poses_it_integrates_to(server) -> None:
 
 def test_idle_session_expires_and_frees_its_caches(server) -> None:
     log = Path(server.log_path)
-    with SteeredSession(server.grpc_url) as session:
+    with SteeredSession(server.grpc_url, keep_alive=False) as session:  # a raw client: no pause held open
         session.start(steered(Controls(keys="w")))
         session.next_block(60)
         pattern = re.compile(r"session (r\d-\d+) expired after 1 block \(steered: no set length\); "

@@ -36,8 +36,10 @@ class StreamMetrics:
                    family.COUNTER),
             family("lingbot_world_prompt_cache_hits_total", "world events whose prompt the prompt cache held (no encode)",
                    family.COUNTER),
+            family("lingbot_world_sessions_ended_total", "sessions this instance owned that ended, by reason (as logged)",
+                   family.COUNTER),
         ]
-        blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits = self._families
+        blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits, ended = self._families
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
@@ -52,6 +54,8 @@ class StreamMetrics:
         self.loop_cpu = loop_cpu.Metric(labels=labels)
         self.prompt_events = events.Metric(labels=labels)
         self.prompt_cache_hits = hits.Metric(labels=labels)
+        self._ended_family = ended
+        self._ended = {}  # reason -> its metric, made on its first use
 
     def show_settings(self, settings: Mapping[str, Setting]) -> None:
         """One gauge per resolved setting, its value, labelled with where it came from."""
@@ -73,3 +77,9 @@ class StreamMetrics:
         """The group loop's report after a world event (GroupCoordinator's on_prompts)."""
         self.prompt_events.increment(events)
         self.prompt_cache_hits.increment(hits)
+
+    def session_ended(self, reason: str) -> None:
+        """A session this instance owned ended (GroupCoordinator's on_ended): finished, cancelled, expired, ..."""
+        if reason not in self._ended:
+            self._ended[reason] = self._ended_family.Metric(labels={**self._labels, "reason": reason})
+        self._ended[reason].increment(1)

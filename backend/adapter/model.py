@@ -92,7 +92,7 @@ class TritonPythonModel:
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
                                             doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block),
-                                            on_prompts=self.metrics.prompts)
+                                            on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended)
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 
@@ -104,6 +104,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             key = str(request.correlation_id() or "")
+            if key:  # a pause of this sequence is answered before this request (whatever it holds)
+                self.coordinator.end_pause(key)
             try:
                 parsed = parse_request(functools.partial(_input, request), request.parameters(), key, request.flags())
             except InputError as exc:

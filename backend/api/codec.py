@@ -107,6 +107,24 @@ def _controls(values: dict[str, np.ndarray]) -> Controls | None:
     return None
 
 
+_PAUSE = next(p for p in c.REQUEST_PARAMETERS if p.name == c.PARAM_PAUSE)
+
+
+def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: bool, whole: bool) -> StepRequest:
+    """A pause: a request of a running steered session without a block, held open until the sequence's next."""
+    name = f"request parameter '{c.PARAM_PAUSE}'"
+    if whole or not sequence_key:
+        raise InputError(f"{name} pauses a steered session; a whole trajectory ('{c.NUM_FRAMES}' set) cannot pause")
+    if start:
+        raise InputError(f"{name} pauses a running steered session; a request with the start flag cannot pause "
+                         f"(start with the first block's camera)")
+    if end:
+        raise InputError(f"{name} and the end flag exclude each other; end the session with the end flag alone")
+    if extra := [n for n in (c.CAMERA_POSES, c.ACTION, c.PROMPT) if n in values]:
+        raise InputError(f"a pause ({name}) carries no block: send it without {extra}")
+    return StepRequest(sequence_key, None, pause=True)
+
+
 def parse_request(
     get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_key: str = "", flags: int = 0
 ) -> SessionRequest | StepRequest:
@@ -131,6 +149,8 @@ def parse_request(
         raise InputError(f"request parameters are not valid JSON: {exc}") from exc
     start, end = bool(flags & c.SEQUENCE_START), bool(flags & c.SEQUENCE_END)
     whole = c.NUM_FRAMES in values
+    if _parameter(params, _PAUSE):
+        return _pause(values, sequence_key, start, end, whole)
     if sequence_key and not start and not whole:
         # The session's own inputs (image, seed, ...) are ignored on a step: tools such as perf_analyzer
         # repeat every input on every request of a sequence. A prompt on a step is a world event.

@@ -128,6 +128,7 @@ PARAM_MAX_BLOCKS = "max_blocks"
 PARAM_RETURN_USED = "return_used"
 PARAM_EXPECT_SETTINGS = "expect_settings"
 PARAM_POSE_SCALE = "pose_scale"
+PARAM_PAUSE = "pause"
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
 POSE_SCALES = ("clip", "running")  # a whole trajectory's translation scale: the clip's largest, or the largest so far
 
@@ -144,6 +145,10 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_POSE_SCALE, POSE_SCALES[0], "whole trajectory: divide camera translations by the clip's "
                   "largest ('clip', as the reference) or by the largest so far ('running', as a steered session "
                   "does: a steered recording replays bit for bit)"),
+    ParameterSpec(PARAM_PAUSE, False, "steered: a pause, a step without a camera that keeps the session open while "
+                  "the client sends nothing: held without a block until the sequence's next request (then answered "
+                  "empty, first) or the session's end; the idle limit does not run meanwhile, and a client that "
+                  "disconnects ends the session at once. No camera, prompt, start or end flag"),
 )
 
 # Triton sequence flags on a request (python backend `request.flags()`).

@@ -81,13 +81,15 @@ class SessionRequest:
 
 @dataclass
 class StepRequest:
-    """The next block's camera for a running steered session; `end` closes it after that block."""
+    """The next block's camera for a running steered session; `end` closes it after that block; a `pause`
+    carries no camera and holds the session open until the sequence's next request."""
 
     session_key: str
-    controls: Controls | None  # None with `end`: close without another block
+    controls: Controls | None  # None with `end` (close without another block) or `pause`
     end: bool = False
     return_latents: bool = True
     return_used: bool = False
+    pause: bool = False
 
 
 def check_prompt(prompt: str) -> None:

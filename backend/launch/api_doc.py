@@ -38,8 +38,10 @@ sequence on one instance, the one that answers it. A raw `tritonclient` user sen
   `camera_poses`, or `action`), without `num_frames`. Each step carries the next block's camera only
   ({contract.whole_block_frames(2) - contract.whole_block_frames(1)} new frames' `camera_poses`, or `action`).
   Every request gets exactly one response, one block, in order. The end flag on a step closes the session after
-  that step's block; an end flag without a camera closes it at once (an empty final response). Semantics:
-  [serving.md](serving.md#steered-sessions).
+  that step's block; an end flag without a camera closes it at once (an empty final response). A pause (`pause`
+  set, no camera) is held open without a block until the next request, which it precedes with an empty final
+  response: a client with nothing to send keeps one open, so its session outlives the idle limit and ends when
+  it disconnects. Semantics: [serving.md](serving.md#steered-sessions).
 
 `num_frames` of a whole trajectory must be {contract.frames_rule()}.
 """

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..api.errors import InputError
-from ..api.contract import block_video_frames
+from ..api.contract import PARAM_PAUSE, block_video_frames
 from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
@@ -52,6 +52,7 @@ class GroupCoordinator:
         threads: CoreSplit | None = None,  # torch threads of the loop (DiT) and the decode; None: as they are
         cpu: LoopCpu | None = None,
         on_prompts: Callable[[int, int], None] | None = None,  # (world events applied, prompt cache hits) since the last call
+        on_ended: Callable[[str], None] | None = None,  # (why) when a session this rank owns ends, as logged
     ) -> None:
         self.engine: WorldModelEngine | None = engine
         self.settings = settings
@@ -65,6 +66,7 @@ class GroupCoordinator:
         self.threads = threads
         self.cpu = cpu or LoopCpu()
         self.on_prompts = on_prompts
+        self.on_ended = on_ended
         self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring)
         # Every session this rank knows: the ones it owns from their request on, the others from their opening;
         # ended steered sessions it owned stay a while (state done) to answer late steps.
@@ -111,17 +113,29 @@ class GroupCoordinator:
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
             self._refuse_inbox(self._closed_reason)
 
+    def end_pause(self, key: str) -> None:
+        """A request of Triton sequence `key` arrived: its session's open pause is answered before it is handled."""
+        with self._lock:
+            record = self._running(key)
+            ended = record is not None and record.owner.stream.end_pause()
+        if ended:  # the idle clock runs again: wake the loop to wait for its new deadline
+            self._ring()
+
     def _step(self, step: StepRequest, responder: Responder) -> None:
         """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""
         with self._lock:
             record = self._running(step.session_key) or self._last_ended(step.session_key)
+            pause = f"request parameter '{PARAM_PAUSE}': " if step.pause else ""
             if record is None or record.state is State.DONE:
                 why = record.why if record is not None else "it never started here (send the start flag first)"
-                responder.send_error(f"no running session {step.session_key}: {why}")
+                responder.send_error(f"{pause}no running session {step.session_key}: {why}")
                 return
             stream: SteeredStream = record.owner.stream
             if stream.sealed:
-                responder.send_error(f"session {step.session_key} was ended by its end flag; start a new one")
+                responder.send_error(f"{pause}session {step.session_key} was ended by its end flag; start a new one")
+                return
+            if step.pause:  # no news for the scheduler: it changes no block
+                stream.pause(responder)
                 return
             try:
                 if step.controls is not None:
@@ -333,6 +347,8 @@ class GroupCoordinator:
                 for old in done[: max(0, len(done) - KEEP_DONE)]:
                     del self.sessions[old]
         if record.owner is not None:
+            if self.on_ended is not None:
+                self.on_ended(reason)
             if error is None:
                 self.decoder.finish(record.owner.stream)  # after its last block: close what still waits
             else:

@@ -72,7 +72,11 @@ class WholeStream(OwnerStream):
 class SteeredStream(OwnerStream):
     """A steered session: blocks go to the waiting requests in order. A block computed before its request
     arrived (a held block, when the client is late and the session holds its motion) waits here and answers
-    the next step at once. Requests join from Triton's thread."""
+    the next step at once. Requests join from Triton's thread.
+
+    A pause (a request without a camera) is held open, without a block, until the sequence's next request or
+    the session's end: the client is provably there while it is open (its cancellation says it left), so the
+    idle clock stops. At most one is open."""
 
     def __init__(self, first: Responder, on_delivered: Callable[[], None]) -> None:
         super().__init__(on_delivered)
@@ -80,14 +84,15 @@ class SteeredStream(OwnerStream):
         self._waiting: deque[Responder] = deque([first])
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
         self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes
+        self._pause: Responder | None = None  # the open pause
         self._closed = False
         self._answered_s = time.monotonic()  # when its last waiting request was answered
 
     def waits_on_client_since(self) -> float | None:
         """Since when every request is answered, so the server waits on the client; None while one waits (the
-        server's own time: its block runs, or waits behind other sessions' blocks)."""
+        server's own time: its block runs, or waits behind other sessions' blocks) or a pause is open."""
         with self._lock:
-            return None if self._waiting else self._answered_s
+            return None if self._waiting or self._pause is not None else self._answered_s
 
     def _delivered(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
                    final: bool) -> None:
@@ -103,6 +108,27 @@ class SteeredStream(OwnerStream):
                 self._delivered(responder, *self._ready.popleft(), True)
             else:
                 self._waiting.append(responder)
+
+    def pause(self, responder: Responder) -> None:
+        """A pause: held open until `end_pause` (a second pause ends the first) or the session's end."""
+        with self._lock:
+            self._end_pause()
+            self._pause = responder
+
+    def end_pause(self) -> bool:
+        """The sequence's next request arrived: the open pause, if any, is answered (empty) before it is
+        handled. Returns whether one was open."""
+        with self._lock:
+            return self._end_pause()
+
+    def _end_pause(self) -> bool:
+        pause, self._pause = self._pause, None
+        if pause is None:
+            return False
+        pause.finish()
+        if not self._waiting:  # the client was there until now: the idle clock starts again from here
+            self._answered_s = time.monotonic()
+        return True
 
     def add_closing(self, responder: Responder) -> None:
         """An end flag without a camera: answered when the session closes."""
@@ -127,12 +153,17 @@ class SteeredStream(OwnerStream):
     def _close(self, answer: Callable[[Responder], None]) -> None:
         with self._lock:
             self._closed = True
-            for responder in [*self._waiting, *self._closing]:
+            for responder in self._unanswered():
                 answer(responder)
             self._waiting.clear()
             self._closing.clear()
+            self._pause = None
             self._ready.clear()
 
     def is_cancelled(self) -> bool:
         with self._lock:
-            return self._closed or any(r.is_cancelled() for r in (*self._waiting, *self._closing))
+            return self._closed or any(r.is_cancelled() for r in self._unanswered())
+
+    def _unanswered(self) -> list[Responder]:
+        """Every request not answered yet (under the lock)."""
+        return [*self._waiting, *self._closing, *([self._pause] if self._pause is not None else [])]
