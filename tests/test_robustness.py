@@ -46,9 +46,9 @@ def wait_not_ready(url: str, timeout: float) -> float:
     raise AssertionError(f"the model still reads ready {timeout} s after a rank failed")
 
 
-@pytest.mark.parametrize("failure", [signal.SIGKILL, signal.SIGSTOP], ids=["rank_dies", "rank_hangs"])
-def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint: str, failure: int) -> None:
-    timeout_s = 5
+def test_a_hung_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint: str) -> None:
+    """SIGSTOP: the peer neither answers nor closes its sockets (a dead one: the test below)."""
+    failure, timeout_s = signal.SIGSTOP, 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
         threads, errors = stream_in_background(server.grpc_url, range(4), timeout_s + 10)
         # Streams are running on both instances (Triton alternates them).
@@ -66,8 +66,7 @@ def test_failed_rank_is_detected_in_bounded_time(tmp_path: Path, tiny_checkpoint
             with pytest.raises(StreamError, match="unknown model|not ready|no available versions"):
                 stream(server.grpc_url, tiny_request(num_frames=9), timeout=20)
         finally:
-            if failure == signal.SIGSTOP:
-                os.kill(victim, signal.SIGCONT)
+            os.kill(victim, signal.SIGCONT)
 
 
 def idle_cpu(server, seconds: float) -> list[float]:
@@ -99,15 +98,20 @@ def test_idle_sp2_instances_block_instead_of_polling(tmp_path: Path, tiny_checkp
         assert time.monotonic() - start < 1.5
 
 
-def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path, tiny_checkpoint: str) -> None:
-    """Rank 0 (the rendezvous host and the owner of a stream) is killed outright."""
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank0_store_host", "rank1"])
+def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path, tiny_checkpoint: str,
+                                                                      victim: int) -> None:
+    """A rank that owns a stream is killed outright (rank 0 also hosts the group's store): the survivor fails
+    at once, frees the rendezvous port and the model's memory, and the operator's reload serves."""
     timeout_s = 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
         threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)
         wait_until(lambda: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > 0 for r in (0, 1)), 60,
                    "blocks sent by both instances")
-        os.kill(server.stub_pids()[0], signal.SIGKILL)
-        assert wait_not_ready(server.grpc_url, timeout_s + 15) < timeout_s + 15
+        os.kill(server.stub_pids()[victim], signal.SIGKILL)
+        assert wait_not_ready(server.grpc_url, 10) < 5  # a dead peer's sockets close: no timeout to wait out
+        wait_until(lambda: f"rank {1 - victim}: model released" in Path(server.log_path).read_text(), 10,
+                   "the survivor to release the model")
         for t in threads:
             t.join()
         # The survivor's stream ends with a plain sentence; the backend's text stays in the server log.

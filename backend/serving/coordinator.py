@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 KEEP_DONE = 1024  # ended steered sessions remembered, to tell a late step why
 
 
+class GroupFailure(RuntimeError):
+    """The group loop failed; the cause, with its traceback, is in the log."""
+
+
 class GroupCoordinator:
     def __init__(
         self,
@@ -188,8 +192,11 @@ class GroupCoordinator:
                     self.control.wait_idle(self._next_deadline())
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
-            self._close(messages.GROUP_FAILED)
-            self.on_failure(exc)
+            failure = GroupFailure(repr(exc))
+        # Past the handler: its traceback's frames (a forward's, holding the engine and its tensors) are gone,
+        # so the failure handler can release the model's memory.
+        self._close(messages.GROUP_FAILED)
+        self.on_failure(failure)
 
     def _owned(self) -> list[SessionRecord]:
         """This rank's sessions that have not ended."""
