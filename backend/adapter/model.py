@@ -81,6 +81,7 @@ class TritonPythonModel:
         groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
                             serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)
         self.load_id, self.host_rank, self._unload_claim = groups.load_id, serving.host_rank, None
+        self._finalizing = False
         log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, device, engine_config.checkpoint,
                  _rss())
         group = SequenceParallel(groups.data)
@@ -117,6 +118,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
+        self._finalizing = True  # the model is being unloaded: a loop failing now must not unload a later load
         self.coordinator.stop()
         leave_group()
         self._drop_engine()
@@ -139,6 +141,9 @@ class TritonPythonModel:
         """
         leave_group()
         self._drop_engine()  # the weights and caches go now: finalize may never run (see above)
+        if self._finalizing:
+            log.error("rank %d: sequence-parallel group failed (%r) while the model unloads", self.rank, exc)
+            return
         self._unload_claim = claim_for_this_host(f"lingbot-unload-{self.load_id}-{self.host_rank}")
         if self._unload_claim is None:  # another instance of this server asked: a second ask, landing after an
             # operator's prompt reload, would unload the new load

@@ -109,9 +109,6 @@ class StoreDoorbell:
             first, self._broken = self._broken is None, self._broken or exc
         if not first:
             return
-        if isinstance(exc, dist.DistNetworkError):  # the store (rank 0) is gone: nothing to wake through
-            log.error("the group's store is unreachable (%r); the group loops fail at their next exchange", exc)
-            return
         log.error("the group's doorbell failed (%r); waking the group loops to fail the group", exc)
         try:
             self._wake().set(f"{KEY}/{self._awaited}", b"")
