@@ -93,7 +93,8 @@ class TritonPythonModel:
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
                                             doorbell=doorbell, threads=threads, cpu=LoopCpu(self.metrics.loop_block),
-                                            on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended)
+                                            on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
+                                            send_lock=TritonResponder.process_lock)
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch.distributed as dist
 
@@ -57,6 +58,7 @@ class GroupCoordinator:
         cpu: LoopCpu | None = None,
         on_prompts: Callable[[int, int], None] | None = None,  # (world events applied, prompt cache hits) since the last call
         on_ended: Callable[[str], None] | None = None,  # (why) when a session this rank owns ends, as logged
+        send_lock: AbstractContextManager | None = None,  # reentrant: the lock responders send under (see streams)
     ) -> None:
         self.engine: WorldModelEngine | None = engine
         self.settings = settings
@@ -71,6 +73,7 @@ class GroupCoordinator:
         self.cpu = cpu or LoopCpu()
         self.on_prompts = on_prompts
         self.on_ended = on_ended
+        self.send_lock = send_lock
         self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring)
         # Every session this rank knows: the ones it owns from their request on, the others from their opening;
         # ended steered sessions it owned stay a while (state done) to answer late steps.
@@ -102,8 +105,8 @@ class GroupCoordinator:
             responder.send_error(str(exc))
             return
         shared = SharedSession.submitted(f"r{self.rank}-{next(self._ids)}", request, geometry.block_shape, self.rank)
-        stream: OwnerStream = (SteeredStream(responder, self._ring) if request.steered
-                               else WholeStream(responder, self._ring))
+        stream: OwnerStream = (SteeredStream(responder, self._ring, self.send_lock) if request.steered
+                               else WholeStream(responder, self._ring, self.send_lock))
         with self._lock:
             if request.steered and self._running(request.session_key) is not None:
                 responder.send_error(

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
@@ -32,10 +33,12 @@ class Responder(Protocol):
 class OwnerStream:
     """A `Responder` for the group loop and the decode sender; `sent` counts the blocks clients received."""
 
-    def __init__(self, on_delivered: Callable[[], None]) -> None:
+    def __init__(self, on_delivered: Callable[[], None], lock: AbstractContextManager | None = None) -> None:
+        """lock: a reentrant lock, the one the responders send under if they take one (GroupCoordinator's
+        send_lock), so a send and a request's arrival never take two locks in opposite orders."""
         self.sent = 0
         self._on_delivered = on_delivered
-        self._lock = threading.Lock()
+        self._lock = lock or threading.RLock()
 
     def _delivered(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
                    final: bool) -> None:
@@ -47,8 +50,8 @@ class OwnerStream:
 class WholeStream(OwnerStream):
     """A whole trajectory: one request, every block on it, the last with the final flag."""
 
-    def __init__(self, responder: Responder, on_delivered: Callable[[], None]) -> None:
-        super().__init__(on_delivered)
+    def __init__(self, responder: Responder, on_delivered: Callable[[], None], lock: AbstractContextManager | None = None) -> None:
+        super().__init__(on_delivered, lock)
         self._responder = responder
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
@@ -78,8 +81,8 @@ class SteeredStream(OwnerStream):
     the session's end: the client is provably there while it is open (its cancellation says it left), so the
     idle clock stops. At most one is open."""
 
-    def __init__(self, first: Responder, on_delivered: Callable[[], None]) -> None:
-        super().__init__(on_delivered)
+    def __init__(self, first: Responder, on_delivered: Callable[[], None], lock: AbstractContextManager | None = None) -> None:
+        super().__init__(on_delivered, lock)
         self.sealed = False  # the client sent the end flag: no request may follow
         self._waiting: deque[Responder] = deque([first])
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
