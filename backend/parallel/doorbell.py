@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import functools
 import logging
+import socket
 import threading
 import weakref
 from typing import Callable, Protocol
@@ -72,6 +73,7 @@ class StoreDoorbell:
     """
 
     def __init__(self, host: str, port: int, secret: str, timeout_s: float) -> None:
+        self._address = (host, port)
         self._connect = functools.partial(store_client, host, port, secret, timeout_s)
         self._wake = functools.partial(store_client, host, port, secret, min(timeout_s, WAKE_TIMEOUT_S))
         self._ringer = self._connect()
@@ -109,11 +111,23 @@ class StoreDoorbell:
             first, self._broken = self._broken is None, self._broken or exc
         if not first:
             return
+        if not self._store_listens():  # rank 0 is gone: nothing to wake through, the loops' exchange fails
+            log.error("the group's store is gone (%r); the group loops fail at their next exchange", exc)
+            return
         log.error("the group's doorbell failed (%r); waking the group loops to fail the group", exc)
         try:
             self._wake().set(f"{KEY}/{self._awaited}", b"")
         except Exception as wake_error:  # noqa: BLE001 - then the heartbeat finds it
             log.warning("cannot wake the group loops (%r); the next heartbeat fails the group", wake_error)
+
+    def _store_listens(self) -> bool:
+        """Whether the store's port takes a connection (refused at once when its host died; a store client would
+        retry until its timeout)."""
+        try:
+            socket.create_connection(self._address, timeout=WAKE_TIMEOUT_S).close()
+        except OSError:
+            return False
+        return True
 
     def wait(self, number: int, timeout_s: float) -> bool:
         self._awaited = number
