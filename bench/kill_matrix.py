@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.api.contract import MODEL_NAME
 from backend.launch.model_repository import write_model_repository
+from backend.launch.procfs import tcp_sockets
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from bench.common import BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, server_parameters
@@ -34,7 +35,6 @@ from bench.streaming import stream_request
 from client.stream import StreamingSession
 
 COLLECTIVE_TIMEOUT_S = 5.0
-TCP_LISTEN, TCP_ESTABLISHED = "0A", "01"
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.1) -> float:
@@ -49,30 +49,6 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
 
 def rss_mb(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
-
-
-def socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
-
-
-def tcp_sockets(pids: list[int]) -> list[tuple[int, str]]:
-    """(local port, state) of every TCP socket these processes hold."""
-    inodes = set().union(*(socket_inodes(p) for p in pids)) if pids else set()
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes:
-                found.append((int(fields[1].rsplit(":", 1)[1], 16), fields[3]))
-    return found
 
 
 def metric(server: TritonServer, name: str, rank: int | None = None) -> float:
@@ -164,12 +140,14 @@ def run_case(checkpoint: Path, sp: int, victim: int, owner: bool) -> list[str]:
         os.kill(pids[victim], signal.SIGKILL)
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             not_ready = wait_for(lambda: not client.is_model_ready(MODEL_NAME), 60, "not-ready model")
-            wait_for(lambda: not any(p == port and s == TCP_LISTEN for p, s in tcp_sockets(survivors)), 30,
+            wait_for(lambda: not any(s.port == port and s.listening for s in tcp_sockets(survivors)), 30,
                      "free rendezvous port")
             ranks = [r for r in range(sp) if r != victim]
             wait_for(lambda: all(logged_rss(server.log_path, r, "released") > 0 for r in ranks), 30,
                      "the survivors' release")
-            sockets = len(tcp_sockets([p for p in survivors if Path(f"/proc/{p}").exists()]))
+            held = tcp_sockets([p for p in survivors if Path(f"/proc/{p}").exists()])
+            print(f"SP{sp} rank {victim} killed: the survivors hold {held}", flush=True)
+            sockets = len(held)
             before = statistics.fmean(logged_rss(server.log_path, r, "before") for r in ranks)
             released = statistics.fmean(logged_rss(server.log_path, r, "released") for r in ranks)
             start = time.monotonic()

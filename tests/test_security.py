@@ -8,9 +8,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
-import os
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +20,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
+from backend.launch.procfs import tcp_sockets
 from backend.parallel.group import store_client
 from backend.parallel.local import free_port
 from backend.serving import messages
@@ -36,26 +35,8 @@ MODEL = contract.MODEL_NAME
 
 
 def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket these processes listen on, from /proc (no tool needed)."""
-    inodes = set()
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
-    found = set()
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            address, port = fields[1].split(":")
-            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
-            found.add((socket.inet_ntop(family, raw), int(port, 16)))
-    return found
+    """(address, port) of every TCP socket these processes listen on."""
+    return {(s.address, s.port) for s in tcp_sockets(pids) if s.listening}
 
 
 def is_loopback(address: str) -> bool:
