@@ -224,6 +224,7 @@ class GroupCoordinator:
         self._refuse_inbox(reason)
         self.engine = self.decoder.engine = None  # the weights go now: a reload may need the memory
         self.control.doorbell = LocalDoorbell()  # close the store connections too
+        self.control.group = self.control_group = None  # and the control group's sockets
 
     def _refuse_inbox(self, reason: str) -> None:
         while True:
