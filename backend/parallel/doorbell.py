@@ -25,6 +25,16 @@ WAKE_TIMEOUT_S = 2.0
 log = logging.getLogger(__name__)
 
 
+def store_listens(address: tuple[str, int]) -> bool:
+    """Whether the store's port takes a connection: refused at once when its host died, where a store client
+    would retry until its timeout."""
+    try:
+        socket.create_connection(address, timeout=WAKE_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
 class GroupTampered(RuntimeError):
     """The store held a value the group did not write."""
 
@@ -84,7 +94,7 @@ class StoreDoorbell:
         self._listener = RingListener(self._connect(), self.count())
         # Once this doorbell is dropped, the listener is woken by a last ring and ends, so no store wait
         # is left open when the group closes its store.
-        weakref.finalize(self, self._listener.close, self._wake)
+        weakref.finalize(self, self._listener.close, self._wake, self._address)
 
     def _add(self, amount: int) -> int:
         with self._lock:
@@ -111,7 +121,7 @@ class StoreDoorbell:
             first, self._broken = self._broken is None, self._broken or exc
         if not first:
             return
-        if not self._store_listens():  # rank 0 is gone: nothing to wake through, the loops' exchange fails
+        if not store_listens(self._address):  # rank 0 is gone: nothing to wake through, the loops' exchange fails
             log.error("the group's store is gone (%r); the group loops fail at their next exchange", exc)
             return
         log.error("the group's doorbell failed (%r); waking the group loops to fail the group", exc)
@@ -119,15 +129,6 @@ class StoreDoorbell:
             self._wake().set(f"{KEY}/{self._awaited}", b"")
         except Exception as wake_error:  # noqa: BLE001 - then the heartbeat finds it
             log.warning("cannot wake the group loops (%r); the next heartbeat fails the group", wake_error)
-
-    def _store_listens(self) -> bool:
-        """Whether the store's port takes a connection (refused at once when its host died; a store client would
-        retry until its timeout)."""
-        try:
-            socket.create_connection(self._address, timeout=WAKE_TIMEOUT_S).close()
-        except OSError:
-            return False
-        return True
 
     def wait(self, number: int, timeout_s: float) -> bool:
         self._awaited = number
@@ -164,12 +165,12 @@ class RingListener:
         with self._changed:
             return self._changed.wait_for(lambda: self._seen >= number, timeout_s)
 
-    def close(self, connect: Callable[[], dist.Store]) -> None:
+    def close(self, connect: Callable[[], dist.Store], address: tuple[str, int]) -> None:
         """Wake the thread with the key it waits for (not a ring: the count may hold another's value)."""
         with self._changed:
             self._closing = True
             awaited = f"{KEY}/{self._seen + 1}"
-        if self._ended:
+        if self._ended or not store_listens(address):  # the store is gone: the thread's wait ends with it
             return
         with contextlib.suppress(Exception):  # the store may be gone already: then the thread's wait ends
             connect().set(awaited, b"")
