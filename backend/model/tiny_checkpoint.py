@@ -20,34 +20,23 @@ from .config import TransformerConfig, read_checkpoint_configs
 from .transformer import LingBotTransformer
 from .weight_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, shard_plan
 
+# CI size: 4 heads (SP 1/2/4), 64x64 video -> 8x8 latents -> 16 tokens per frame; a 9-frame window.
+TINY: dict = {
+    "transformer": dict(num_heads=4, dim=64, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, text_len=16,
+                        local_attn_size=9, sink_size=3),
+    "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+    "z_dim": 4,
+    "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+}
+
 PRESETS: dict[str, dict] = {
-    # CI size: 4 heads (SP 1/2/4), 64x64 video -> 8x8 latents -> 16 tokens per frame; a 9-frame window.
-    "tiny": {
-        "transformer": dict(num_heads=4, dim=64, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, text_len=16,
-                            local_attn_size=9, sink_size=3),
-        "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
-        "z_dim": 4,
-        "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
-    },
+    "tiny": TINY,
     # The tiny model with the Wan VAE's 16 latent channels and Wan 2.1's latent statistics (AutoencoderKLWan's
     # defaults): what the official layout can carry, which names no statistics (see official_checkpoint).
-    "tiny16": {
-        "transformer": dict(num_heads=4, dim=64, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, text_len=16,
-                            local_attn_size=9, sink_size=3),
-        "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
-        "z_dim": 16,
-        "wan21_latents": True,
-        "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
-    },
-    # The tiny model made wide (about 370 MB of float32 transformer weights): large enough that a process
-    # freeing its weights shows in its RSS (bench.kill_matrix).
-    "wide": {
-        "transformer": dict(num_heads=8, dim=1024, text_dim=32, freq_dim=32, ffn_dim=4096, num_layers=4, text_len=16,
-                            local_attn_size=9, sink_size=3),
-        "vae": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
-        "z_dim": 4,
-        "text_encoder": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
-    },
+    "tiny16": TINY | {"z_dim": 16, "wan21_latents": True},
+    # The tiny model made wide (367 MB of float32 transformer weights): large enough that a process freeing its
+    # weights shows in its RSS (bench.kill_matrix).
+    "wide": TINY | {"transformer": TINY["transformer"] | dict(num_heads=8, dim=1024, ffn_dim=4096, num_layers=4)},
     # GPU benchmark size: the real 40-head geometry, a fraction of the depth and width.
     "mid": {
         "transformer": dict(num_heads=40, dim=2560, text_dim=512, freq_dim=256, ffn_dim=6912, num_layers=8,
