@@ -21,7 +21,7 @@ from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest
 from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
-from client.recording import Recorder
+from client.recording import Recorder, RecordingError
 from client.steer import SteeredSession
 from client.stream import StreamError
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
                 print(f"block {block.block_index}: keys {keys or '-'!r:6} {len(block.frames)} frames, "
                       f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
                       f"{', HELD (step late)' if block.held else ''}{event}", flush=True)
-    except StreamError as exc:
+    except (StreamError, RecordingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         save_partial(recorder, args.record)
         return 1

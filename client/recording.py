@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from backend.api.codec import BlockResponse
-from backend.api.contract import block_video_frames
+from backend.api.contract import MAX_INPUT_PIXELS, block_video_frames
 from backend.api.errors import InputError
 from backend.api.provenance import parse_settings
 from backend.api.request import SessionRequest, check_poses, check_prompt
@@ -77,26 +77,58 @@ class Recording:
                   "camera": np.concatenate([b.camera for b in self.blocks]).astype(np.float32)}
         if self.intrinsics is not None:
             arrays["intrinsics"] = np.asarray(self.intrinsics, dtype=np.float32)
-        with path.open("wb") as f:  # a path without the .npz suffix keeps its name
+        partial = path.with_name(f".{path.name}.partial")
+        with partial.open("wb") as f:  # a path without the .npz suffix keeps its name
             np.savez_compressed(f, **arrays)
+        partial.replace(path)  # whole or not at all: a reader never sees half a file
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> Recording:
         try:
-            data = np.load(path, allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError("a single array, not a zip of arrays")
-            with data:
-                arrays = {name: data[name] for name in data.files}
+            arrays = _read_arrays(Path(path))
         except FileNotFoundError:
             raise RecordingError(f"{path}: no such file") from None
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise RecordingError(f"{path}: not a readable recording (truncated, or not an .npz file): {exc}") from None
         try:
             return _parse(arrays)
-        except (RecordingError, InputError) as exc:
+        except RecordingError as exc:
             raise RecordingError(f"{path}: {exc}") from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # InputError among them
+            raise RecordingError(f"{path}: {exc}") from None
+
+
+# The arrays a recording may hold and the most bytes each may take (checked before anything is read or allocated).
+MAX_BYTES = {"meta": 32 << 20, "image": MAX_INPUT_PIXELS * 3, "camera": 64 << 20, "intrinsics": 16 << 20}
+MAX_SIDE = 1 << 16  # height and width
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The zip's arrays, each checked against MAX_BYTES from its header before its data is read."""
+    arrays = {}
+    with zipfile.ZipFile(path) as z:
+        members = {info.filename: info for info in z.infolist()}
+        if unknown := sorted(set(members) - {f"{name}.npy" for name in MAX_BYTES}):
+            raise RecordingError(f"unexpected member(s) {unknown}; a recording holds {sorted(MAX_BYTES)}")
+        for name, limit in MAX_BYTES.items():
+            if (info := members.get(f"{name}.npy")) is None:
+                continue
+            with z.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                shape, fortran, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                         else np.lib.format.read_array_header_2_0)(f)
+                if dtype.hasobject:
+                    raise RecordingError(f"{name} holds Python objects; a recording holds plain arrays")
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if nbytes > limit:
+                    raise RecordingError(f"{name} declares {nbytes} bytes; at most {limit}")
+                data = f.read(nbytes)
+                if len(data) != nbytes:
+                    raise RecordingError(f"{name} is truncated ({len(data)} of {nbytes} bytes)")
+            array = np.frombuffer(data, dtype)
+            arrays[name] = array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
+    return arrays
 
 
 def _parse(arrays: dict[str, np.ndarray]) -> Recording:
@@ -114,10 +146,14 @@ def _parse(arrays: dict[str, np.ndarray]) -> Recording:
     prompt = _field(meta, "prompt", str)
     check_prompt(prompt)
     seed, height, width = (_field(meta, name, int) for name in ("seed", "height", "width"))
-    if height < 1 or width < 1:
-        raise RecordingError(f"meta.height and meta.width must be positive; got {height}x{width}")
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise RecordingError(f"meta.height and meta.width must be 1 to {MAX_SIDE}; got {height}x{width}")
+    if not -(2**63) <= seed < 2**63:
+        raise RecordingError(f"meta.seed {seed} does not fit in 64 bits")
     settings = _field(meta, "settings", str)
     block_frames = int(parse_settings(settings, "meta.settings")["block_frames"])
+    if block_frames < 1:
+        raise RecordingError(f"meta.settings: block_frames must be at least 1; got {block_frames}")
     image = arrays["image"]
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise RecordingError(f"image must be uint8 [H, W, 3]; got {image.dtype} {list(image.shape)}")

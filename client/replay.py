@@ -114,7 +114,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
     p.add_argument("--steps", action="store_true", help="replay step by step as a steered session")
     p.add_argument("--out", help="also decode and write the replayed video here (MP4)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole replay (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds for the whole trajectory, or for each block with --steps (default: %(default)s)")
     return p.parse_args(argv)
 
 

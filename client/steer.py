@@ -26,6 +26,7 @@ from backend.api.request import Controls, SessionRequest
 from client.stream import StreamError, model_error, new_sequence_id, pack_inputs, parse_response
 
 PAUSE_ID = "lingbot-pause"  # the request id of this client's pauses
+PAUSE_REFUSAL = f"request parameter '{contract.PARAM_PAUSE}'"  # in every error the server answers a pause with
 # An open pause is renewed this often (so it is at most twice as old): Triton's sequence batcher forgets a
 # sequence that sent no request for session_idle_timeout_s + 60 s, however long its pause has been open.
 RENEW_S = 20.0
@@ -59,8 +60,9 @@ class SteeredSession:
         with self._lock:
             if error is not None and error.status() is not None:  # the stream failed: no request's answer
                 self._keep_alive, pause = False, False
-            else:  # a result names its request; answers come in request order, so an error is the oldest's
-                pause = result.get_response().id == PAUSE_ID if error is None else self._oldest_is_pause()
+            else:  # a result names its request; the server's refusal of a pause names the parameter. Any other
+                # error goes to the caller (a pause answered with the session's end: the next step learns why).
+                pause = result.get_response().id == PAUSE_ID if error is None else PAUSE_REFUSAL in error.message()
                 if pause in self._unanswered:
                     self._unanswered.remove(pause)
                 if pause and error is not None:  # refused: the session is not running
@@ -69,9 +71,6 @@ class SteeredSession:
                     self._pause()
         if not pause:
             self._responses.put((result, error, arrival))
-
-    def _oldest_is_pause(self) -> bool:
-        return bool(self._unanswered) and self._unanswered[0]
 
     def _pause(self) -> None:
         """Hold the session open while the caller sends nothing (under the lock)."""

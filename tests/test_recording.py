@@ -143,6 +143,53 @@ def test_a_file_that_is_no_recording_is_refused(tmp_path: Path) -> None:
             Recording.load(tmp_path / name)
 
 
+def crafted(path: Path, member: str, data: bytes) -> Path:
+    """The recording with one zip member added or replaced by raw bytes."""
+    with zipfile.ZipFile(path) as z:
+        kept = {i.filename: z.read(i) for i in z.infolist() if i.filename != member}
+    out = path.with_name("crafted.npz")
+    with zipfile.ZipFile(out, "w") as z:
+        for name, content in (kept | {member: data}).items():
+            z.writestr(name, content)
+    return out
+
+
+def npy_header(shape: tuple, dtype: str = "<f4") -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("member, data, message", [
+    ("junk.npy", b"\0" * (1 << 20), r"unexpected member\(s\) \['junk.npy'\]"),
+    ("image", b"raw bytes", r"unexpected member\(s\) \['image'\]"),
+    ("camera.npy", npy_header((2**40, 4, 4)), "camera declares 70368744177664 bytes; at most 67108864"),
+    ("image.npy", npy_header((64, 64, 3), "|u1") + b"\0" * 100, r"image is truncated \(100 of 12288 bytes\)"),
+])
+def test_a_crafted_recording_is_refused_before_anything_large_is_read(recording_file: Path, member: str, data: bytes,
+                                                                       message: str) -> None:
+    with pytest.raises(RecordingError, match=message):
+        Recording.load(crafted(recording_file, member, data))
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"seed": 2**70}, "does not fit in 64 bits"),
+    ({"height": 10**9}, "must be 1 to 65536"),
+    ({"settings": SETTINGS.replace("block_frames=3", "block_frames=x")}, "invalid literal"),
+    ({"settings": SETTINGS.replace("block_frames=3", "block_frames=0")}, "block_frames must be at least 1"),
+])
+def test_out_of_range_start_inputs_are_refused(recording_file: Path, meta: dict, message: str) -> None:
+    with pytest.raises(RecordingError, match=message):
+        Recording.load(rewrite(recording_file, meta=meta))
+
+
+def test_deeply_nested_meta_is_refused(recording_file: Path) -> None:
+    with pytest.raises(RecordingError, match="recursion"):
+        Recording.load(rewrite(recording_file, meta=np.array("[" * 100_000 + "]" * 100_000)))
+
+
 def test_a_recorder_needs_what_each_block_was_made_from() -> None:
     with pytest.raises(ValueError, match="return_used"):
         Recorder(steered_request(return_used=False))

@@ -46,7 +46,7 @@ class DecodeSender:
                 frames = self.engine.decode(session, output)
             except Exception as exc:
                 if shared:  # the other ranks wait in this decode's exchanges: the group must fail
-                    self.failure = exc
+                    self.failure = RuntimeError(repr(exc))  # not its traceback: its frames hold the engine
                     self.on_failure()
                 raise
             if responder is not None:

@@ -42,21 +42,24 @@ class OwnerStream:
 
     def _delivered(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
                    final: bool) -> None:
+        """Send a block (under the lock); the caller calls `_on_delivered` once it let the lock go (a ring is a
+        store round trip, which no request's arrival should wait behind)."""
         responder.send_block(output, frames, decode_ms, final)
         self.sent += 1
-        self._on_delivered()
 
 
 class WholeStream(OwnerStream):
     """A whole trajectory: one request, every block on it, the last with the final flag."""
 
-    def __init__(self, responder: Responder, on_delivered: Callable[[], None], lock: AbstractContextManager | None = None) -> None:
+    def __init__(self, responder: Responder, on_delivered: Callable[[], None],
+                 lock: AbstractContextManager | None = None) -> None:
         super().__init__(on_delivered, lock)
         self._responder = responder
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
         with self._lock:
             self._delivered(self._responder, output, frames, decode_ms, final)
+        self._on_delivered()
 
     def send_error(self, message: str) -> None:
         self._responder.send_error(message)
@@ -81,7 +84,8 @@ class SteeredStream(OwnerStream):
     the session's end: the client is provably there while it is open (its cancellation says it left), so the
     idle clock stops. At most one is open."""
 
-    def __init__(self, first: Responder, on_delivered: Callable[[], None], lock: AbstractContextManager | None = None) -> None:
+    def __init__(self, first: Responder, on_delivered: Callable[[], None],
+                 lock: AbstractContextManager | None = None) -> None:
         super().__init__(on_delivered, lock)
         self.sealed = False  # the client sent the end flag: no request may follow
         self._waiting: deque[Responder] = deque([first])
@@ -107,10 +111,13 @@ class SteeredStream(OwnerStream):
         """A step's request: answered by the next block (at once if one is ready)."""
         with self._lock:
             self.sealed = end
-            if self._ready:
+            ready = bool(self._ready)
+            if ready:
                 self._delivered(responder, *self._ready.popleft(), True)
             else:
                 self._waiting.append(responder)
+        if ready:
+            self._on_delivered()
 
     def pause(self, responder: Responder) -> None:
         """A pause: held open until `end_pause` (a second pause ends the first) or the session's end."""
@@ -141,10 +148,13 @@ class SteeredStream(OwnerStream):
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
         with self._lock:
-            if self._waiting:  # one response per request: each is final
+            waiting = bool(self._waiting)
+            if waiting:  # one response per request: each is final
                 self._delivered(self._waiting.popleft(), output, frames, decode_ms, True)
             else:
                 self._ready.append((output, frames, decode_ms))
+        if waiting:
+            self._on_delivered()
 
     def send_error(self, message: str) -> None:
         self._close(lambda r: r.send_error(message))
