@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import time
-from pathlib import Path
 
 from backend.api.request import Controls
+from backend.launch.procfs import cpu_seconds
 from bench.common import TINY, add_workload_args, ensure_checkpoint, format_table, make_request, workload_from_args
 from bench.streaming import sp_server, stream_request
 from client.steer import SteeredSession
 from client.stream import run_sessions
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_share(pids: list[int], seconds: float) -> list[float]:

@@ -27,7 +27,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.api.contract import MODEL_NAME
 from backend.launch.model_repository import write_model_repository
-from backend.launch.procfs import tcp_sockets
+from backend.launch.procfs import status_kib, tcp_sockets
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from bench.common import BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, server_parameters
@@ -45,10 +45,6 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
             raise TimeoutError(f"no {what} within {timeout:g} s")
         time.sleep(every)
     return time.monotonic() - start
-
-
-def rss_mb(pid: int) -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
 
 
 def metric(server: TritonServer, name: str, rank: int | None = None) -> float:
@@ -133,7 +129,7 @@ def run_case(checkpoint: Path, sp: int, victim: int, owner: bool) -> list[str]:
         server.wait_ready(MODEL_NAME, timeout=300)
         pids = server.stub_pids()
         survivors = [pids[r] for r in range(sp) if r != victim]
-        loaded = statistics.fmean(rss_mb(p) for p in survivors)
+        loaded = statistics.fmean(status_kib(p, "VmRSS") / 1024 for p in survivors)
         weights = statistics.fmean(weights_mb(server.log_path, r) for r in range(sp) if r != victim)
         streams = Streams(server.grpc_url, blocks=80)
         place_streams(server, streams, sp, victim, owner)

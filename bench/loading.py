@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from backend.launch.procfs import status_kib
 from backend.model.checkpoint import load_pth_umt5, load_pth_vae, load_transformer
 from backend.model.config import read_checkpoint_configs
 from backend.model.dtypes import TORCH_DTYPES
@@ -35,10 +36,7 @@ def peak_rss_bytes() -> int:
 
 
 def current_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return status_kib("self", "VmRSS") * 1024
 
 
 def official_part_path(part: str) -> Path:

@@ -29,6 +29,7 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.model_repository import write_model_repository
+from backend.launch.procfs import status_kib
 from backend.launch.wheel import prepare_backends
 from backend.launch.server import TritonServer
 from backend.api.contract import MODEL_NAME
@@ -101,10 +102,9 @@ def reset_peak_rss(pids: list[int]) -> bool:
 
 def peak_rss_mib(pids: list[int]) -> list[float] | None:
     try:
-        status = [Path(f"/proc/{pid}/status").read_text() for pid in pids]
+        return [status_kib(pid, "VmHWM") / 1024 for pid in pids]
     except OSError:
         return None
-    return [next(int(line.split()[1]) for line in s.splitlines() if line.startswith("VmHWM:")) / 1024 for s in status]
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from backend.api.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
 from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
-from client.stream import StreamError, StreamingSession, build_inputs
+from client.stream import StreamError, StreamingSession, add_server_args, build_inputs
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 EXIT_STREAM_ERROR = 1
@@ -42,8 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                "  python -m client replay ... a recorded world, checked bit for bit (replay --help)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+    add_server_args(p)
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
     p.add_argument("--camera", choices=PRESETS, help="camera preset (default: forward)")

@@ -23,14 +23,13 @@ from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
 from client.recording import Recorder, RecordingError
 from client.steer import SteeredSession
-from client.stream import StreamError
+from client.stream import StreamError, add_server_args
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client play", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+    add_server_args(p)
     p.add_argument("--prompt", required=True, help="text prompt")
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
     p.add_argument("--keys", default="w*6",

@@ -19,7 +19,6 @@ import numpy as np
 
 from backend.api.codec import BlockResponse
 from backend.api.contract import MAX_INPUT_PIXELS, block_video_frames
-from backend.api.errors import InputError
 from backend.api.provenance import parse_settings
 from backend.api.request import SessionRequest, check_poses, check_prompt
 

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.api import contract
 from backend.api.codec import BlockResponse, request_parameters
 from backend.api.provenance import latents_sha256
 from backend.api.request import Controls, SessionRequest
 from client.recording import Recording, RecordingError
 from client.steer import SteeredSession
-from client.stream import StreamError, StreamingSession, request_inputs
+from client.stream import StreamError, StreamingSession, add_server_args, request_inputs
 from client.video import DEFAULT_FPS, Mp4Writer
 
 
@@ -110,8 +109,7 @@ def table(recording: Recording, checks: list[BlockCheck]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client replay", description=__doc__.split("\n\n")[0])
     p.add_argument("recording", help="a recording from `python -m client play --record` or the page")
-    p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+    add_server_args(p)
     p.add_argument("--steps", action="store_true", help="replay step by step as a steered session")
     p.add_argument("--out", help="also decode and write the replayed video here (MP4)")
     p.add_argument("--timeout", type=float, default=600.0,

@@ -5,6 +5,7 @@ last one (a data response, or an empty one) carries `triton_final_response`.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import queue
 import secrets
@@ -42,6 +43,12 @@ class StreamTimeoutError(StreamError, TimeoutError):
 
 class StreamCancelledError(StreamError):
     """StreamingSession.cancel() ended the request before its final response."""
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """--url and --model, the server every client command talks to."""
+    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
+    parser.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
 
 
 def new_sequence_id() -> int:

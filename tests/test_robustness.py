@@ -13,6 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.api import contract
+from backend.launch.procfs import cpu_seconds, status_kib
 from backend.api.request import Controls
 from client.steer import SteeredSession
 from client.stream import StreamError, StreamingSession
@@ -23,17 +24,6 @@ from triton_harness import inputs_with, metrics, running_server, stream, stream_
 pytestmark = pytest.mark.server  # starts real tritonservers
 
 MODEL = contract.MODEL_NAME
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
 
 
 def wait_not_ready(url: str, timeout: float) -> float:
@@ -157,11 +147,11 @@ def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
     request = tiny_request(num_frames=21)
     for _ in range(10):  # warm-up: allocator pools, first-call caches
         stream(sp1_server.grpc_url, request)
-    before = rss_kib(stub)
+    before = status_kib(stub, "VmRSS")
     for i in range(50):
         blocks = stream(sp1_server.grpc_url, tiny_request(num_frames=21, seed=i))
         assert len(blocks) == 2
-    growth_mib = (rss_kib(stub) - before) / 1024
+    growth_mib = (status_kib(stub, "VmRSS") - before) / 1024
     print(f"stub RSS growth over 50 sessions: {growth_mib:.1f} MiB")
     # glibc arenas make RSS step by tens of MiB without a trend (seen: +27, +54, -27 MiB per 20
     # sessions); a leaked session would also leave its cache behind, which the log check catches exactly.

@@ -1,4 +1,4 @@
-"""What Linux's /proc says about the server's processes (no tool needed): their TCP sockets."""
+"""What Linux's /proc says about the server's processes (no tool needed): memory, CPU time, TCP sockets."""
 from __future__ import annotations
 
 import os
@@ -19,6 +19,21 @@ class TcpSocket:
     @property
     def listening(self) -> bool:
         return self.state == LISTEN
+
+
+def status_kib(pid: int | str, field: str) -> int:
+    """A memory figure of /proc/PID/status in KiB: VmRSS (resident now), VmHWM (its peak); pid "self" for this
+    process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def socket_inodes(pid: int) -> set[str]:

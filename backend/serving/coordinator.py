@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 from contextlib import AbstractContextManager
 
 import torch.distributed as dist
@@ -214,7 +215,7 @@ class GroupCoordinator:
     def _close(self, reason: str) -> None:
         """The loop ends: error every local stream, then answer late arrivals directly."""
         self._closed_reason = reason
-        self._take_inbox()
+        drain(self._inbox)  # sessions not shared yet: their owned records get the error below
         for record in self._owned():
             self.decoder.error(record.owner.stream, reason)
         for sid in list(self.sessions):
@@ -227,38 +228,17 @@ class GroupCoordinator:
         self.control.group = self.control_group = None  # and the control group's sockets
 
     def _refuse_inbox(self, reason: str) -> None:
-        while True:
-            try:
-                shared = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for shared in drain(self._inbox):
             with self._lock:
                 record = self.sessions.pop(shared.id, None)
             if record is not None:
                 record.owner.stream.send_error(reason)
 
-    def _take_inbox(self) -> list[SharedSession]:
-        """New sessions this rank received: every rank's scheduler learns them at this boundary."""
-        taken = []
-        while True:
-            try:
-                taken.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return taken
-
-    def _take_steps(self) -> list[StepEvent]:
-        steps = []
-        while True:
-            try:
-                steps.append(self._steps.get_nowait())
-            except queue.Empty:
-                return steps
-
     def _collect(self) -> RankEvents:
         """This rank's news for the boundary: what its clients did, and what its clocks decided."""
         owned = self._owned()
         now = time.monotonic()
-        events = RankEvents(submissions=self._take_inbox(), steps=self._take_steps(), stop=self._stop.is_set())
+        events = RankEvents(submissions=drain(self._inbox), steps=drain(self._steps), stop=self._stop.is_set())
         events.cancelled = [r.id for r in owned if r.owner.stream.is_cancelled()]
         # The owner's clock decides a steered session's limits; the decision travels as news, so every rank's
         # scheduler ends it alike.
@@ -375,3 +355,17 @@ class GroupCoordinator:
                 self.rank, sid, reason, done, held,
                 session.cache_bytes(), sum(r.engine is not None for r in self.sessions.values()),
             )
+
+
+T = TypeVar("T")
+
+
+def drain(items: queue.SimpleQueue[T]) -> list[T]:
+    """What the queue holds now, in order (new sessions or steps this rank received: every rank's scheduler
+    learns them at the next boundary)."""
+    taken = []
+    while True:
+        try:
+            taken.append(items.get_nowait())
+        except queue.Empty:
+            return taken

@@ -11,7 +11,7 @@ import argparse
 
 from aiohttp import web
 
-from backend.api import contract
+from client.stream import add_server_args
 from client.web.app import Access, make_app
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
@@ -27,8 +27,7 @@ def access(args: argparse.Namespace) -> Access:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
-    p.add_argument("--model", default=contract.MODEL_NAME)
+    add_server_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address the page is served on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one block")
