@@ -20,7 +20,7 @@ import numpy as np
 from backend.api.codec import BlockResponse
 from backend.api.contract import MAX_INPUT_PIXELS, block_video_frames
 from backend.api.provenance import parse_settings
-from backend.api.request import SessionRequest, check_poses, check_prompt
+from backend.api.request import SessionRequest, check_pose_count, check_poses, check_prompt
 
 FORMAT = "lingbot-world-recording"
 VERSION = 1
@@ -179,7 +179,8 @@ def _parse(arrays: dict[str, np.ndarray]) -> Recording:
             raise RecordingError(f"{where}.frames is {frames}; block {i} has {want} at block_frames={block_frames}")
         poses = camera[start : start + frames]
         start += frames
-        check_poses(poses, frames, f"camera poses of block {i}")
+        check_pose_count(poses, frames, f"camera poses of block {i}")
+        check_poses(poses, f"camera poses of block {i}")
         sha = _field(entry, "latents_sha256", str, where)
         if not _SHA256.fullmatch(sha):
             raise RecordingError(f"{where}.latents_sha256 is not 64 lowercase hex digits")

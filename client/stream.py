@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from backend.api import contract
 from backend.api.codec import BlockResponse, parse_block, request_arrays
 from backend.api.errors import ResponseError
-from backend.api.request import SessionRequest, check_request
+from backend.api.request import SessionRequest, check_frame_counts, check_request
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
@@ -80,7 +80,7 @@ def build_inputs(
     width: int,
     block_frames: int = contract.BLOCK_FRAMES,
 ) -> list[grpcclient.InferInput]:
-    """Validate one generation request (as the server will: `check_request`) and pack it as Triton inputs
+    """Validate one generation request (as the server will: `check_request`, `check_frame_counts`) and pack it as Triton inputs
     (intrinsics optional); block_frames: the server's latent frames per AR block (3 for the diffusers download,
     4 for the official one). Raises ValueError naming the bad input."""
     first = contract.block_video_frames(block_frames, first=True)
@@ -91,7 +91,8 @@ def build_inputs(
     request = SessionRequest(image=np.asarray(image), prompt=prompt, poses=np.asarray(poses, dtype=np.float32),
                              intrinsics=None if intrinsics is None else np.asarray(intrinsics, dtype=np.float32),
                              num_frames=num_frames, seed=seed, height=height, width=width)
-    check_request(request, block_frames)
+    check_request(request)
+    check_frame_counts(request, block_frames)
     return request_inputs(request)
 
 

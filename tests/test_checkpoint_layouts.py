@@ -126,7 +126,8 @@ def test_the_same_weights_in_both_layouts_load_alike_and_give_bit_identical_late
     latents = []
     for root in both_layouts:
         engine = WorldModelEngine.load(tiny_config(str(root), **settings))
-        session = engine.open_session(tiny_request(num_frames=61, decode=False))  # 4 blocks: the window slides
+        request = tiny_request(num_frames=61, decode=False)  # 4 blocks: the window slides
+        session = engine.open_session(request, engine.geometry_of(request))
         blocks = []
         while not session.done:
             blocks += engine.run_block([session])
@@ -165,13 +166,14 @@ def test_a_global_window_in_the_checkpoint_is_served_as_global_attention(tiny_ch
     engine = WorldModelEngine.load(tiny_config(str(root), window_frames=0, sink_frames=-1))
     assert engine.window_frames == -1 and any("global attention" in line for line in describe_settings(
         checked_spec(engine.config, 1)))
-    session = engine.open_session(tiny_request(num_frames=45, decode=False))  # 4 blocks, 12 latent frames
+    request = tiny_request(num_frames=45, decode=False)  # 4 blocks, 12 latent frames
+    session = engine.open_session(request, engine.geometry_of(request))
     assert session.cache.capacity == 12 * 16
     while not session.done:
         engine.run_block([session])
     assert session.cache.evicted_tokens == 0  # every frame stayed in view
     with pytest.raises(InputError, match=r"window_frames=-1 \(global attention\).*'max_blocks' > 0"):
-        engine.validate(dataclasses.replace(tiny_request(num_frames=9), num_frames=None))  # steered, open-ended
+        engine.geometry_of(dataclasses.replace(tiny_request(num_frames=9), num_frames=None))  # steered, open-ended
 
 
 def setting_metrics(server) -> dict[str, tuple[float, str]]:

@@ -10,7 +10,7 @@ from backend.api import contract as p
 from backend.api.errors import ConfigError, InputError
 from backend.adapter.placement import instance_rank
 from backend.api.codec import block_outputs, parse_request
-from backend.api.request import StepRequest, check_request
+from backend.api.request import StepRequest
 from factories import forward_poses, sample_image
 
 
@@ -87,7 +87,7 @@ def test_sequence_requests_parse_as_starts_and_steps() -> None:
         parse_request({p.ACTION: np.array([b"w"], dtype=object), p.PROMPT: np.array([b"\xff"], dtype=object)}.get,
                       "{}", "7", 0)
     with pytest.raises(InputError, match=r"'on_starve' must be one of|must be a string"):
-        check_request(parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: 3}), "8", start_flag), p.BLOCK_FRAMES)
+        parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: 3}), "8", start_flag)
 
 
 def test_instance_rank_cpu_groups_and_gpus() -> None:
@@ -126,3 +126,34 @@ def test_a_pause_is_a_step_without_a_block(values: dict, flags: int, message: st
     assert isinstance(paused, StepRequest) and paused.pause and paused.controls is None and not paused.end
     with pytest.raises(InputError, match=message):
         parse_request(values.get, json.dumps({p.PARAM_PAUSE: "true"}), "7", flags)
+
+
+@pytest.mark.parametrize("spec", [s for s in p.REQUEST_PARAMETERS if s.choices or s.minimum is not None],
+                         ids=lambda s: s.name)
+def test_every_declared_choice_and_range_is_enforced_at_parse(spec: p.ParameterSpec) -> None:
+    """The contract declares them; parse_request refuses a value outside, naming the parameter."""
+    bad = "no such choice" if spec.choices else spec.minimum - 1
+    with pytest.raises(InputError, match=rf"request parameter '{spec.name}' must be (one of|>=) .*; got"):
+        parse_request(valid_inputs().get, json.dumps({spec.name: bad}))
+    good = spec.choices[-1] if spec.choices else spec.minimum
+    parse_request(valid_inputs().get, json.dumps({spec.name: good}))
+
+
+@pytest.mark.parametrize("spec", [s for s in p.INPUTS if s.minimum is not None], ids=lambda s: s.name)
+def test_every_declared_input_minimum_is_enforced_at_parse(spec: p.TensorSpec) -> None:
+    inputs = valid_inputs() | {spec.name: np.array([spec.minimum - 1], spec.dtype)}
+    with pytest.raises(InputError, match=rf"input '{spec.name}' must be >= {spec.minimum}; got {spec.minimum - 1}"):
+        parse_request(inputs.get, "{}")
+
+
+def test_each_input_is_checked_at_parse_and_its_fit_to_the_server_at_admission() -> None:
+    """A pose that is no rotation is the contract's to refuse; how many poses a request needs is the server's."""
+    poses = forward_poses(9)
+    poses[4, :3, :3] *= 3.0
+    with pytest.raises(InputError, match=r"camera_poses\[4\]: the 3x3 block is not a rotation"):
+        parse_request((valid_inputs() | {p.CAMERA_POSES: poses}).get, "{}")
+    with pytest.raises(InputError, match=r"camera_poses\[4\]: the 3x3 block is not a rotation"):
+        parse_request({p.CAMERA_POSES: poses[:12] if len(poses) >= 12 else np.concatenate([poses, poses[:3]])}.get,
+                      "{}", "7", 0)  # a step's camera too
+    few = parse_request((valid_inputs() | {p.CAMERA_POSES: forward_poses(5)}).get, "{}")
+    assert few.poses.shape == (5, 4, 4)  # parsed: 5 valid poses; admission counts them against num_frames

@@ -64,16 +64,16 @@ def test_streams_complete_in_order(coordinator: GroupCoordinator) -> None:
         coordinator.submit(tiny_request(decode=False, num_frames=21, seed=seed), r)
     wait(responders)
     assert all(r.blocks == [0, 1] and r.error is None for r in responders)
-    assert not coordinator.sessions
+    assert not coordinator.local
 
 
 def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monkeypatch) -> None:
     real_open = coordinator.engine.open_session
 
-    def open_session(request, session_id=None, owner=0):
+    def open_session(request, geometry, session_id=None, owner=0):
         if request.seed == 13:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real_open(request, session_id, owner)
+        return real_open(request, geometry, session_id, owner)
 
     monkeypatch.setattr(coordinator.engine, "open_session", open_session)
     bad, good = RecordingResponder(), RecordingResponder()
@@ -99,7 +99,7 @@ def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoor
     wait([broken])
     assert broken.blocks == [0] and "could not turn this block into video frames" in broken.error
     assert "decoder broke" not in broken.error
-    wait_until(lambda: not coordinator.sessions, 30, "the broken session to free its slot")
+    wait_until(lambda: not coordinator.local, 30, "the broken session to free its slot")
     others = [RecordingResponder() for _ in range(2)]  # both slots are free again
     for seed, r in enumerate(others):
         coordinator.submit(tiny_request(decode=False, num_frames=9, seed=seed), r)
@@ -114,7 +114,7 @@ def test_cancelled_stream_is_dropped(coordinator: GroupCoordinator) -> None:
     responder.cancelled = True
     wait([responder])
     assert len(responder.blocks) < 11 and responder.error is None
-    assert not coordinator.sessions
+    assert not coordinator.local
 
 
 def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_cpu(engine: WorldModelEngine,
@@ -187,7 +187,7 @@ def test_waiting_steered_session_sleeps_until_its_step_or_its_idle_limit(counted
     assert first.blocks == [0] and second.blocks == [1]
     waiting_since, late = exchanges[0], RecordingResponder()
     # No step for session_idle_timeout_s: the loop wakes at that deadline, not before, and ends the session.
-    wait_until(lambda: not any(r.engine for r in group.sessions.values()), 30, "the idle session to expire")
+    wait_until(lambda: not any(r.engine for r in group.local.values()), 30, "the idle session to expire")
     assert exchanges[0] - waiting_since <= 4, "the idle loop went round without news"
     group.submit(StepRequest("7", Controls(keys="d")), late)
     assert "session_idle_timeout_s=2 s" in late.error
@@ -209,11 +209,11 @@ def test_cancellation_wakes_an_idle_loop(counted) -> None:
     group, exchanges = counted  # the heartbeat is 300 s away: only the doorbell wakes the loop
     client = SlowClient()
     group.submit(tiny_request(decode=False, num_frames=129), client)
-    lagging = lambda: [r.shared for r in group.sessions.values() if r.shared.computed >= 2]  # noqa: E731
+    lagging = lambda: [s for s in list(group.scheduler.table.values()) if s.computed >= 2]  # noqa: E731
     wait_until(lagging, 60, "the session to run max_blocks_ahead blocks ahead of its client")
     idle_since = exchanges[0]
     client.cancelled = True
-    wait_until(lambda: not group.sessions, 5, "the cancelled session to end")
+    wait_until(lambda: not group.local, 5, "the cancelled session to end")
     client.release.set()
     assert exchanges[0] - idle_since <= 3, "the idle loop went round without news"
 
@@ -272,8 +272,8 @@ def test_a_pause_stops_the_idle_clock_and_is_answered_before_the_next_request(en
     wait([step])
     assert answers == ["start: block 0", "pause 1: closed", "pause 2: closed", "step: block 1"]
     assert one.error is None and two.error is None and not one.blocks and not two.blocks
-    (record,) = group.sessions.values()
-    assert record.shared.requests == 2 and record.shared.computed == 2  # the pauses asked for no block
+    (shared,) = group.scheduler.table.values()
+    assert shared.requests == 2 and shared.computed == 2  # the pauses asked for no block
     # Every request answered, no pause: the idle clock runs again and ends the session.
     wait_until(lambda: reasons, 10, "the session to expire")
     assert reasons == ["expired"]
@@ -287,7 +287,7 @@ def test_a_cancelled_pause_ends_its_session_as_cancelled(ended) -> None:
     send(group, pause(), paused)
     paused.cancelled = True  # the client's stream closed
     wait_until(lambda: reasons, 5, "the session to end")
-    assert reasons == ["cancelled"] and not any(r.engine for r in group.sessions.values())
+    assert reasons == ["cancelled"] and not any(r.engine for r in group.local.values())
 
 
 def test_pauses_without_a_running_session_get_errors_naming_the_pause(ended) -> None:
@@ -300,7 +300,8 @@ def test_pauses_without_a_running_session_get_errors_naming_the_pause(ended) -> 
     wait([first])
     send(group, StepRequest("7", None, end=True), closing)
     send(group, pause(), late)
-    assert late.error == "request parameter 'pause': session 7 was ended by its end flag; start a new one"
+    assert late.error == ("request parameter 'pause': no running session 7: it was ended by its end flag; start a "
+                          "new one")
     wait([closing])
     assert first.blocks == [0] and closing.error is None and reasons == ["ended by its client"]
 

@@ -62,7 +62,7 @@ def test_batched_sessions_match_sessions_run_alone(engine: WorldModelEngine) -> 
     lengths = (33, 21)  # clips of different lengths share forwards while both have blocks left
     requests = [tiny_request(num_frames=n, seed=s) for s, n in enumerate(lengths)]
     alone = [latents_of(engine, num_frames=n, seed=s) for s, n in enumerate(lengths)]
-    sessions = [engine.open_session(r) for r in requests]
+    sessions = [engine.open_session(r, engine.geometry_of(r)) for r in requests]
     batched: dict[str, list[np.ndarray]] = {s.id: [] for s in sessions}
     while running := [s for s in sessions if not s.done]:
         for out in engine.run_block(running):
@@ -80,7 +80,8 @@ def test_resized_image_and_no_decode(engine: WorldModelEngine) -> None:
 
 
 def test_close_session_frees_caches(engine: WorldModelEngine) -> None:
-    session = engine.open_session(tiny_request(num_frames=9))
+    request = tiny_request(num_frames=9)
+    session = engine.open_session(request, engine.geometry_of(request))
     assert session.cache_bytes() > 0
     engine.close_session(session)
     assert session.cache_bytes() == 0

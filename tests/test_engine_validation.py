@@ -1,6 +1,7 @@
 """Start-up validation fails with a clear message before any weight is read; request validation too."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from backend.engine.validation import checked_spec
 from backend.model.kv_cache import SelfAttentionCache
 from backend.api.errors import ConfigError, InputError
 from backend.parallel.sequence import SequenceParallel
+from backend.api.codec import parse_request, request_arrays, request_parameters
+from backend.api.contract import CAMERA_POSES, IMAGE
+from backend.serving.admission import admit
 from backend.serving.config import ServingConfig
 from factories import forward_poses, tiny_config, tiny_request
 
@@ -116,9 +120,9 @@ def bad_poses(kind: str) -> np.ndarray:
         ({"height": 1 << 20}, r"width x height = 64 x 1048576 = 67108864 pixels is more than max_pixels=1638400"),
         ({"prompt": "   "}, r"prompt is empty"),
         ({"image": np.zeros((64, 64), np.uint8)}, r"image must be UINT8 \[H, W, 3\]"),
-        ({"image": np.zeros((64, 64, 3), np.float32)}, r"image must be UINT8"),
+        ({"image": np.zeros((64, 64, 3), np.float32)}, r"input 'image' must be uint8; got float32"),
         ({"poses": forward_poses(5)}, r"camera_poses must be FP32 \[9, 4, 4\]; got float32 \[5, 4, 4\]"),
-        ({"poses": forward_poses(9).astype(np.float64)}, r"camera_poses must be FP32"),
+        ({"poses": forward_poses(9).astype(np.float64)}, r"input 'camera_poses' must be float32; got float64"),
         ({"poses": bad_poses("nan")}, r"NaN or Inf"),
         ({"poses": bad_poses("inf")}, r"NaN or Inf"),
         ({"poses": bad_poses("not_rotation")}, r"camera_poses\[2\]: the 3x3 block is not a rotation"),
@@ -128,12 +132,14 @@ def bad_poses(kind: str) -> np.ndarray:
     ],
 )
 def test_request_errors(engine: WorldModelEngine, overrides: dict, message: str) -> None:
+    """Through the one path a served request takes: its inputs parsed as they arrive (their dtypes as sent),
+    then the owner's admission step."""
     request = tiny_request(num_frames=9, **{k: v for k, v in overrides.items() if k != "num_frames"})
     if "num_frames" in overrides:
         request.num_frames = overrides["num_frames"]
+    arrays = request_arrays(request) | {IMAGE: request.image, CAMERA_POSES: request.poses}
     with pytest.raises(InputError, match=message):
-        ServingConfig().check_limits(request)  # the serving layer's limits first, as the group loop does
-        engine.validate(request)
+        admit(parse_request(arrays.get, json.dumps(request_parameters(request))), ServingConfig(), engine, "s", 0)
 
 
 def reference_visible_frames(window: int, sink: int, block: int, blocks: int, forwards: int) -> list[list[float]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend.api.codec import BlockResponse, BlockUsed
+from backend.api.codec import parse_request, request_arrays, BlockResponse, BlockUsed
 from backend.api.errors import InputError
 from backend.api.provenance import RESULT_SETTINGS, latents_sha256, parse_settings
 from backend.api.request import Controls
@@ -31,8 +31,7 @@ def test_a_steered_session_replays_as_a_whole_trajectory_with_the_running_scale(
     is not the first block's: only pose_scale=running gives the steered latents back, bit for bit."""
     steps = [Controls(keys="w"), None, Controls(keys="wa"), Controls(keys="d")]  # None: a held block
     with engine.session(steered_request("w")) as session:
-        steered = [engine.run_block([session], {session.id: BlockControls(c, last=i == len(steps) - 1)})[0]
-                   for i, c in enumerate(steps)]
+        steered = [engine.run_block([session], {session.id: BlockControls(c)})[0] for c in steps]
     assert steered[1].held and steered[1].camera.dtype == np.float32
     assert [len(o.camera) for o in steered] == [9, 12, 12, 12]
     poses = np.concatenate([o.camera for o in steered])
@@ -49,16 +48,16 @@ def test_expect_settings_are_checked_before_any_work(engine) -> None:
     ours = parse_settings(engine.settings_used, "settings_used")
     assert list(ours) == list(RESULT_SETTINGS)
     request = tiny_request(num_frames=9, expect_settings=engine.settings_used)
-    engine.validate(request)  # its own settings pass
+    engine.geometry_of(request)  # its own settings pass
     other = engine.settings_used.replace(f"timestep_shift={ours['timestep_shift']}", "timestep_shift=10.0")
     with pytest.raises(InputError, match=rf"timestep_shift: expected 10.0, this server {ours['timestep_shift']}"):
-        engine.validate(dataclasses.replace(request, expect_settings=other))
+        engine.geometry_of(dataclasses.replace(request, expect_settings=other))
     for bad, why in (("block_frames=3", "lacks"), ("nonsense", "not key=value"), ("tp_degree=2;" + SETTINGS, "unknown"),
                      ("x" * 600, "longer than")):
         with pytest.raises(InputError, match=why):
-            engine.validate(dataclasses.replace(request, expect_settings=bad))
+            engine.geometry_of(dataclasses.replace(request, expect_settings=bad))
     with pytest.raises(InputError, match="pose_scale"):
-        engine.validate(dataclasses.replace(request, pose_scale="largest"))
+        parse_request(request_arrays(request).get, json.dumps({"pose_scale": "largest"}))
 
 
 def block(index: int, prompt: str, frames: int, held: bool = False, settings: str | None = None) -> BlockResponse:

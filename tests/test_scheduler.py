@@ -11,20 +11,29 @@ import torch
 from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
 from backend.serving.config import ServingConfig
+from backend.engine.geometry import VideoGeometry
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
-from backend.serving.sessions import OwnerPart, SharedSession, State
+from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
+CANCELLED, ENDED, EXPIRED, FINISHED, REJECTED = (EndReason.CANCELLED, EndReason.ENDED, EndReason.EXPIRED,
+                                                 EndReason.FINISHED, EndReason.REJECTED)
 
-def sub(sid: str, size: int = 64) -> SharedSession:
-    return SharedSession.submitted(sid, tiny_request(num_frames=9), (size, size), owner=0)
+
+def geometry(size: int = 64, blocks: int = 1) -> VideoGeometry:
+    """What admission resolves (the tiny model's sizes; only block_shape and num_blocks matter here)."""
+    return VideoGeometry(size, size, size // 8, size // 8, size // 16, size // 16, 3, 3 * blocks, 1)
 
 
-def steered(sid: str, on_starve: str = "wait") -> SharedSession:
+def sub(sid: str, size: int = 64, blocks: int = 100) -> SharedSession:
+    return SharedSession.submitted(sid, tiny_request(num_frames=9), geometry(size, blocks), owner=0)
+
+
+def steered(sid: str, on_starve: str = "wait", max_blocks: int = 0) -> SharedSession:
     request = dataclasses.replace(tiny_request(num_frames=9), num_frames=None, poses=None, keys="w",
-                                  on_starve=on_starve, session_key=sid)
-    return SharedSession.submitted(sid, request, (64, 64), owner=0)
+                                  on_starve=on_starve, session_key=sid, max_blocks=max_blocks)
+    return SharedSession.submitted(sid, request, geometry(), owner=0)
 
 
 def step(sid: str, keys: str | None = "d", end: bool = False) -> RankEvents:
@@ -44,12 +53,12 @@ def test_admission_limits_and_queue_rejection() -> None:
     s = Scheduler(ServingConfig(max_sessions=2, max_queue=1))
     plan = s.plan([RankEvents(submissions=[sub("a"), sub("b")]), RankEvents(submissions=[sub("c"), sub("d")])])
     assert [o.id for o in plan.opens] == ["a", "b"]
-    assert [sid for sid, _ in plan.rejects] == ["d"]  # "c" waits: one queue slot
-    assert "server busy" in plan.rejects[0][1] and "max_queue=1" in plan.rejects[0][1]
+    assert plan.ended_by(REJECTED) == ["d"]  # "c" waits: one queue slot
+    (_, rejected), = plan.ended
+    assert "server busy" in rejected.error and "max_queue=1" in rejected.error
     assert not plan.batch  # sessions run from the round after they open
     assert s.table["c"].state is State.PENDING and s.table["a"].state is State.ACTIVE
-    s.finished("a")
-    assert [o.id for o in s.plan([deliver_all(s)]).opens] == ["c"]
+    assert [o.id for o in s.plan([RankEvents(cancelled=["a"])]).opens] == ["c"]
 
 
 def test_round_robin_batches_one_geometry_and_rotates() -> None:
@@ -74,8 +83,9 @@ def test_cancels_of_running_waiting_and_new_sessions() -> None:
     s.plan([RankEvents(submissions=[sub("a"), sub("b")])])
     a = s.table["a"]
     plan = s.plan([RankEvents(submissions=[sub("c")], cancelled=["a", "b", "c"])])
-    assert sorted(plan.cancels) == ["a", "b", "c"]
-    assert not plan.batch and not plan.opens and not s.table and a.state is State.DONE
+    assert sorted(plan.ended_by(CANCELLED)) == ["a", "b", "c"]
+    assert not plan.batch and not plan.opens and not s.table
+    assert a.state is State.DONE and a.ending == Ending(CANCELLED)
 
 
 def test_stop_from_any_rank_stops_all() -> None:
@@ -87,7 +97,7 @@ def test_steered_session_runs_a_block_per_camera_and_waits_for_the_next() -> Non
     s = Scheduler(ServingConfig(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a")])])
     first = s.plan([RankEvents()])
-    assert first.batch == ["a"] and keys_of(first, "a") == "w" and not first.controls["a"].last
+    assert first.batch == ["a"] and keys_of(first, "a") == "w" and not first.finishing
     assert s.plan([RankEvents()]).idle  # on_starve=wait: no camera, no block
     nxt = s.plan([step("a", "d")])
     assert nxt.batch == ["a"] and keys_of(nxt, "a") == "d"
@@ -115,9 +125,10 @@ def test_end_flag_with_a_camera_makes_that_block_the_last() -> None:
     s = Scheduler(ServingConfig(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a", on_starve="hold")])])
     s.plan([RankEvents()])
+    a = s.table["a"]
     ending = s.plan([step("a", "d", end=True)])
-    assert ending.batch == ["a"] and ending.controls["a"].last and s.table["a"].state is State.ENDING
-    assert s.plan([RankEvents()]).idle  # an ending session never holds
+    assert ending.batch == ending.finishing == ["a"] and a.state is State.DONE and a.ending == Ending(FINISHED)
+    assert s.plan([RankEvents()]).idle and not s.table  # its slot is free once its last block is planned
 
 
 def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
@@ -126,17 +137,29 @@ def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
     a = s.table["a"]
     s.plan([RankEvents()])  # a runs its first block; b waits for a slot
     plan = s.plan([step("a", None, end=True)])
-    assert plan.ends == ["a"] and a.state is State.DONE and [o.id for o in plan.opens] == ["b"]
+    assert plan.ended_by(ENDED) == ["a"] and a.ending.why == "it ended by its client"
+    assert a.state is State.DONE and [o.id for o in plan.opens] == ["b"]
 
 
 def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None:
     s = Scheduler(ServingConfig(max_sessions=1, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[sub("a"), steered("b")])])
     s.plan([step("b", "d", end=True)])  # b still waits for a slot, with two cameras and the end flag
-    s.finished("a")
-    assert [o.id for o in s.plan([RankEvents()]).opens] == ["b"]
-    assert [(keys_of(p, "b"), p.controls["b"].last) for p in (s.plan([RankEvents()]), s.plan([RankEvents()]))] \
-        == [("w", False), ("d", True)]
+    assert s.table["b"].state is State.ENDING
+    assert [o.id for o in s.plan([RankEvents(cancelled=["a"])]).opens] == ["b"]
+    assert [(keys_of(p, "b"), p.finishing) for p in (s.plan([RankEvents()]), s.plan([RankEvents()]))] \
+        == [("w", []), ("d", ["b"])]
+
+
+def test_a_set_length_ends_with_its_last_block_and_failures_end_before_any_block() -> None:
+    s = Scheduler(ServingConfig(max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[sub("clip", blocks=2), steered("bounded", max_blocks=1), sub("broken")])])
+    failed = Ending(REJECTED, "could not open")
+    first = s.plan([RankEvents(), RankEvents(failed=[("broken", failed), ("unknown", failed)])])
+    assert first.ended == [("broken", failed)] and first.batch == ["clip", "bounded"]
+    assert first.finishing == ["bounded"]  # max_blocks=1
+    second = s.plan([deliver_all(s)])
+    assert second.batch == second.finishing == ["clip"] and not s.table
 
 
 class Answered:
@@ -173,10 +196,10 @@ def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
     answered = stream.waits_on_client_since()
     assert answered is not None and owner.deadline(settings) == answered + 60.0
     assert "session_idle_timeout_s=60 s" in owner.expiry(settings, answered + 60.0)
-    stream.add(Answered(), end=False)  # a step waits for its block (behind a long one, say): no idle clock
+    stream.add(Answered())  # a step waits for its block (behind a long one, say): no idle clock
     assert owner.expiry(settings, answered + 90.0) is None
     assert "max_session_s=100 s" in owner.expiry(settings, owner.started_s + 100.0)
     s = Scheduler(settings)
     s.plan([RankEvents(submissions=[steered("a")])])
     plan = s.plan([RankEvents(expired=[("a", "why"), ("gone", "why")])])
-    assert plan.expired == [("a", "why")] and not plan.batch and not s.table
+    assert plan.ended == [("a", Ending(EXPIRED, "why"))] and not plan.batch and not s.table

@@ -10,7 +10,7 @@ import numpy as np
 from . import contract as c
 from .controls import NO_KEYS, parse_keys
 from .errors import InputError, ResponseError
-from .request import Controls, SessionRequest, StepRequest
+from .request import Controls, SessionRequest, StepRequest, check_request
 
 
 def _keys_array(keys: str) -> np.ndarray:
@@ -64,7 +64,10 @@ def request_parameters(request: SessionRequest) -> dict[str, bool | int | str]:
 def _scalar(value: np.ndarray, name: str) -> int:
     if value.size != 1:
         raise InputError(f"input '{name}' must hold exactly one value; got shape {list(value.shape)}")
-    return int(value.reshape(-1)[0])
+    number = int(value.reshape(-1)[0])
+    if (least := c.INPUT_SPECS[name].minimum) is not None and number < least:
+        raise InputError(f"input '{name}' must be >= {least}; got {number}")
+    return number
 
 
 def _text(value: np.ndarray, name: str) -> str:
@@ -94,6 +97,10 @@ def _parameter(params: dict, spec: c.ParameterSpec) -> bool | int | str:
             raise InputError(f"request parameter '{spec.name}' must be an integer; got {value!r}")
     elif not isinstance(value, str):
         raise InputError(f"request parameter '{spec.name}' must be a string; got {value!r}")
+    if spec.choices and value not in spec.choices:
+        raise InputError(f"request parameter '{spec.name}' must be one of {list(spec.choices)}; got {value!r}")
+    if spec.minimum is not None and value < spec.minimum:
+        raise InputError(f"request parameter '{spec.name}' must be >= {spec.minimum}; got {value}")
     return value
 
 
@@ -129,7 +136,9 @@ def parse_request(
     get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_key: str = "", flags: int = 0
 ) -> SessionRequest | StepRequest:
     """A whole trajectory, a steered session's first request, or a step, from named input arrays (None when
-    absent), the request's parameters and its Triton sequence (correlation id and start/end flags).
+    absent), the request's parameters and its Triton sequence (correlation id and start/end flags), each input
+    checked against the contract (dtype, shape, choices, range, value). How the request fits this server (its
+    limits, geometry and frame counts) is the owning rank's admission step to check (serving/admission).
 
     A request with `num_frames` is a whole trajectory. Without it, a request that starts a sequence starts a
     steered session; any other request of a sequence is a step of that session.
@@ -162,6 +171,8 @@ def parse_request(
                 raise InputError(f"input '{c.PROMPT}' on a step rides on its block: send it with "
                                  f"'{c.CAMERA_POSES}' or '{c.ACTION}'")
             controls.prompt = _text(values[c.PROMPT], c.PROMPT)
+        if controls is not None:
+            controls.check()
         step = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
                 if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED)}
         return StepRequest(sequence_key, controls, end, step[c.PARAM_RETURN_LATENTS], step[c.PARAM_RETURN_USED])
@@ -177,7 +188,7 @@ def parse_request(
     controls = None if whole else _controls(values)
     if controls is None and not whole:
         raise InputError(f"a steered session's first request needs '{c.CAMERA_POSES}' (9 frames) or '{c.ACTION}'")
-    return SessionRequest(
+    request = SessionRequest(
         image=values[c.IMAGE],
         prompt=_text(values[c.PROMPT], c.PROMPT),
         poses=values[c.CAMERA_POSES] if whole else controls.poses,
@@ -196,6 +207,8 @@ def parse_request(
         expect_settings=settings[c.PARAM_EXPECT_SETTINGS],
         pose_scale=settings[c.PARAM_POSE_SCALE],
     )
+    check_request(request)
+    return request
 
 
 def block_outputs(

@@ -29,14 +29,16 @@ class TensorSpec:
     dims: tuple[int, ...]  # -1: any size
     doc: str
     optional: bool = False
+    minimum: int | None = None  # a one-value integer input's smallest value
 
     @property
     def triton_dtype(self) -> str:
         return TRITON_DTYPES[self.dtype]
 
 
-def _spec(name: str, dtype: type, dims: tuple[int, ...], doc: str, optional: bool = False) -> TensorSpec:
-    return TensorSpec(name, np.dtype(dtype), dims, doc, optional)
+def _spec(name: str, dtype: type, dims: tuple[int, ...], doc: str, optional: bool = False,
+          minimum: int | None = None) -> TensorSpec:
+    return TensorSpec(name, np.dtype(dtype), dims, doc, optional, minimum)
 
 
 IMAGE = "image"
@@ -72,10 +74,10 @@ INPUTS: tuple[TensorSpec, ...] = (
     _spec(ACTION, np.object_, (1,), "keys held during a steered block, e.g. \"wa\" (see backend/api/controls.py)",
           optional=True),
     _spec(NUM_FRAMES, np.int32, (1,), "video frames of a whole trajectory: 1 + 4k, a whole number of AR blocks",
-          optional=True),
+          optional=True, minimum=1),
     _spec(SEED, np.int64, (1,), "noise seed", optional=True),
-    _spec(HEIGHT, np.int32, (1,), "output height in pixels", optional=True),
-    _spec(WIDTH, np.int32, (1,), "output width in pixels", optional=True),
+    _spec(HEIGHT, np.int32, (1,), "output height in pixels", optional=True, minimum=1),
+    _spec(WIDTH, np.int32, (1,), "output width in pixels", optional=True, minimum=1),
 )
 
 BLOCK_INDEX = "block_index"
@@ -119,6 +121,8 @@ class ParameterSpec:
     name: str
     default: bool | int | str
     doc: str
+    choices: tuple[str, ...] = ()  # a string parameter's allowed values (empty: any)
+    minimum: int | None = None  # an integer parameter's smallest value
 
 
 PARAM_DECODE = "decode"
@@ -136,15 +140,17 @@ POSE_SCALES = ("clip", "running")  # a whole trajectory's translation scale: the
 REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_DECODE, True, "decode the block's frames with the VAE"),
     ParameterSpec(PARAM_RETURN_LATENTS, True, "send the latents tensor"),
-    ParameterSpec(PARAM_ON_STARVE, ON_STARVE[0], "steered: when the next step is late, 'wait' for it or 'hold' the last motion"),
-    ParameterSpec(PARAM_MAX_BLOCKS, 0, "steered: end the session after this many blocks (0: when the client ends it)"),
+    ParameterSpec(PARAM_ON_STARVE, ON_STARVE[0], "steered: when the next step is late, 'wait' for it or 'hold' the "
+                  "last motion", choices=ON_STARVE),
+    ParameterSpec(PARAM_MAX_BLOCKS, 0, "steered: end the session after this many blocks (0: when the client ends it)",
+                  minimum=0),
     ParameterSpec(PARAM_RETURN_USED, False, "send what each block was made from: camera_used, prompt_used, "
                   "latents_sha256 (and settings_used on the first block)"),
     ParameterSpec(PARAM_EXPECT_SETTINGS, "", "refuse the request unless this server's settings_used equal these "
                   "key=value pairs (a replay's check; empty: no check)"),
     ParameterSpec(PARAM_POSE_SCALE, POSE_SCALES[0], "whole trajectory: divide camera translations by the clip's "
                   "largest ('clip', as the reference) or by the largest so far ('running', as a steered session "
-                  "does: a steered recording replays bit for bit)"),
+                  "does: a steered recording replays bit for bit)", choices=POSE_SCALES),
     ParameterSpec(PARAM_PAUSE, False, "steered: a pause, a step without a camera that keeps the session open while "
                   "the client sends nothing: held without a block until the sequence's next request (then answered "
                   "empty, first) or the session's end; the idle limit does not run meanwhile, and a client that "

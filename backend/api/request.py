@@ -25,8 +25,6 @@ def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float
     return np.tile(row, (num_frames, 1))
 
 
-
-
 @dataclass
 class Controls:
     """One block's camera: its new video frames' poses, or the keys held during it (see `controls`)."""
@@ -35,13 +33,19 @@ class Controls:
     keys: str | None = None  # normalised held keys ("" holds none)
     prompt: str | None = None  # a step's world event: the session's prompt from this block on
 
-    def check(self, frames: int) -> None:
+    def check(self) -> None:
+        """Each input on its own (at parse); the frame count is the server's to check (`check_frames`)."""
         if (self.poses is None) == (self.keys is None):
             raise InputError("a step needs exactly one of camera_poses (the block's new frames) or action (held keys)")
         if self.poses is not None:
-            check_poses(self.poses, frames)
+            check_poses(self.poses)
         if self.prompt is not None:
             check_prompt(self.prompt)
+
+    def check_frames(self, frames: int) -> None:
+        """The block's poses against the video frames the server's block has (at admission)."""
+        if self.poses is not None:
+            check_pose_count(self.poses, frames)
 
 
 @dataclass
@@ -99,9 +103,10 @@ def check_prompt(prompt: str) -> None:
         raise InputError(f"{PROMPT} is {size} bytes of UTF-8; at most {MAX_PROMPT_BYTES}")
 
 
-def check_poses(poses: np.ndarray, frames: int, name: str = "camera_poses") -> None:
-    if poses.dtype != np.float32 or poses.shape != (frames, 4, 4):
-        raise InputError(f"{name} must be FP32 [{frames}, 4, 4]; got {poses.dtype} {list(poses.shape)}")
+def check_poses(poses: np.ndarray, name: str = "camera_poses") -> None:
+    """FP32 [n, 4, 4] rigid camera-to-world poses, n >= 1 (how many is the request's to say: `check_pose_count`)."""
+    if poses.dtype != np.float32 or poses.ndim != 3 or poses.shape[1:] != (4, 4) or len(poses) < 1:
+        raise InputError(f"{name} must be FP32 [n, 4, 4]; got {poses.dtype} {list(poses.shape)}")
     if not np.isfinite(poses).all():
         raise InputError(f"{name} holds NaN or Inf")
     if not np.allclose(poses[:, 3], [0.0, 0.0, 0.0, 1.0], atol=1e-4):
@@ -113,24 +118,24 @@ def check_poses(poses: np.ndarray, frames: int, name: str = "camera_poses") -> N
         raise InputError(f"{name}[{worst}]: the 3x3 block is not a rotation (orthonormal, det +1)")
 
 
-def check_request(request: SessionRequest, block_frames: int) -> None:
-    """Checks of the inputs' types, shapes and values (the engine checks sizes first). Raises InputError."""
+def check_pose_count(poses: np.ndarray, frames: int, name: str = "camera_poses") -> None:
+    if len(poses) != frames:
+        raise InputError(f"{name} must be FP32 [{frames}, 4, 4]; got {poses.dtype} {list(poses.shape)}")
+
+
+def check_request(request: SessionRequest) -> None:
+    """Each input of a session's first request on its own: types, shapes and values, as the contract declares
+    them (parse_request runs it; how they fit the server is admission's: `check_frame_counts`). Raises InputError."""
     image = request.image
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
         raise InputError(f"image must be UINT8 [H, W, 3]; got {image.dtype} {list(image.shape)}")
     check_prompt(request.prompt)
     if request.steered:
-        if request.on_starve not in ON_STARVE:
-            raise InputError(f"request parameter 'on_starve' must be one of {list(ON_STARVE)}; got {request.on_starve!r}")
-        if request.max_blocks < 0:
-            raise InputError(f"request parameter 'max_blocks' must be >= 0; got {request.max_blocks}")
-        request.first_controls.check(block_video_frames(block_frames, first=True))
+        request.first_controls.check()
+    elif request.poses is None:
+        raise InputError("a whole-trajectory request (num_frames set) needs camera_poses for every frame")
     else:
-        if request.poses is None:
-            raise InputError("a whole-trajectory request (num_frames set) needs camera_poses for every frame")
-        check_poses(request.poses, request.num_frames)
-    if request.pose_scale not in POSE_SCALES:
-        raise InputError(f"request parameter 'pose_scale' must be one of {list(POSE_SCALES)}; got {request.pose_scale!r}")
+        check_poses(request.poses)
     if request.expect_settings:
         parse_settings(request.expect_settings)
     if request.intrinsics is not None:
@@ -139,3 +144,11 @@ def check_request(request: SessionRequest, block_frames: int) -> None:
             raise InputError(f"camera_intrinsics must be FP32 [n, 4]; got {k.dtype} {list(k.shape)}")
         if not np.isfinite(k).all() or (k[:, :2] <= 0).any():
             raise InputError("camera_intrinsics must be finite with fx, fy > 0")
+
+
+def check_frame_counts(request: SessionRequest, block_frames: int) -> None:
+    """The request's poses against its frames: every frame of a whole trajectory, or the server's first block."""
+    if request.steered:
+        request.first_controls.check_frames(block_video_frames(block_frames, first=True))
+    else:
+        check_pose_count(request.poses, request.num_frames)

@@ -20,7 +20,6 @@ class BlockOutput:
     all_reduce_bytes: int = 0  # this rank's TP all-reduce payload during them (parallel/tensor)
     all_gather_bytes: int = 0  # this rank's TP all-gather payload during them
     held: bool = False  # a steered block run on its last motion because its step came late
-    last: bool = False  # the session's last block
     camera: np.ndarray | None = None  # float32 [n, 4, 4]: the camera-to-world poses of its new video frames, as run
     prompt: str = ""  # the prompt in force
 
@@ -30,4 +29,3 @@ class BlockControls:
     """A steered session's camera for one block, as the group agreed on it."""
 
     controls: Controls | None  # None: repeat the last block's motion (held)
-    last: bool = False  # the session ends after this block

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..api.errors import InputError
 from ..api.provenance import RESULT_SETTINGS, format_settings, parse_settings, setting_differences
-from ..api.request import SessionRequest, check_prompt, check_request
+from ..api.request import SessionRequest, check_frame_counts, check_prompt, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
 from ..model.condition import StreamingConditionEncoder, condition_mask, prepare_image
@@ -95,10 +95,11 @@ class WorldModelEngine:
 
     # -- sessions ---------------------------------------------------------------------------------
 
-    def validate(self, request: SessionRequest) -> VideoGeometry:
-        """The request's geometry and input checks; raises InputError naming the bad input. No model work.
-
-        Serving limits (max_frames, max_pixels) are the serving layer's to check, before this.
+    def geometry_of(self, request: SessionRequest) -> VideoGeometry:
+        """How a request whose inputs are checked (api/request.check_request) fits this engine: its settings
+        (expect_settings), its size and clip length, its frame counts and its cache bound; raises InputError
+        naming the input. No model work. The serving layer's admission step calls it once, on the owning rank;
+        every rank opens the session with its result.
         """
         # First: a replay made on other settings would otherwise fail on what they imply (its frame counts).
         if request.expect_settings and (differ := setting_differences(
@@ -108,7 +109,7 @@ class WorldModelEngine:
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
-        check_request(request, geometry.block_frames)
+        check_frame_counts(request, geometry.block_frames)
         if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
             raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
                              "needs request parameter 'max_blocks' > 0 to bound its cache")
@@ -128,9 +129,10 @@ class WorldModelEngine:
         return self.window_frames if request.steered else min(self.window_frames, frames)
 
     @torch.no_grad()
-    def open_session(self, request: SessionRequest, session_id: str | None = None, owner: int = 0) -> Session:
-        """owner: the rank that answers the request (its decoded frames come back there)."""
-        geometry = self.validate(request)
+    def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
+                     owner: int = 0) -> Session:
+        """A session of an admitted request (`geometry`: its `geometry_of`, checked once); owner: the rank that
+        answers the request (its decoded frames come back there)."""
         tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
         mesh = self.mesh
@@ -239,7 +241,6 @@ class WorldModelEngine:
         for i, (s, step) in enumerate(zip(sessions, steps)):
             s.cache.commit()
             s.block_index += 1
-            s.ended = s.ended or step.last
             outputs.append(
                 BlockOutput(
                     session_id=s.id,
@@ -251,7 +252,6 @@ class WorldModelEngine:
                     all_reduce_bytes=self.mesh.tp.stats.all_reduce_bytes,
                     all_gather_bytes=self.mesh.tp.stats.all_gather_bytes,
                     held=s.steered and step.controls is None,
-                    last=s.done,
                     camera=np.ascontiguousarray(video_poses[i], dtype=np.float32),
                     prompt=s.prompt,
                 )
@@ -277,8 +277,9 @@ class WorldModelEngine:
 
     @contextlib.contextmanager
     def session(self, request: SessionRequest, session_id: str | None = None) -> Iterator[Session]:
-        """A session for one caller, closed (caches freed) on exit."""
-        session = self.open_session(request, session_id)
+        """A session for one caller (its request checked here), closed (caches freed) on exit."""
+        check_request(request)
+        session = self.open_session(request, self.geometry_of(request), session_id)
         try:
             yield session
         finally:

@@ -30,7 +30,6 @@ class Session:
     split_decode: bool  # every rank decodes a band of its blocks' rows (else its owner decodes them alone)
     owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
     block_index: int = 0
-    ended: bool = False  # a steered session's last block has run
 
     @property
     def steered(self) -> bool:
@@ -43,7 +42,9 @@ class Session:
 
     @property
     def done(self) -> bool:
-        return self.ended or (self.num_blocks > 0 and self.block_index >= self.num_blocks)
+        """Its set length has run (a direct caller's loop ends here; the serving layer's scheduler decides when
+        a served session ends)."""
+        return 0 < self.num_blocks <= self.block_index
 
     def cache_bytes(self) -> int:
         return self.cache.nbytes() + self.text.nbytes()

@@ -5,8 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..api.contract import MAX_INPUT_PIXELS
-from ..api.errors import ConfigError, InputError
-from ..api.request import SessionRequest
+from ..api.errors import ConfigError
 from ..api.settings import from_parameters, parameter_fields
 from ..engine.config import EngineConfig
 
@@ -35,21 +34,6 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.host_rank < self.host_count:
             raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
-
-    def check_limits(self, request: SessionRequest) -> None:
-        """The request's size against the serving limits; raises InputError naming the input. The image is
-        judged by its shape alone, before anything copies or resizes it."""
-        image_h, image_w = request.image.shape[:2] if request.image.ndim >= 2 else (1, request.image.size)
-        if image_h * image_w > self.max_input_pixels:
-            raise InputError(f"image is {image_h} x {image_w} pixels, more than max_input_pixels="
-                             f"{self.max_input_pixels}; send a smaller picture")
-        if request.num_frames is not None and not 1 <= request.num_frames <= self.max_frames:
-            raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={self.max_frames}")
-        if request.height * request.width > self.max_pixels:
-            raise InputError(
-                f"width x height = {request.width} x {request.height} = {request.width * request.height} pixels "
-                f"is more than max_pixels={self.max_pixels}"
-            )
 
 
 def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, ServingConfig]:

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 import torch.distributed as dist
 
 from ..api.errors import InputError
-from ..api.contract import PARAM_PAUSE, block_video_frames
+from ..api.contract import PARAM_PAUSE
 from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
@@ -33,14 +33,15 @@ from .config import ServingConfig
 from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
 from .loop_cpu import LoopCpu
+from .admission import admit, admit_step
 from .scheduler import Plan, RankEvents, Scheduler, StepEvent
-from .sessions import OwnerPart, SessionRecord, SharedSession, State
+from .sessions import EndReason, Ending, LocalPart, OwnerPart, SharedSession
 from .streams import OwnerStream, Responder, SteeredStream, WholeStream
 from .threads import CoreSplit, use_threads
 
 log = logging.getLogger(__name__)
 
-KEEP_DONE = 1024  # ended steered sessions remembered, to tell a late step why
+KEEP_ENDED = 1024  # sequence keys whose session ended, remembered to tell a late step why
 
 
 class GroupFailure(RuntimeError):
@@ -65,6 +66,7 @@ class GroupCoordinator:
         self.settings = settings
         self.rank = engine.sp.rank
         self.world = engine.sp.degree
+        self.block_frames = engine.config.block_frames
         self.control_group = control_group
         self.on_failure = on_failure
         self.control = ControlPlane(self.world, control_group, doorbell or LocalDoorbell(),
@@ -75,14 +77,18 @@ class GroupCoordinator:
         self.on_prompts = on_prompts
         self.on_ended = on_ended
         self.send_lock = send_lock
-        self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring)
-        # Every session this rank knows: the ones it owns from their request on, the others from their opening;
-        # ended steered sessions it owned stay a while (state done) to answer late steps.
-        self.sessions: OrderedDict[str, SessionRecord] = OrderedDict()
-        self._lock = threading.Lock()  # `sessions` is shared with Triton's thread and the cancel watch
+        self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring,
+                                    on_stream_failed=self._stream_failed)
+        # What this rank holds per session (its owner part from the request on, its engine session from the
+        # opening on), until the session ends; the state itself is the scheduler's.
+        self.local: dict[str, LocalPart] = {}
+        self.running: dict[str, str] = {}  # Triton sequence key -> its steered session that takes steps here
+        self.ended_keys: OrderedDict[str, str] = OrderedDict()  # sequence key -> why its last session ended
+        self._lock = threading.Lock()  # local, running, ended_keys: shared with Triton's thread and the cancel watch
         self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
         self._inbox: queue.SimpleQueue[SharedSession] = queue.SimpleQueue()
         self._steps: queue.SimpleQueue[StepEvent] = queue.SimpleQueue()
+        self._failed: queue.SimpleQueue[tuple[str, Ending]] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._cancels = CancelWatch(self._owned_streams, self._ring)
@@ -100,22 +106,22 @@ class GroupCoordinator:
             self._step(request, responder)
             return
         try:
-            self.settings.check_limits(request)
-            geometry = engine.validate(request)
+            shared = admit(request, self.settings, engine, f"r{self.rank}-{next(self._ids)}", self.rank)
         except InputError as exc:
             responder.send_error(str(exc))
             return
-        shared = SharedSession.submitted(f"r{self.rank}-{next(self._ids)}", request, geometry.block_shape, self.rank)
         stream: OwnerStream = (SteeredStream(responder, self._ring, self.send_lock) if request.steered
                                else WholeStream(responder, self._ring, self.send_lock))
+        key = request.session_key
         with self._lock:
-            if request.steered and self._running(request.session_key) is not None:
+            if request.steered and key in self.running:
                 responder.send_error(
-                    f"session {request.session_key} is already running; send steps without the start flag, "
-                    f"or end it first"
+                    f"session {key} is already running; send steps without the start flag, or end it first"
                 )
                 return
-            self.sessions[shared.id] = SessionRecord(shared, OwnerPart(stream, request.session_key))
+            self.local[shared.id] = LocalPart(OwnerPart(stream, key), steered=request.steered)
+            if request.steered:
+                self.running[key] = shared.id
         self._inbox.put(shared)
         self._ring()
         if self._closed_reason is not None:  # the loop is gone: nobody else will take it
@@ -124,38 +130,38 @@ class GroupCoordinator:
     def end_pause(self, key: str) -> None:
         """A request of Triton sequence `key` arrived: its session's open pause is answered before it is handled."""
         with self._lock:
-            record = self._running(key)
-            ended = record is not None and record.owner.stream.end_pause()
+            part = self._steered(key)
+            ended = part is not None and part.owner.stream.end_pause()
         if ended:  # the idle clock runs again: wake the loop to wait for its new deadline
             self._ring()
 
     def _step(self, step: StepRequest, responder: Responder) -> None:
         """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""
+        key = step.session_key
         with self._lock:
-            record = self._running(step.session_key) or self._last_ended(step.session_key)
+            part = self._steered(key)
             pause = f"request parameter '{PARAM_PAUSE}': " if step.pause else ""
-            if record is None or record.state is State.DONE:
-                why = record.why if record is not None else "it never started here (send the start flag first)"
-                responder.send_error(f"{pause}no running session {step.session_key}: {why}")
+            if part is None:
+                why = self.ended_keys.get(key, "it never started here (send the start flag first)")
+                responder.send_error(f"{pause}no running session {key}: {why}")
                 return
-            stream: SteeredStream = record.owner.stream
-            if stream.sealed:
-                responder.send_error(f"{pause}session {step.session_key} was ended by its end flag; start a new one")
-                return
+            stream: SteeredStream = part.owner.stream
             if step.pause:  # no news for the scheduler: it changes no block
                 stream.pause(responder)
                 return
             try:
-                if step.controls is not None:
-                    step.controls.check(block_video_frames(self.engine.config.block_frames, first=False))
+                admit_step(step, self.block_frames)
             except InputError as exc:
                 responder.send_error(str(exc))
                 return
+            sid = self.running[key]
+            if step.end:  # no step may follow: the sequence's next request is told so
+                self._forget_key(key, sid, "it was ended by its end flag; start a new one")
             if step.controls is not None:
-                stream.add(responder, step.end)
+                stream.add(responder)
             else:  # an end flag alone: the request is answered when the session closes
                 stream.add_closing(responder)
-        self._steps.put(StepEvent(record.id, step.controls, step.end))
+        self._steps.put(StepEvent(sid, step.controls, step.end))
         self._ring()
 
     def stop(self, timeout_s: float = 120.0) -> None:
@@ -167,15 +173,27 @@ class GroupCoordinator:
     def _ring(self) -> None:
         self.control.doorbell.ring()
 
-    def _running(self, key: str | None) -> SessionRecord | None:
-        """This rank's steered session on Triton sequence `key` that has not ended (under the lock)."""
-        return next((r for r in self.sessions.values() if r.steered_key == key and r.state is not State.DONE), None)
+    def _steered(self, key: str) -> LocalPart | None:
+        """This rank's steered session that takes the steps of Triton sequence `key` (under the lock)."""
+        sid = self.running.get(key)
+        return None if sid is None else self.local[sid]
 
-    def _last_ended(self, key: str) -> SessionRecord | None:
-        return next((r for r in reversed(self.sessions.values()) if r.steered_key == key), None)
+    def _forget_key(self, key: str, sid: str, why: str) -> None:
+        """Sequence `key` no longer steers session `sid` (under the lock); a late request is told `why`."""
+        if self.running.get(key) == sid:
+            del self.running[key]
+        self.ended_keys[key] = why
+        self.ended_keys.move_to_end(key)
+        while len(self.ended_keys) > KEEP_ENDED:
+            self.ended_keys.popitem(last=False)
 
     def _owned_streams(self) -> list[OwnerStream]:
-        return [r.owner.stream for r in self._owned()]
+        return [part.owner.stream for _, part in self._owned()]
+
+    def _stream_failed(self, session_id: str) -> None:
+        """The decode sender could not decode one of this rank's sessions alone: it ends at the next boundary."""
+        self._failed.put((session_id, Ending(EndReason.FAILED, messages.DECODE_FAILED)))
+        self._ring()
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -202,24 +220,24 @@ class GroupCoordinator:
         self._close(messages.GROUP_FAILED)
         self.on_failure(failure)
 
-    def _owned(self) -> list[SessionRecord]:
-        """This rank's sessions that have not ended."""
+    def _owned(self) -> list[tuple[str, LocalPart]]:
+        """This rank's sessions that have not ended, by id."""
         with self._lock:
-            return [r for r in self.sessions.values() if r.owner is not None and r.state is not State.DONE]
+            return [(sid, part) for sid, part in self.local.items() if part.owner is not None]
 
     def _next_deadline(self) -> float | None:
         """The soonest idle or lifetime limit of this rank's open steered sessions (monotonic seconds)."""
-        deadlines = [r.owner.deadline(self.settings) for r in self._owned() if r.shared.steered and r.engine]
+        deadlines = [part.owner.deadline(self.settings) for _, part in self._owned() if part.steered and part.engine]
         return min(deadlines, default=None)
 
     def _close(self, reason: str) -> None:
-        """The loop ends: error every local stream, then answer late arrivals directly."""
+        """The loop ends: every session is aborted with `reason`, then late arrivals are answered directly."""
         self._closed_reason = reason
-        drain(self._inbox)  # sessions not shared yet: their owned records get the error below
-        for record in self._owned():
-            self.decoder.error(record.owner.stream, reason)
-        for sid in list(self.sessions):
-            self._end(sid, "aborted")
+        drain(self._inbox)  # sessions not shared yet: their owner parts get the error below
+        ending = Ending(EndReason.ABORTED, reason)
+        self.scheduler.abort(ending)
+        for sid in list(self.local):
+            self._end(sid, ending)
         self.decoder.close()
         self._cancels.stop()
         self._refuse_inbox(reason)
@@ -230,57 +248,58 @@ class GroupCoordinator:
     def _refuse_inbox(self, reason: str) -> None:
         for shared in drain(self._inbox):
             with self._lock:
-                record = self.sessions.pop(shared.id, None)
-            if record is not None:
-                record.owner.stream.send_error(reason)
+                part = self.local.pop(shared.id, None)
+                if part is not None and part.owner.key is not None:
+                    self._forget_key(part.owner.key, shared.id, reason)
+            if part is not None:
+                part.owner.stream.send_error(reason)
 
     def _collect(self) -> RankEvents:
         """This rank's news for the boundary: what its clients did, and what its clocks decided."""
         owned = self._owned()
         now = time.monotonic()
-        events = RankEvents(submissions=drain(self._inbox), steps=drain(self._steps), stop=self._stop.is_set())
-        events.cancelled = [r.id for r in owned if r.owner.stream.is_cancelled()]
+        events = RankEvents(submissions=drain(self._inbox), steps=drain(self._steps), failed=drain(self._failed),
+                            stop=self._stop.is_set())
+        events.cancelled = [sid for sid, part in owned if part.owner.stream.is_cancelled()]
         # The owner's clock decides a steered session's limits; the decision travels as news, so every rank's
         # scheduler ends it alike.
-        events.expired = [(r.id, why) for r in owned if r.shared.steered and r.engine is not None
-                          and (why := r.owner.expiry(self.settings, now)) is not None]
+        events.expired = [(sid, why) for sid, part in owned if part.steered and part.engine is not None
+                          and (why := part.owner.expiry(self.settings, now)) is not None]
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch):
         # report those that advanced, so a boundary where nothing changed carries no news.
+        table = self.scheduler.table
         events.delivered = {
-            r.id: r.owner.stream.sent for r in owned
-            if r.shared.lags(self.settings.max_blocks_ahead) and r.owner.stream.sent > r.shared.delivered
+            sid: part.owner.stream.sent for sid, part in owned
+            if (s := table.get(sid)) is not None and s.lags(self.settings.max_blocks_ahead)
+            and part.owner.stream.sent > s.delivered
         }
         return events
 
     def _apply(self, plan: Plan) -> None:
-        for sid, message in plan.rejects:
-            self._end(sid, "rejected", message)
-        for sid in plan.cancels:
-            self._end(sid, "cancelled")
-        for sid, message in plan.expired:
-            self._end(sid, "expired", message)
-        for sid in plan.ends:
-            self._end(sid, "ended by its client")
+        for sid, ending in plan.ended:
+            self._end(sid, ending)
         if plan.opens:
             self._open_all(plan.opens)
         if not plan.batch:
             return
-        records = [self.sessions[sid] for sid in plan.batch]
+        sessions = [self.local[sid].engine for sid in plan.batch]
         for sid, controls in plan.controls.items():
+            session = self.local[sid].engine
             if controls.controls is None:
                 log.info("rank %d: block %d of session %s runs on held controls (its step is late)",
-                         self.rank, self.sessions[sid].engine.block_index, sid)
+                         self.rank, session.block_index, sid)
             elif controls.controls.prompt is not None:
-                self._set_prompt(self.sessions[sid].engine, controls.controls.prompt)
+                self._set_prompt(session, controls.controls.prompt)
         with self.cpu.run_block(len(plan.batch)):
-            outputs = self.engine.run_block([r.engine for r in records], plan.controls)
-        for record, output in zip(records, outputs):
-            session = record.engine
-            stream = record.owner.stream if record.owner is not None else None
+            outputs = self.engine.run_block(sessions, plan.controls)
+        finishing = set(plan.finishing)
+        for sid, session, output in zip(plan.batch, sessions, outputs):
+            owner = self.local[sid].owner
+            stream = owner.stream if owner is not None else None
             if stream is not None or session.split_decode:
-                self.decoder.block(stream, session, output, final=session.done)
-            if session.done:
-                self._end(record.id, "finished")
+                self.decoder.block(stream, session, output, final=sid in finishing)
+        for sid in plan.finishing:
+            self._end(sid, Ending(EndReason.FINISHED))
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""
@@ -299,61 +318,44 @@ class GroupCoordinator:
             self.on_prompts(1, engine.prompts.hits - hits)
 
     def _open_all(self, opens: list[SharedSession]) -> None:
-        failed: dict[str, str] = {}
+        """Open the plan's sessions here; one that fails is news for the next boundary, where every rank's
+        scheduler ends it (it joins no batch before: a session runs from the boundary after its opening)."""
         for shared in opens:
             with self._lock:
-                record = self.sessions.setdefault(shared.id, SessionRecord(shared))
-                record.shared = shared  # the scheduler's copy from now on
+                part = self.local.setdefault(shared.id, LocalPart(steered=shared.steered))
             try:
-                record.engine = self.engine.open_session(shared.request, shared.id, shared.owner)
+                part.engine = self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner)
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
                 log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
-                failed[shared.id] = str(exc) if isinstance(exc, InputError) else messages.open_failed(exc)
-        for sid, message in self._agree(failed).items():  # a session failed on any rank is dropped on all
-            self._end(sid, "rejected", message)
+                self._failed.put((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))
 
-    def _agree(self, failed: dict[str, str]) -> dict[str, str]:
-        """The union of every rank's failures (a collective: every rank calls it for the same opens)."""
-        if self.world == 1:
-            return failed
-        everyone: list[dict[str, str]] = [{}] * self.world
-        dist.all_gather_object(everyone, failed, group=self.control_group)
-        return {sid: msg for per_rank in everyone for sid, msg in per_rank.items()}
-
-    def _end(self, sid: str, reason: str, error: str | None = None) -> None:
-        """A session ended on every rank: free its caches and slot here; its owner answers what still waits
-        (with `error`, or by closing the stream after its blocks)."""
-        self.scheduler.finished(sid)
+    def _end(self, sid: str, ending: Ending) -> None:
+        """The scheduler ended a session: free its caches here; its owner answers what still waits (with the
+        ending's error, or by closing the stream after its blocks)."""
         with self._lock:
-            record = self.sessions.get(sid)
-            if record is None or record.why is not None:  # unknown here, or ended already
-                return
-            record.shared.state = State.DONE  # the scheduler's copy, or a submission it never planned
-            record.why = error or f"it {reason}"
-            if record.steered_key is None:
-                del self.sessions[sid]
-            else:  # remembered for late steps
-                self.sessions.move_to_end(sid)
-                done = [k for k, r in self.sessions.items() if r.state is State.DONE]
-                for old in done[: max(0, len(done) - KEEP_DONE)]:
-                    del self.sessions[old]
-        if record.owner is not None:
+            part = self.local.pop(sid, None)
+            if part is not None and part.owner is not None and part.owner.key is not None:
+                self._forget_key(part.owner.key, sid, ending.why)
+        if part is None:  # never opened here
+            return
+        reason = ending.reason.value
+        if part.owner is not None:
             if self.on_ended is not None:
                 self.on_ended(reason)
-            if error is None:
-                self.decoder.finish(record.owner.stream)  # after its last block: close what still waits
+            if ending.error is None:
+                self.decoder.finish(part.owner.stream)  # after its last block: close what still waits
             else:
-                self.decoder.error(record.owner.stream, error)
-        if (session := record.engine) is not None:
-            record.engine = None
+                self.decoder.error(part.owner.stream, ending.error)
+        if (session := part.engine) is not None:
             held = session.cache_bytes()
             self.engine.close_session(session)
             done = f"{session.block_index} of {session.num_blocks} blocks" if session.num_blocks else \
                 f"{session.block_index} block{'' if session.block_index == 1 else 's'} (steered: no set length)"
+            with self._lock:
+                still_open = sum(p.engine is not None for p in self.local.values())
             log.info(
                 "rank %d: session %s %s after %s; freed %d cache bytes (left: %d); open sessions: %d",
-                self.rank, sid, reason, done, held,
-                session.cache_bytes(), sum(r.engine is not None for r in self.sessions.values()),
+                self.rank, sid, reason, done, held, session.cache_bytes(), still_open,
             )
 
 

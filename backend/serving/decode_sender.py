@@ -10,7 +10,6 @@ from collections.abc import Callable
 from ..engine.blocks import BlockOutput
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
-from .messages import DECODE_FAILED, GROUP_FAILED
 from .streams import Responder
 from .threads import use_threads
 
@@ -21,16 +20,18 @@ class DecodeSender:
     """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
 
     def __init__(self, engine: WorldModelEngine, threads: int | None = None,
-                 on_failure: Callable[[], None] = lambda: None) -> None:
+                 on_failure: Callable[[], None] = lambda: None,
+                 on_stream_failed: Callable[[str], None] = lambda session_id: None) -> None:
         """threads: torch threads of the decode (see threads.CoreSplit), None leaves them as they are;
-        on_failure: called when a shared decode fails (the group loop must wake and fail)."""
+        on_failure: called when a shared decode fails (the group loop must wake and fail); on_stream_failed:
+        with the session's id when a decode of this rank's own fails (the session must end)."""
         self.engine = engine
         self.threads = threads
         self.on_failure = on_failure
+        self.on_stream_failed = on_stream_failed
         self.failure: Exception | None = None  # a shared decode failed: its ranks' exchanges are out of step
-        # (responder, task, the error its stream gets if the task fails); None stops the thread
-        self._queue: queue.SimpleQueue[tuple[Responder | None, Callable[[], None], str | None] | None] = (
-            queue.SimpleQueue())
+        self._failed_sessions: set[str] = set()  # a decode of theirs failed: their later blocks are not sent
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None stops the thread
         self._thread = threading.Thread(target=self._run, name="lingbot-decode-sender", daemon=True)
         self._thread.start()
 
@@ -41,25 +42,30 @@ class DecodeSender:
         def send() -> None:
             start = time.perf_counter()
             if shared and self.failure is not None:  # the group is failing: do not wait on its exchanges again
-                raise RuntimeError("an earlier shared decode failed") from self.failure
+                return
+            if session.id in self._failed_sessions:  # a block the client must not get after a missing one
+                return
             try:
                 frames = self.engine.decode(session, output)
             except Exception as exc:
+                log.exception("decoding block %d of session %s failed", output.block_index, session.id)
                 if shared:  # the other ranks wait in this decode's exchanges: the group must fail
                     self.failure = RuntimeError(repr(exc))  # not its traceback: its frames hold the engine
                     self.on_failure()
-                raise
+                else:
+                    self._failed_sessions.add(session.id)
+                    self.on_stream_failed(session.id)
+                return
             if responder is not None:
                 responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
 
-        # A shared decode fails with its group (a peer died, or left the exchanges): say so to the client.
-        self._queue.put((responder, send, GROUP_FAILED if shared else DECODE_FAILED))
+        self._queue.put(send)
 
     def error(self, responder: Responder, message: str) -> None:
-        self._queue.put((responder, lambda: responder.send_error(message), None))
+        self._queue.put(lambda: responder.send_error(message))
 
     def finish(self, responder: Responder) -> None:
-        self._queue.put((responder, responder.finish, None))
+        self._queue.put(responder.finish)
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._queue.put(None)
@@ -67,15 +73,8 @@ class DecodeSender:
 
     def _run(self) -> None:
         use_threads(self.threads)
-        while (item := self._queue.get()) is not None:
-            responder, task, failed = item
+        while (task := self._queue.get()) is not None:
             try:
                 task()
             except Exception:  # one stream's failure must not stop the others
-                log.exception("decoding or sending a response failed")
-                if responder is None:
-                    continue
-                try:  # the stream ends with the error; the loop then sees it closed and drops the session
-                    responder.send_error(failed or DECODE_FAILED)
-                except Exception:
-                    log.exception("sending the error response failed too")
+                log.exception("sending a response failed")

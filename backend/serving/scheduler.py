@@ -1,7 +1,9 @@
-"""The group's decisions at a block boundary: admission, limits, steering, fair round-robin batches of sessions.
+"""The group's decisions at a block boundary: slots, limits, steering, fair round-robin batches of sessions, and
+every change of a session's state.
 
 Pure logic on plain data. Every rank keeps its own copy and plans from the same events (every rank's, in rank
-order), so every rank applies the same `Plan` in the same order without a broadcast.
+order), so every rank applies the same `Plan` in the same order without a broadcast. The scheduler is the one
+writer of a session's state: a plan carries every session that ended, and why; the group loop only applies it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from ..api.request import Controls
 from ..engine.blocks import BlockControls
 from .config import ServingConfig
-from .sessions import SharedSession, State
+from .sessions import EndReason, Ending, SharedSession, State
 
 
 @dataclass
@@ -27,33 +29,36 @@ class StepEvent:
 class RankEvents:
     """What one rank tells the others at a block boundary."""
 
-    submissions: list[SharedSession] = field(default_factory=list)  # sessions this rank received
+    submissions: list[SharedSession] = field(default_factory=list)  # sessions this rank admitted
     steps: list[StepEvent] = field(default_factory=list)
     expired: list[tuple[str, str]] = field(default_factory=list)  # (session id, why): the owner's limits
     cancelled: list[str] = field(default_factory=list)
+    failed: list[tuple[str, Ending]] = field(default_factory=list)  # sessions this rank could not open or decode
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
     stop: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.submissions or self.steps or self.expired or self.cancelled or self.delivered or self.stop)
+        return bool(self.submissions or self.steps or self.expired or self.cancelled or self.failed
+                    or self.delivered or self.stop)
 
 
 @dataclass
 class Plan:
-    """What every rank does next, in this order."""
+    """What every rank does next, in this order: end, open, run one batch, end the batch's finished sessions."""
 
-    rejects: list[tuple[str, str]] = field(default_factory=list)  # (session id, message)
-    cancels: list[str] = field(default_factory=list)
+    ended: list[tuple[str, Ending]] = field(default_factory=list)  # sessions that ended before the batch
     opens: list[SharedSession] = field(default_factory=list)
     batch: list[str] = field(default_factory=list)  # sessions that run their next block together
     controls: dict[str, BlockControls] = field(default_factory=dict)  # the steered sessions' of the batch
-    ends: list[str] = field(default_factory=list)  # steered sessions their client ended (no block left)
-    expired: list[tuple[str, str]] = field(default_factory=list)  # (session id, why the server ended it)
+    finishing: list[str] = field(default_factory=list)  # sessions of the batch that end after it (last block)
     stop: bool = False
 
     @property
     def idle(self) -> bool:
         return not (self.opens or self.batch)
+
+    def ended_by(self, reason: EndReason) -> list[str]:
+        return [sid for sid, ending in self.ended if ending.reason is reason]
 
 
 class Scheduler:
@@ -73,24 +78,34 @@ class Scheduler:
         opened_before = [s.id for s in self.table.values() if s.live]
         for sub in (s for e in events for s in e.submissions):  # steps may arrive with their first request
             self.table[sub.id] = sub
+        for sid, ending in (x for e in events for x in e.failed):
+            self._end(sid, ending, plan)
         for sid in (sid for e in events for sid in e.cancelled):
-            if sid in self.table:
-                self.finished(sid)
-                plan.cancels.append(sid)
+            self._end(sid, Ending(EndReason.CANCELLED), plan)
         for step in (step for e in events for step in e.steps):
             self._step(step, plan)
-        for sid, reason in (x for e in events for x in e.expired):
+        for sid, why in (x for e in events for x in e.expired):
             if (s := self.table.get(sid)) is not None and s.live:
-                self.finished(sid)
-                plan.expired.append((sid, reason))
-        plan.batch = self._next_batch([sid for sid in opened_before if sid in self.table], plan)
+                self._end(sid, Ending(EndReason.EXPIRED, why), plan)
+        self._next_batch([sid for sid in opened_before if sid in self.table], plan)
         self._admit(plan)
         return plan
 
-    def finished(self, session_id: str) -> None:
-        """A session ended (last block, failed open, cancelled, ended, expired): free its slot."""
-        if (s := self.table.pop(session_id, None)) is not None:
-            s.state = State.DONE
+    def abort(self, ending: Ending) -> None:
+        """The group loop ends (unload, or a failure no plan can be agreed on): every session ends here."""
+        for s in self.table.values():
+            s.state, s.ending = State.DONE, ending
+        self.table.clear()
+
+    def _end(self, sid: str, ending: Ending, plan: Plan, before_batch: bool = True) -> None:
+        """The only place a session becomes done: its slot is free from this plan on."""
+        if (s := self.table.pop(sid, None)) is None:  # ended already
+            return
+        s.state, s.ending = State.DONE, ending
+        if before_batch:
+            plan.ended.append((sid, ending))
+        else:
+            plan.finishing.append(sid)
 
     def _step(self, step: StepEvent, plan: Plan) -> None:
         s = self.table.get(step.session_id)
@@ -102,8 +117,7 @@ class Scheduler:
         if step.end:
             s.state = State.ENDING
             if not s.steps:
-                self.finished(s.id)
-                plan.ends.append(s.id)
+                self._end(s.id, Ending(EndReason.ENDED), plan)
 
     def _admit(self, plan: Plan) -> None:
         """Open waiting sessions while slots last, keep up to max_queue waiting, reject the rest (newest)."""
@@ -117,15 +131,14 @@ class Scheduler:
             self.table.move_to_end(s.id)  # joins the round robin at its back
             plan.opens.append(s)
         for s in waiting[max(slots, 0) + settings.max_queue:]:
-            self.finished(s.id)
-            plan.rejects.append((s.id, self._queue_full()))
+            self._end(s.id, Ending(EndReason.REJECTED, self._queue_full()), plan)
 
-    def _next_batch(self, candidates: list[str], plan: Plan) -> list[str]:
+    def _next_batch(self, candidates: list[str], plan: Plan) -> None:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
         ready = [self.table[sid] for sid in candidates
                  if not self.table[sid].lags(self.settings.max_blocks_ahead) and self.table[sid].has_camera()]
         if not ready:
-            return []
+            return
         shape = ready[0].block_shape  # the longest-waiting ready session picks the geometry
         batch = [s for s in ready if s.block_shape == shape][: self.settings.max_batch]
         for s in batch:  # served sessions go to the back: fair round robin
@@ -133,8 +146,10 @@ class Scheduler:
             s.computed += 1
             if s.steered:
                 controls = s.steps.popleft() if s.steps else None  # None: hold the last motion
-                plan.controls[s.id] = BlockControls(controls, last=s.state is State.ENDING and not s.steps)
-        return [s.id for s in batch]
+                plan.controls[s.id] = BlockControls(controls)
+            plan.batch.append(s.id)
+            if s.last_block_planned():
+                self._end(s.id, Ending(EndReason.FINISHED), plan, before_batch=False)
 
     def _queue_full(self) -> str:
         settings = self.settings

@@ -1,8 +1,10 @@
-"""One record per session: the part every rank plans over, and the part only its owning rank holds.
+"""A session's lifecycle and its two parts: what every rank plans over, and what only its owning rank holds.
 
 `SharedSession` is identical on every rank: it travels in the events of a block boundary and changes only in
-`Scheduler.plan`, which every rank runs on the same events. `OwnerPart` (the stream that answers the client,
-the sequence key, the clocks of a steered session's limits) exists on the owning rank only.
+`Scheduler.plan`, which every rank runs on the same events; its `state` (with `Ending`, why it ended) is the one
+record of where the session stands. `OwnerPart` (the stream that answers the client, the sequence key, the
+clocks of a steered session's limits) exists on the owning rank only; `LocalPart` is what a rank holds for a
+session it runs (its engine session, the owner part on the owner). Neither writes the state.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..api.request import Controls, SessionRequest
+from ..engine.geometry import VideoGeometry
 from ..engine.session import Session
 from . import messages
 from .config import ServingConfig
@@ -19,21 +22,46 @@ from .streams import OwnerStream
 
 
 class State(enum.Enum):
-    PENDING = "pending"  # waiting for a slot
+    PENDING = "pending"  # admitted by its owner, waiting for a slot
     ACTIVE = "active"  # has a slot and blocks left
     ENDING = "ending"  # steered: its client sent the end flag; its queued steps still run (a slot first, if it waits)
-    DONE = "done"  # ended: no slot, no caches
+    DONE = "done"  # ended (its `ending` says why): no slot, no caches
+
+
+class EndReason(enum.Enum):
+    """Why a session ended, as logged and counted (lingbot_world_sessions_ended_total{reason})."""
+
+    FINISHED = "finished"  # its last block ran
+    ENDED = "ended by its client"  # a steered session's end flag, with no block left to run
+    REJECTED = "rejected"  # the queue was full, or it could not be opened
+    FAILED = "failed"  # its own decode failed on its owner
+    CANCELLED = "cancelled"  # its client went away
+    EXPIRED = "expired"  # the owner's idle or lifetime limit
+    ABORTED = "aborted"  # the group loop ended (unload or failure)
+
+
+@dataclass(frozen=True)
+class Ending:
+    reason: EndReason
+    error: str | None = None  # what its client is told; None: its stream closes after its blocks
+
+    @property
+    def why(self) -> str:
+        """For a step that comes after the end."""
+        return self.error or f"it {self.reason.value}"
 
 
 @dataclass
 class SharedSession:
-    """What every rank's scheduler copy plans over (the same values on every rank)."""
+    """What every rank's scheduler copy plans over (the same values on every rank): the admitted request and
+    what admission resolved (its geometry), and where the session stands."""
 
     id: str  # "r{owner}-{n}": unique in the group
     request: SessionRequest
-    block_shape: tuple[int, int]  # VideoGeometry.block_shape: sessions that share it can share a forward
+    geometry: VideoGeometry  # resolved once, by the owner's admission step; every rank opens the session with it
     owner: int = 0  # the rank that answers the client
     state: State = State.PENDING
+    ending: Ending | None = None  # set with state DONE
     admitted: bool = False  # holds a slot (generating)
     computed: int = 0  # blocks planned
     delivered: int = 0  # blocks sent to the client, as the owner last reported
@@ -41,14 +69,24 @@ class SharedSession:
     requests: int = 1  # steered: requests that want a block (the first one included)
 
     @classmethod
-    def submitted(cls, id: str, request: SessionRequest, block_shape: tuple[int, int], owner: int) -> SharedSession:
+    def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int) -> SharedSession:
         """A new session as its owner shares it (a steered one with its first block's camera)."""
         steps = deque([request.first_controls]) if request.steered else deque()
-        return cls(id, request, block_shape, owner, steps=steps)
+        return cls(id, request, geometry, owner, steps=steps)
 
     @property
     def steered(self) -> bool:
         return self.request.steered
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """Sessions that share it can share a forward."""
+        return self.geometry.block_shape
+
+    @property
+    def num_blocks(self) -> int:
+        """Its set length: a clip's blocks, a steered session's max_blocks, or 0 (until its client ends it)."""
+        return self.request.max_blocks if self.steered else self.geometry.num_blocks
 
     @property
     def live(self) -> bool:
@@ -65,6 +103,10 @@ class SharedSession:
         if not self.steered or self.steps:
             return True
         return self.request.on_starve == "hold" and self.state is not State.ENDING and self.computed == self.requests
+
+    def last_block_planned(self) -> bool:
+        """Its set length is planned, or its client ended it and no step is left."""
+        return 0 < self.num_blocks <= self.computed or (self.state is State.ENDING and not self.steps)
 
 
 @dataclass
@@ -93,22 +135,10 @@ class OwnerPart:
 
 
 @dataclass
-class SessionRecord:
-    """A session as this rank knows it."""
+class LocalPart:
+    """What this rank holds for a session until it ends: the owner part (owning rank only), and its engine
+    session (caches) from its opening on."""
 
-    shared: SharedSession  # the scheduler's copy once planned
-    owner: OwnerPart | None = None  # on the owning rank only
-    engine: Session | None = None  # this rank's engine session (caches), while open
-    why: str | None = None  # once done: why, for a step that comes late
-
-    @property
-    def id(self) -> str:
-        return self.shared.id
-
-    @property
-    def state(self) -> State:
-        return self.shared.state
-
-    @property
-    def steered_key(self) -> str | None:
-        return self.owner.key if self.owner is not None else None
+    owner: OwnerPart | None = None
+    engine: Session | None = None
+    steered: bool = False

@@ -87,12 +87,10 @@ class SteeredStream(OwnerStream):
     def __init__(self, first: Responder, on_delivered: Callable[[], None],
                  lock: AbstractContextManager | None = None) -> None:
         super().__init__(on_delivered, lock)
-        self.sealed = False  # the client sent the end flag: no request may follow
         self._waiting: deque[Responder] = deque([first])
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
         self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes
         self._pause: Responder | None = None  # the open pause
-        self._closed = False
         self._answered_s = time.monotonic()  # when its last waiting request was answered
 
     def waits_on_client_since(self) -> float | None:
@@ -107,10 +105,9 @@ class SteeredStream(OwnerStream):
         if not self._waiting:
             self._answered_s = time.monotonic()
 
-    def add(self, responder: Responder, end: bool) -> None:
+    def add(self, responder: Responder) -> None:
         """A step's request: answered by the next block (at once if one is ready)."""
         with self._lock:
-            self.sealed = end
             ready = bool(self._ready)
             if ready:
                 self._delivered(responder, *self._ready.popleft(), True)
@@ -143,7 +140,6 @@ class SteeredStream(OwnerStream):
     def add_closing(self, responder: Responder) -> None:
         """An end flag without a camera: answered when the session closes."""
         with self._lock:
-            self.sealed = True
             self._closing.append(responder)
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
@@ -165,7 +161,6 @@ class SteeredStream(OwnerStream):
 
     def _close(self, answer: Callable[[Responder], None]) -> None:
         with self._lock:
-            self._closed = True
             for responder in self._unanswered():
                 answer(responder)
             self._waiting.clear()
@@ -175,7 +170,7 @@ class SteeredStream(OwnerStream):
 
     def is_cancelled(self) -> bool:
         with self._lock:
-            return self._closed or any(r.is_cancelled() for r in self._unanswered())
+            return any(r.is_cancelled() for r in self._unanswered())
 
     def _unanswered(self) -> list[Responder]:
         """Every request not answered yet (under the lock)."""

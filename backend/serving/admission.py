@@ -1,0 +1,40 @@
+"""The one admission step: a request, its inputs checked against the contract at parse, is checked against this
+server (its limits, then the engine's settings and geometry) once, on the rank that received it. What it
+resolves travels in the shared session record, so no other rank checks it again."""
+from __future__ import annotations
+
+from ..api.contract import block_video_frames
+from ..api.errors import InputError
+from ..api.request import SessionRequest, StepRequest
+from ..engine.rollout import WorldModelEngine
+from .config import ServingConfig
+from .sessions import SharedSession
+
+
+def admit(request: SessionRequest, limits: ServingConfig, engine: WorldModelEngine, session_id: str,
+          owner: int) -> SharedSession:
+    """The session record every rank plans over; raises InputError naming the input."""
+    check_limits(request, limits)
+    return SharedSession.submitted(session_id, request, engine.geometry_of(request), owner)
+
+
+def admit_step(step: StepRequest, block_frames: int) -> None:
+    """A step's camera against the server's block: 4 x block_frames new video frames."""
+    if step.controls is not None:
+        step.controls.check_frames(block_video_frames(block_frames, first=False))
+
+
+def check_limits(request: SessionRequest, limits: ServingConfig) -> None:
+    """The request's size against the serving limits, first. The image is judged by its shape alone, before
+    anything copies or resizes it."""
+    image_h, image_w = request.image.shape[:2]
+    if image_h * image_w > limits.max_input_pixels:
+        raise InputError(f"image is {image_h} x {image_w} pixels, more than max_input_pixels="
+                         f"{limits.max_input_pixels}; send a smaller picture")
+    if request.num_frames is not None and not 1 <= request.num_frames <= limits.max_frames:
+        raise InputError(f"num_frames={request.num_frames} must be between 1 and max_frames={limits.max_frames}")
+    if request.height * request.width > limits.max_pixels:
+        raise InputError(
+            f"width x height = {request.width} x {request.height} = {request.width * request.height} pixels "
+            f"is more than max_pixels={limits.max_pixels}"
+        )

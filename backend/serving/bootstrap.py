@@ -1,0 +1,161 @@
+"""One rank of a serving group, started: it joins the group, loads its part of the model, runs the group loop,
+and takes requests as named arrays. The Triton adapter starts one per model instance; tests and benchmarks
+start N of them as local processes (serving/local_group) without tritonserver."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..api.codec import parse_request
+from ..api.errors import ConfigError, InputError
+from ..api.request import SessionRequest, StepRequest
+from ..engine.config import EngineConfig
+from ..engine.rollout import WorldModelEngine
+from ..engine.validation import checked_spec, describe_settings
+from ..parallel.doorbell import StoreDoorbell
+from ..parallel.group import join_group, leave_group
+from ..parallel.layout import RankLayout
+from ..parallel.mesh import Mesh
+from ..parallel.secret import group_secret
+from ..parallel.sequence import SequenceParallel
+from .config import ServingConfig
+from .coordinator import GroupCoordinator
+from .loop_cpu import LoopCpu, Report
+from .streams import Responder
+from .threads import CoreSplit, instance_cores
+
+log = logging.getLogger("backend")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a member runs: its global rank among `world`, its device, and how many members share its host."""
+
+    rank: int
+    world: int
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    host_members: int = 1  # members on this host (a CPU member takes its share of the host's cores)
+
+
+@dataclass
+class Hooks:
+    """What the host of a member (the Triton adapter, a test) learns from it; every hook is optional."""
+
+    on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed; the model is released
+    on_settings: Callable[[dict], None] = lambda settings: None  # the resolved settings, before loading
+    on_prompts: Callable[[int, int], None] | None = None  # see GroupCoordinator
+    on_ended: Callable[[str], None] | None = None
+    on_loop_block: Report | None = None  # LoopCpu's report
+    send_lock: AbstractContextManager | None = field(default=None)  # the lock responders send under
+
+
+class GroupMember:
+    """One rank, joined and loaded, its group loop running."""
+
+    def __init__(self, engine_config: EngineConfig, serving: ServingConfig, place: Place, hooks: Hooks) -> None:
+        """Validate alone (before waiting for peers or reading weights), join the group, load, start the loop."""
+        rank, world = place.rank, place.world
+        layout = RankLayout(engine_config.tp_degree, engine_config.sp_degree)
+        if layout.world != world:
+            raise ConfigError(
+                f"tp_degree x sp_degree = {engine_config.tp_degree} x {engine_config.sp_degree} must equal the number "
+                f"of model instances of all servers ({world} = host_count={serving.host_count} x "
+                f"{world // serving.host_count})"
+            )
+        layout.check_hosts(serving.host_count)
+        engine_config = dataclasses.replace(engine_config, device=place.device)
+        spec = checked_spec(engine_config, world)
+        on_gpu = place.device.startswith("cuda")
+        threads = None
+        if on_gpu:
+            torch.cuda.set_device(place.device)
+            # On an NCCL timeout abort the communicators but keep the process, so the loop's next
+            # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        else:
+            cores = instance_cores(place.host_members)  # this host's cores shared among its own members
+            torch.set_num_threads(cores)  # this thread's (loading); the loop and the decode sender set their own
+            threads = CoreSplit.of(cores)
+        self.rank, self.hooks, self._finalizing = rank, hooks, False
+        hooks.on_settings(spec.settings)
+        if rank == 0:
+            log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind)
+            for line in describe_settings(spec):
+                log.info("setting %s", line)
+        secret = group_secret() if world > 1 else ""
+        groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
+                            serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)
+        self.load_id = groups.load_id
+        log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, place.device,
+                 engine_config.checkpoint, rss())
+        group = SequenceParallel(groups.data)
+        mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
+        self.engine: WorldModelEngine | None = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
+        self.settings_used = self.engine.settings_used  # sent with a session's first block on return_used
+        groups.all_arrived("loaded")  # every rank has loaded before the loop starts
+        doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret, serving.collective_timeout_s) \
+            if world > 1 else None
+        self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
+                                            doorbell=doorbell, threads=threads, cpu=LoopCpu(hooks.on_loop_block),
+                                            on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
+                                            send_lock=hooks.send_lock)
+        log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
+                 f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
+
+    def handle(self, get_input: Callable[[str], np.ndarray | None], parameters_json: str, key: str, flags: int,
+               responder_for: Callable[[SessionRequest | StepRequest | None], Responder]) -> None:
+        """One request as it arrives (named input arrays, its parameters, its Triton sequence key and flags);
+        `responder_for(parsed)` makes its reply channel (parsed None: the request could not be parsed)."""
+        if key:  # a pause of this sequence is answered before this request (whatever it holds)
+            self.coordinator.end_pause(key)
+        try:
+            parsed = parse_request(get_input, parameters_json, key, flags)
+        except InputError as exc:
+            responder_for(None).send_error(str(exc))
+            return
+        self.coordinator.submit(parsed, responder_for(parsed))
+
+    def stop(self) -> None:
+        """The model is being unloaded: end every session, leave the group, release the model."""
+        self._finalizing = True  # a loop failing now must not ask for an unload of a later load
+        self.coordinator.stop()
+        leave_group()
+        self._release()
+
+    def _release(self) -> None:
+        self.engine = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap pages; give them back
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        log.info("rank %d: model released (RSS now %s)", self.rank, rss())
+
+    def _on_group_failure(self, exc: BaseException) -> None:
+        """In-flight streams already got their error: leave the group and release the model now (a host may
+        never get to stop this member: see the adapter), then tell the host."""
+        leave_group()
+        self._release()
+        if self._finalizing:
+            log.error("rank %d: sequence-parallel group failed (%r) while the model unloads", self.rank, exc)
+            return
+        self.hooks.on_failure(exc)
+
+
+def rss() -> str:
+    """This process's resident memory, where /proc tells it."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return "unknown"
+    return f"{pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MB"

@@ -1,0 +1,313 @@
+"""A serving group of N local processes over gloo, without tritonserver: each process is one `GroupMember`, and
+requests reach a member as named arrays, as Triton hands them to the adapter (parse, admission, the group
+loop, the streams: everything but Triton's own machinery). For tests and benchmarks.
+
+    with LocalGroup(engine_config, ServingConfig(), world=2) as group:
+        blocks = group.stream(request, rank=1)  # a whole trajectory, owned by rank 1
+        session = group.steered(first_request)  # a steered session: session.step(controls) -> its block
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..api.codec import controls_arrays, request_arrays, request_parameters
+from ..api.contract import PARAM_PAUSE, PARAM_RETURN_USED, SEQUENCE_END, SEQUENCE_START
+from ..api.errors import InputError
+from ..api.request import Controls, SessionRequest
+from ..engine.blocks import BlockOutput
+from ..engine.config import EngineConfig
+from ..parallel.ports import free_port
+from ..parallel.secret import SECRET_VARIABLE
+from .config import ServingConfig
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class LocalStreamError(RuntimeError):
+    """A request ended with an error response; the message is the server's sentence."""
+
+
+@dataclass(frozen=True)
+class LocalBlock:
+    """One block's response, as a client would read it."""
+
+    block_index: int
+    num_blocks: int
+    latents: np.ndarray  # float32 [z, block_frames, h, w]
+    frames: np.ndarray  # uint8 [n, H, W, 3]
+    held: bool
+    camera: np.ndarray | None  # the poses the block ran on
+    prompt: str  # the prompt in force
+    final: bool
+
+
+# -- in each member's process ------------------------------------------------------------------------------
+
+class _QueueResponder:
+    """A request's reply channel into the parent's queue (what TritonResponder is under tritonserver)."""
+
+    def __init__(self, call: int, outbox: mp.Queue) -> None:
+        self.call, self.outbox = call, outbox
+        self.closed = self.cancelled = False
+        self._lock = threading.Lock()
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        block = LocalBlock(output.block_index, output.num_blocks, output.latents[0].numpy(), frames, output.held,
+                           output.camera, output.prompt, final)
+        self._send("block", block, final)
+
+    def send_error(self, message: str) -> None:
+        self._send("error", message, True)
+
+    def finish(self) -> None:
+        self._send("finish", None, True)
+
+    def is_cancelled(self) -> bool:
+        return self.closed or self.cancelled
+
+    def _send(self, kind: str, payload: Any, final: bool) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = final
+            self.outbox.put((kind, self.call, payload))
+
+
+def _member_main(rank: int, world: int, engine_config: EngineConfig, serving: ServingConfig, secret: str,
+                 setup: str | None, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    from .bootstrap import GroupMember, Hooks, Place
+
+    os.environ[SECRET_VARIABLE] = secret
+    try:
+        if setup:
+            _resolve(setup)(rank)
+        member = GroupMember(engine_config, serving, Place(rank, world, "cpu", world),
+                             Hooks(on_failure=lambda exc: outbox.put(("failed", rank, repr(exc)))))
+    except BaseException:
+        outbox.put(("crashed", rank, traceback.format_exc()))
+        return
+    outbox.put(("ready", rank, None))
+    responders: dict[int, _QueueResponder] = {}
+    while True:
+        message = inbox.get()
+        kind = message[0]
+        if kind == "request":
+            _, call, arrays, parameters, key, flags = message
+            responders[call] = responder = _QueueResponder(call, outbox)
+            member.handle(arrays.get, parameters, key, flags, lambda parsed: responder)
+        elif kind == "cancel":
+            if (responder := responders.get(message[1])) is not None:
+                responder.cancelled = True
+        elif kind == "call":
+            outbox.put(("called", rank, _resolve(message[1])(member)))
+        elif kind == "stop":
+            member.stop()
+            outbox.put(("stopped", rank, None))
+            return
+        responders = {c: r for c, r in responders.items() if not r.closed}
+
+
+def _resolve(name: str) -> Callable:
+    """'package.module:function' (importable by a spawned process)."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+# -- in the caller's process -------------------------------------------------------------------------------
+
+class LocalCall:
+    """One request's responses, in order."""
+
+    def __init__(self, group: LocalGroup, rank: int, call: int) -> None:
+        self.group, self.rank, self.call = group, rank, call
+        self.responses: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.done = False
+
+    def next(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalBlock | None:
+        """The next block; None when the request ended without one. Raises LocalStreamError on an error."""
+        if self.done:
+            raise LocalStreamError("the request has ended")
+        try:
+            kind, payload = self.responses.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no response within {timeout_s} s") from None
+        if kind == "error":
+            self.done = True
+            raise LocalStreamError(payload)
+        self.done = kind == "finish" or payload.final
+        return payload if kind == "block" else None
+
+    def blocks(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[LocalBlock]:
+        """Every block until the final response."""
+        blocks = []
+        while not self.done:
+            if (block := self.next(timeout_s)) is not None:
+                blocks.append(block)
+        return blocks
+
+    def cancel(self) -> None:
+        """The client goes away (what Triton's cancellation flag says)."""
+        self.group._send(self.rank, ("cancel", self.call))
+
+
+class LocalSteered:
+    """A steered session on one member, one request per block, as a Triton sequence."""
+
+    def __init__(self, group: LocalGroup, rank: int, request: SessionRequest, key: str) -> None:
+        self.group, self.rank, self.key = group, rank, key
+        self.return_used = request.return_used
+        self.call = group.request(rank, request_arrays(request), request_parameters(request), key, SEQUENCE_START)
+
+    def next_block(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalBlock | None:
+        return self.call.next(timeout_s)
+
+    def step(self, controls: Controls | None, end: bool = False, **parameters: Any) -> LocalCall:
+        """Send the next block's camera (None with end: end without another block); `next_block` reads it."""
+        arrays = {} if controls is None else controls_arrays(controls)
+        self.call = self.group.request(self.rank, arrays, {PARAM_RETURN_USED: self.return_used, **parameters},
+                                       self.key, SEQUENCE_END if end else 0)
+        return self.call
+
+    def pause(self) -> LocalCall:
+        return self.group.request(self.rank, {}, {PARAM_PAUSE: True}, self.key, 0)
+
+
+class LocalGroup:
+    """`world` members as local processes forming one serving group (gloo), started and loaded on entry."""
+
+    def __init__(self, engine_config: EngineConfig, serving: ServingConfig, world: int = 1,
+                 setup: str | None = None, start_timeout_s: float = 300.0) -> None:
+        """setup: 'module:function', called with the rank in each member's process before it starts."""
+        self.world = world
+        ctx = mp.get_context("spawn")
+        serving = dataclasses.replace(serving, rendezvous_port=free_port())
+        secret = secrets.token_hex(16)
+        self._outbox: mp.Queue = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world)]
+        self._procs = [ctx.Process(target=_member_main, daemon=True,
+                                   args=(r, world, engine_config, serving, secret, setup, self._inboxes[r],
+                                         self._outbox)) for r in range(world)]
+        self._calls: dict[int, LocalCall] = {}
+        self._control: queue.Queue[tuple[str, int, Any]] = queue.Queue()
+        self._ids = itertools.count()
+        self._keys = itertools.count(1)
+        self.start_timeout_s = start_timeout_s
+
+    def __enter__(self) -> LocalGroup:
+        for p in self._procs:
+            p.start()
+        threading.Thread(target=self._demux, name="local-group-demux", daemon=True).start()
+        try:
+            self._await_all("ready", self.start_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def request(self, rank: int, arrays: dict[str, np.ndarray], parameters: dict, key: str = "",
+                flags: int = 0) -> LocalCall:
+        """One raw request to member `rank`: named input arrays, request parameters, sequence key and flags."""
+        call = LocalCall(self, rank, next(self._ids))
+        self._calls[call.call] = call
+        self._send(rank, ("request", call.call, arrays, json.dumps(parameters), key, flags))
+        return call
+
+    def stream(self, request: SessionRequest, rank: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[LocalBlock]:
+        """A whole trajectory's blocks (one sequence of one request, as the client sends it)."""
+        call = self.request(rank, request_arrays(request), request_parameters(request), self.new_key(),
+                            SEQUENCE_START | SEQUENCE_END)
+        return call.blocks(timeout_s)
+
+    def steered(self, request: SessionRequest, rank: int = 0) -> LocalSteered:
+        if not request.steered:
+            raise InputError("a steered session's first request has no num_frames")
+        return LocalSteered(self, rank, request, self.new_key())
+
+    def new_key(self) -> str:
+        return str(next(self._keys))
+
+    def call(self, rank: int, function: str, timeout_s: float = 60.0) -> Any:
+        """`function(member)` ('module:function') run in member `rank`'s process, between requests."""
+        self._send(rank, ("call", function))
+        return self._await("called", rank, timeout_s)
+
+    # -- the processes -------------------------------------------------------------------------------------
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop every live member (they unload together, as a group does), then end the processes."""
+        live = [r for r, p in enumerate(self._procs) if p.is_alive()]
+        for r in live:
+            self._send(r, ("stop",))
+        try:
+            for r in live:
+                self._await("stopped", r, timeout_s)
+        finally:
+            self.kill()
+
+    def kill(self, rank: int | None = None) -> None:
+        """SIGKILL one member (a dead rank), or every one."""
+        for r, p in enumerate(self._procs):
+            if rank is None or r == rank:
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+
+    def events(self, kind: str, timeout_s: float) -> tuple[int, Any]:
+        """The next (rank, payload) of a member event of this kind ('failed': a member's group failed)."""
+        return self._await(kind, None, timeout_s)
+
+    def _send(self, rank: int, message: tuple) -> None:
+        self._inboxes[rank].put(message)
+
+    def _demux(self) -> None:
+        while True:
+            try:
+                kind, tag, payload = self._outbox.get()
+            except (EOFError, OSError):
+                return
+            if kind in ("block", "error", "finish"):
+                self._calls[tag].responses.put((kind, payload))
+            else:
+                self._control.put((kind, tag, payload))
+
+    def _await_all(self, kind: str, timeout_s: float) -> None:
+        for _ in range(self.world):
+            self._await(kind, None, timeout_s)
+
+    def _await(self, kind: str, rank: int | None, timeout_s: float) -> Any:
+        """The payload of the next control message `kind` (from `rank`, or any); a crash raises."""
+        deferred = []
+        try:
+            while True:
+                try:
+                    got, tag, payload = self._control.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise TimeoutError(f"no {kind!r} from member {rank if rank is not None else 'any'} within "
+                                       f"{timeout_s} s") from None
+                if got == "crashed":
+                    raise RuntimeError(f"member {tag} failed:\n{payload}")
+                if got == kind and (rank is None or tag == rank):
+                    return payload if rank is not None else (tag, payload)
+                deferred.append((got, tag, payload))
+        finally:
+            for item in deferred:
+                self._control.put(item)
