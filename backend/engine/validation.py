@@ -8,6 +8,7 @@ from ..api.errors import ConfigError
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
 from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
+from ..model.layouts import resolve_layout
 from .config import ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
 from .geometry import VideoGeometry
 
@@ -40,7 +41,7 @@ class EngineSpec:
 def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
     """Read the checkpoint's JSON configs, resolve what the settings leave to the checkpoint, and validate;
     no weight is read."""
-    return spec_from_configs(config, read_checkpoint_configs(config.checkpoint), world_size)
+    return spec_from_configs(config, read_checkpoint_configs(resolve_layout(config.checkpoint)), world_size)
 
 
 def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> EngineSpec:
