@@ -30,8 +30,8 @@ from backend.engine.rollout import WorldModelEngine
 from backend.engine.session import Session
 from backend.engine.validation import spec_from_configs
 from backend.model.config import CheckpointConfigs, TransformerConfig, VaeConfig
-from backend.model.layout import DIFFUSERS, SOURCE_DEFAULTS
 from backend.model.dtypes import TORCH_DTYPES
+from backend.model.layout_diffusers import DIFFUSERS
 from backend.model.random_weights import WAN21_VAE, RandomPromptStates, random_transformer, random_vae
 from backend.model.tiny_checkpoint import PRESETS, transformer_config, vae_arguments
 from bench.common import (
@@ -106,7 +106,7 @@ def build_parts(transformer: TransformerConfig, vae: dict, dtype: torch.dtype, d
 
 
 def build_engine(config: EngineConfig, transformer: TransformerConfig, vae: dict, parts: EngineParts) -> WorldModelEngine:
-    ckpt = CheckpointConfigs(transformer, VaeConfig.from_dict(vae), None, SOURCE_DEFAULTS[DIFFUSERS])
+    ckpt = CheckpointConfigs(transformer, VaeConfig.from_dict(vae), None, DIFFUSERS.source_defaults)
     return WorldModelEngine(spec_from_configs(config, ckpt, world_size=1), parts=parts)
 
 

@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from backend.launch.procfs import status_kib
-from backend.model.checkpoint import load_pth_umt5, load_pth_vae, load_transformer
+from backend.model.checkpoint import load_transformer
 from backend.model.config import read_checkpoint_configs
 from backend.model.dtypes import TORCH_DTYPES
+from backend.model.layout_official import load_pth_umt5, load_pth_vae
+from backend.model.layouts import resolve_layout
 from backend.model.official_names import UMT5_TIED, umt5_names, vae_names
 from bench.common import ensure_checkpoint
 
@@ -95,7 +97,7 @@ def main() -> None:
         return
     args.dtype = str(dtype).removeprefix("torch.")
     root = ensure_checkpoint(args.checkpoint, args.preset)
-    configs = read_checkpoint_configs(str(root))
+    configs = read_checkpoint_configs(resolve_layout(str(root)))
     config, directory = configs.transformer, configs.layout.transformer
     on_disk = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     torch.ones(1)  # torch's own allocations before the baseline

@@ -15,10 +15,10 @@ import torch
 from backend.api.errors import ConfigError, InputError
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import checked_spec, describe_settings
-from backend.model import checkpoint
 from backend.model.config import read_checkpoint_configs
-from backend.model.layout import OFFICIAL_PARTS, resolve_layout
-from backend.model.official_checkpoint import official_from_diffusers
+from backend.model.layout_official import OFFICIAL
+from backend.model.layouts import resolve_layout
+from backend.model.official_checkpoint import official_copy
 from backend.model.pth_files import read_pth_index, read_pth_tensors
 from backend.model.tiny_checkpoint import write_checkpoint
 from client.recording import RecordedBlock, Recording
@@ -37,7 +37,7 @@ def both_layouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The same random weights (tiny16: Wan's 16 latent channels) in the diffusers and the official layout."""
     root = tmp_path_factory.mktemp("layouts")
     diffusers = write_checkpoint(root / "diffusers", "tiny16", seed=3)
-    return diffusers, official_from_diffusers(diffusers, root / "official")
+    return diffusers, official_copy(diffusers, root / "official")
 
 
 def copy_without(source: Path, tmp: Path, part: str) -> Path:
@@ -50,11 +50,11 @@ def copy_without(source: Path, tmp: Path, part: str) -> Path:
 
 def test_each_layout_is_detected_and_a_partial_one_is_refused_naming_what_it_lacks(both_layouts, tmp_path) -> None:
     diffusers, official = both_layouts
-    assert resolve_layout(str(diffusers)).kind == "diffusers"
+    assert resolve_layout(str(diffusers)).kind.name == "diffusers"
     layout = resolve_layout(str(official))
-    assert layout.kind == "official" and layout.vae.name == "Wan2.1_VAE.pth"
+    assert layout.kind.name == "official" and layout.vae.name == "Wan2.1_VAE.pth"
     with pytest.raises(ConfigError, match=r"partial official layout .*missing \['Wan2.1_VAE.pth'\]"):
-        resolve_layout(str(copy_without(official, tmp_path / "a", OFFICIAL_PARTS["vae"])))
+        resolve_layout(str(copy_without(official, tmp_path / "a", OFFICIAL.parts["vae"])))
     with pytest.raises(ConfigError, match=r"partial official layout .*missing \['google/umt5-xxl'\]"):
         resolve_layout(str(copy_without(official, tmp_path / "b", "google/umt5-xxl")))
     with pytest.raises(ConfigError, match=r"partial diffusers layout .*missing \['text_encoder'\]"):
@@ -104,20 +104,20 @@ def test_official_name_maps_are_strict(both_layouts, tmp_path: Path, part: str, 
     shutil.copytree(both_layouts[1], root)
     layout = resolve_layout(str(root))
     rewrite_pth(getattr(layout, part), change)
-    load = checkpoint.load_vae if part == "vae" else checkpoint.load_text_encoder
+    load = layout.load_vae if part == "vae" else layout.load_text_encoder
     with pytest.raises(ConfigError, match=message):
-        load(layout, torch.float32, torch.device("cpu"))
+        load(torch.float32, torch.device("cpu"))
 
 
 def test_the_same_weights_in_both_layouts_load_alike_and_give_bit_identical_latents(both_layouts) -> None:
     diffusers, official = (resolve_layout(str(p)) for p in both_layouts)
     cpu = torch.device("cpu")
-    vaes = [checkpoint.load_vae(layout, torch.float32, cpu) for layout in (diffusers, official)]
+    vaes = [layout.load_vae(torch.float32, cpu) for layout in (diffusers, official)]
     assert vaes[0].config.latents_mean == vaes[1].config.latents_mean
     for (name, a), b in zip(vaes[0].state_dict().items(), vaes[1].state_dict().values()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     # The official umT5 is published in bfloat16: both layouts agree once served in bfloat16.
-    encoders = [checkpoint.load_text_encoder(layout, torch.bfloat16, cpu)[0] for layout in (diffusers, official)]
+    encoders = [layout.load_text_encoder(torch.bfloat16, cpu)[0] for layout in (diffusers, official)]
     for (name, a), b in zip(encoders[0].state_dict().items(), encoders[1].state_dict().values()):
         assert torch.equal(a, b), name
     assert encoders[1].encoder.embed_tokens.weight.data_ptr() == encoders[1].shared.weight.data_ptr()  # tied
@@ -162,7 +162,7 @@ def test_a_global_window_in_the_checkpoint_is_served_as_global_attention(tiny_ch
     shutil.copytree(tiny_checkpoint, root)
     config = root / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"local_attn_size": 9', '"local_attn_size": -1'))
-    assert read_checkpoint_configs(str(root)).settings["window_frames"].value == -1
+    assert read_checkpoint_configs(resolve_layout(str(root))).settings["window_frames"].value == -1
     engine = WorldModelEngine.load(tiny_config(str(root), window_frames=0, sink_frames=-1))
     assert engine.window_frames == -1 and any("global attention" in line for line in describe_settings(
         checked_spec(engine.config, 1)))

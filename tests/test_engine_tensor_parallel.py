@@ -16,6 +16,7 @@ import torch
 from backend.api.request import Controls
 from backend.model.checkpoint import load_transformer
 from backend.model.config import read_checkpoint_configs
+from backend.model.layouts import resolve_layout
 from backend.model.memory import self_cache_bytes, text_cache_bytes, weight_parameters
 from backend.model.tensor_slices import TensorPart
 from backend.parallel.layout import RankLayout
@@ -43,7 +44,7 @@ def rollouts(tiny_checkpoint: str) -> dict[tuple[int, int], list[dict]]:
 
 @pytest.fixture(scope="module")
 def tiny_transformer(tiny_checkpoint: str):
-    return read_checkpoint_configs(tiny_checkpoint).transformer
+    return read_checkpoint_configs(resolve_layout(tiny_checkpoint)).transformer
 
 
 def test_rank_layout_puts_tp_groups_on_consecutive_ranks() -> None:

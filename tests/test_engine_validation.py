@@ -14,6 +14,7 @@ from backend.engine.geometry import sizes_near
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import checked_spec
 from backend.model.kv_cache import SelfAttentionCache
+from backend.model.layout import CheckpointLayout
 from backend.api.errors import ConfigError, InputError
 from backend.parallel.sequence import SequenceParallel
 from backend.api.codec import parse_request, request_arrays, request_parameters
@@ -42,8 +43,9 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a weight file was opened before validation finished")
 
-    for name in ("load_transformer", "load_text_encoder", "load_vae"):
-        monkeypatch.setattr(backend.engine.parts, name, refuse)
+    monkeypatch.setattr(backend.engine.parts, "load_transformer", refuse)
+    for name in ("load_text_encoder", "load_vae"):
+        monkeypatch.setattr(CheckpointLayout, name, refuse)
     monkeypatch.setattr("backend.model.checkpoint.read_tensor", refuse)
     monkeypatch.setattr("backend.model.weight_files.read_header", refuse)
     return str(root)

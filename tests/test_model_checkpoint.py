@@ -67,6 +67,7 @@ def test_text_dim_comes_from_the_weights_when_the_config_omits_it(tiny_checkpoin
     import shutil
 
     from backend.model.config import read_checkpoint_configs
+    from backend.model.layouts import resolve_layout
 
     root = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, root)
@@ -74,7 +75,7 @@ def test_text_dim_comes_from_the_weights_when_the_config_omits_it(tiny_checkpoin
     raw = json.loads(path.read_text())
     del raw["text_dim"]
     path.write_text(json.dumps(raw))
-    assert read_checkpoint_configs(str(root)).transformer.text_dim == PRESETS["tiny"]["transformer"]["text_dim"]
+    assert read_checkpoint_configs(resolve_layout(str(root))).transformer.text_dim == PRESETS["tiny"]["transformer"]["text_dim"]
 
 
 @pytest.fixture()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from backend.model.checkpoint import load_text_encoder
-from backend.model.layout import DIFFUSERS, CheckpointLayout
+from backend.model.layout import CheckpointLayout
+from backend.model.layout_diffusers import DIFFUSERS
 from backend.model.text_encoder import PromptEncoder
 from backend.model.tiny_checkpoint import PRESETS, WORDS, write_text_encoder
 from backend.model.vae import StreamingVae
@@ -106,7 +106,7 @@ def test_text_encoder_equals_the_reference_t5_encoder(text_root: Path, dtype: to
     text_len, prompt = 64, " ".join(WORDS[:20])
     layout = CheckpointLayout(DIFFUSERS, text_root, text_root / "transformer", text_root / "vae",
                               text_root / "text_encoder", text_root / "tokenizer")
-    encoder, tokenizer = load_text_encoder(layout, dtype, CPU)
+    encoder, tokenizer = layout.load_text_encoder(dtype, CPU)
     states = PromptEncoder(encoder, tokenizer, text_len, CPU).encode(prompt)
 
     batch = tokenizer([prompt], padding="max_length", truncation=True, max_length=text_len,

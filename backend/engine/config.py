@@ -8,6 +8,9 @@ from ..api.settings import runtime_field
 SUPPORTED_SP_MODES = ("ulysses",)
 KNOWN_UNSUPPORTED_SP_MODES = ("ring", "all_gather", "a2a_permute", "hybrid")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
+# The settings a checkpoint decides unless a parameter does, each with the EngineConfig value that leaves it to the
+# checkpoint (its files, else its layout's source defaults); validation.resolve_settings reads this table.
+CHECKPOINT_SETTINGS = {"block_frames": 0, "timestep_shift": 0.0, "window_frames": 0, "sink_frames": -1}
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,8 @@ class EngineConfig:
     dtype: str = "bfloat16"  # the DiT's weights and activations: bfloat16, float16 or float32
     attention_backend: str = "auto"  # auto, flash (flash-attn) or sdpa
     device: str = runtime_field("cpu")  # set by the instance: "cpu" or "cuda:<id>"
-    # The next four, left at their "unset" value, come from the checkpoint (its files, else its layout's source:
-    # see model.layout.SOURCE_DEFAULTS); validation.resolve_settings resolves them once, with provenance.
+    # block_frames, timestep_shift, window_frames, sink_frames: left at their CHECKPOINT_SETTINGS "unset" value, they
+    # come from the checkpoint (its files, else its layout's source defaults); resolved once, with provenance.
     block_frames: int = 0  # latent frames per AR block; 0: the checkpoint's
     denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward)
     timestep_shift: float = 0.0  # flow-matching shift; 0: the checkpoint's

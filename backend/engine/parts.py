@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.checkpoint import load_text_encoder, load_transformer, load_vae
+from ..model.checkpoint import load_transformer
 from ..model.dtypes import TORCH_DTYPES
 from ..model.tensor_slices import TensorPart
 from ..model.text_encoder import PromptEncoder, PromptStates
@@ -27,12 +27,12 @@ class EngineParts:
 
 def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> EngineParts:
     """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
-    checkpoint, in either layout."""
+    checkpoint, as its layout reads them."""
     config, layout = spec.config, spec.checkpoint.layout
     device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
     transformer = load_transformer(layout.transformer, spec.checkpoint.transformer, dtype, device, part)
     prompts = None
     if rank == ENCODER_RANK:
-        encoder, tokenizer = load_text_encoder(layout, dtype, device)
+        encoder, tokenizer = layout.load_text_encoder(dtype, device)
         prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
-    return EngineParts(transformer, prompts, load_vae(layout, torch.float32, device))
+    return EngineParts(transformer, prompts, layout.load_vae(torch.float32, device))

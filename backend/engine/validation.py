@@ -8,7 +8,8 @@ from ..api.errors import ConfigError
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
 from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
-from .config import ATTENTION_BACKENDS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
+from ..model.layouts import resolve_layout
+from .config import ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
 from .geometry import VideoGeometry
 
 GLOBAL_WINDOW = -1  # window_frames: every frame of a session stays in its KV cache (the reference's -1)
@@ -40,7 +41,7 @@ class EngineSpec:
 def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
     """Read the checkpoint's JSON configs, resolve what the settings leave to the checkpoint, and validate;
     no weight is read."""
-    return spec_from_configs(config, read_checkpoint_configs(config.checkpoint), world_size)
+    return spec_from_configs(config, read_checkpoint_configs(resolve_layout(config.checkpoint)), world_size)
 
 
 def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> EngineSpec:
@@ -53,16 +54,10 @@ def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size:
 
 
 def resolve_settings(config: EngineConfig, ckpt: CheckpointConfigs) -> dict[str, Setting]:
-    """The one place block_frames, timestep_shift, window_frames and sink_frames are decided: an explicit
-    parameter wins, else the checkpoint's (its file, else its layout's source default)."""
-    explicit = {
-        "block_frames": config.block_frames != 0,
-        "timestep_shift": config.timestep_shift != 0,
-        "window_frames": config.window_frames != 0,
-        "sink_frames": config.sink_frames != -1,
-    }
-    return {name: Setting(getattr(config, name), PARAMETER) if given else ckpt.settings[name]
-            for name, given in explicit.items()}
+    """The one place the settings of CHECKPOINT_SETTINGS are decided: an explicit parameter (any value but the
+    table's) wins, else the checkpoint's (its file, else its layout's source default)."""
+    return {name: ckpt.settings[name] if getattr(config, name) == unset else Setting(getattr(config, name), PARAMETER)
+            for name, unset in CHECKPOINT_SETTINGS.items()}
 
 
 def describe_settings(spec: EngineSpec) -> list[str]:

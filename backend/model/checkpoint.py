@@ -1,4 +1,4 @@
-"""Loading a checkpoint in either layout (see layout): transformer shards, Wan VAE, umT5 text encoder.
+"""Loading a checkpoint's models, whichever its layout: transformer shards, .pth state dicts, the tokenizer.
 
 The transformer, and the official download's VAE and umT5 (.pth state dicts under Wan's own names), are built
 on the meta device and filled tensor by tensor: each tensor is read into a reused buffer, cast to its serving
@@ -7,7 +7,6 @@ in host memory (at most one source tensor at a time).
 """
 from __future__ import annotations
 
-import inspect
 import struct
 from pathlib import Path
 from typing import BinaryIO
@@ -16,9 +15,7 @@ import torch
 
 from ..api.errors import ConfigError
 from .config import TransformerConfig
-from .layout import CheckpointLayout
-from .official_names import UMT5_TIED, umt5_arguments, umt5_names, vae_arguments, vae_names
-from .pth_files import read_pth_index, read_pth_tensors
+from .pth_files import read_pth_tensors
 from .tensor_slices import TensorPart
 from .transformer import LingBotTransformer
 from .weight_files import few_names, read_header, shard_plan
@@ -113,59 +110,13 @@ def load_transformer(
     return model.eval().requires_grad_(False)
 
 
-def load_vae(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    from diffusers import AutoencoderKLWan
-
-    if not layout.official:
-        vae = AutoencoderKLWan.from_pretrained(str(layout.vae), torch_dtype=dtype, low_cpu_mem_usage=False)
-        return vae.to(device).eval()
-    return load_pth_vae(layout.vae, dtype, device)
-
-
-def load_text_encoder(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, object]:
-    from transformers import AutoTokenizer, UMT5EncoderModel
+def load_tokenizer(path: Path) -> object:
+    """The umT5 tokenizer directory (and, from here on, no progress bars of transformers in the server log)."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # no progress bars in the server log
-
-    tokenizer = AutoTokenizer.from_pretrained(str(layout.tokenizer))
-    if not layout.official:
-        # Eager attention is the reference T5Encoder's math bit for bit (float32 and bfloat16); SDPA, the default,
-        # is not.
-        encoder = UMT5EncoderModel.from_pretrained(str(layout.text_encoder), dtype=dtype, attn_implementation="eager")
-        return encoder.to(device).eval(), tokenizer
-    return load_pth_umt5(layout.text_encoder, dtype, device), tokenizer
-
-
-def load_pth_vae(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """AutoencoderKLWan from Wan's own VAE state dict (Wan2.1_VAE.pth), its architecture read from the names."""
-    from diffusers import AutoencoderKLWan
-
-    index = read_pth_index(path)
-    arguments = vae_arguments(index, path)
-    wan21_mean = inspect.signature(AutoencoderKLWan.__init__).parameters["latents_mean"].default
-    if arguments["z_dim"] != len(wan21_mean):
-        raise ConfigError(
-            f"{path}: z_dim {arguments['z_dim']}; the official layout carries no latent statistics, and "
-            f"Wan 2.1's (AutoencoderKLWan's defaults) are for z_dim {len(wan21_mean)}"
-        )
-    with torch.device("meta"):
-        vae = AutoencoderKLWan(**arguments)  # latents_mean / latents_std: Wan 2.1's, as Wan2_1_VAE hard-codes
-    fill_from_pth(vae, path, index, vae_names(vae), dtype, device)
-    return vae.eval().requires_grad_(False)
-
-
-def load_pth_umt5(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """UMT5EncoderModel from Wan's own umT5 encoder state dict, its architecture read from the names."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    index = read_pth_index(path)
-    with torch.device("meta"):
-        encoder = UMT5EncoderModel(UMT5Config(**umt5_arguments(index, path), attn_implementation="eager"))
-    fill_from_pth(encoder, path, index, umt5_names(encoder), dtype, device)
-    for tied, source in UMT5_TIED.items():
-        assign(encoder, tied, encoder.get_parameter(source))
-    return encoder.eval().requires_grad_(False)
+    transformers_logging.disable_progress_bar()
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def fill_from_pth(module: torch.nn.Module, path: Path, index: dict, names: dict[str, str], dtype: torch.dtype,

@@ -1,4 +1,4 @@
-"""The checkpoint's JSON configs (transformer, VAE, scheduler), read without touching any weight.
+"""The model's configs (transformer, VAE), and a checkpoint's read without touching any weight.
 
 Transformer field names are the reference's (`WanModelFast` in robbyant/lingbot-world-v2), so the random
 checkpoints write what the published checkpoint carries; diffusers-style names are accepted too.
@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api.errors import ConfigError
-from .layout import SOURCE_DEFAULTS, CheckpointLayout, Setting, resolve_layout
-from .official_names import vae_arguments
-from .pth_files import read_pth_index
+from .layout import CheckpointLayout, Setting
 from .weight_files import tensor_shape
 
 log = logging.getLogger(__name__)
@@ -224,13 +222,12 @@ class CheckpointConfigs:
     vae: VaeConfig
     layout: CheckpointLayout | None  # None for a model built in memory (the random-weights benchmark)
     # block_frames, timestep_shift, window_frames, sink_frames as the checkpoint's files or its layout's source say
-    settings: dict[str, Setting]
+    settings: Mapping[str, Setting]
 
 
-def read_checkpoint_configs(checkpoint: str) -> CheckpointConfigs:
-    """Read only the JSON files of a checkpoint in either layout (and a safetensors header when config.json
-    omits text_dim; the official VAE's architecture from its .pth's tensor names and shapes)."""
-    layout = resolve_layout(checkpoint)
+def read_checkpoint_configs(layout: CheckpointLayout) -> CheckpointConfigs:
+    """Read only the configs of a checkpoint, whichever its layout: the JSON files (and a safetensors header when
+    config.json omits text_dim), and what its layout reads for the VAE's geometry and the checkpoint's settings."""
     config_path = layout.transformer / "config.json"
     raw = read_json(config_path)
     text_dim = None
@@ -240,25 +237,5 @@ def read_checkpoint_configs(checkpoint: str) -> CheckpointConfigs:
         transformer = TransformerConfig.from_dict(raw, log, text_dim=text_dim)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{config_path}: {exc}") from exc
-    if layout.official:
-        vae = VaeConfig.from_dict(vae_arguments(read_pth_index(layout.vae), layout.vae))
-    else:
-        vae = VaeConfig.from_dict(read_json(layout.vae / "config.json"))
-    return CheckpointConfigs(transformer, vae, layout, checkpoint_settings(layout, transformer))
-
-
-def checkpoint_settings(layout: CheckpointLayout, transformer: TransformerConfig) -> dict[str, Setting]:
-    """The official layout's settings are its scripts' (the reference passes window and sink at load time,
-    over config.json's); the diffusers layout's come from its files where they name them."""
-    settings = dict(SOURCE_DEFAULTS[layout.kind])
-    if layout.official:
-        return settings
-    config_file = layout.transformer / "config.json"
-    if transformer.local_attn_size is not None:
-        settings["window_frames"] = Setting(transformer.local_attn_size, f"checkpoint file {config_file} local_attn_size")
-    if transformer.sink_size is not None:
-        settings["sink_frames"] = Setting(transformer.sink_size, f"checkpoint file {config_file} sink_size")
-    scheduler = layout.root / "scheduler" / "scheduler_config.json"
-    if scheduler.is_file() and "shift" in (raw := read_json(scheduler)):
-        settings["timestep_shift"] = Setting(float(raw["shift"]), f"checkpoint file {scheduler} shift")
-    return settings
+    vae = VaeConfig.from_dict(layout.vae_config())
+    return CheckpointConfigs(transformer, vae, layout, {**layout.kind.source_defaults, **layout.file_settings()})

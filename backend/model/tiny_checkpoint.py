@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from ..api.errors import ConfigError
 from .config import TransformerConfig, read_checkpoint_configs
+from .layouts import resolve_layout
 from .transformer import LingBotTransformer
 from .weight_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, shard_plan
 
@@ -164,7 +165,7 @@ def ensure_current(root: Path, preset_name: str = "tiny", seed: int = 0) -> bool
 
 def _is_current(root: Path) -> bool:
     try:
-        config = read_checkpoint_configs(str(root)).transformer
+        config = read_checkpoint_configs(resolve_layout(str(root))).transformer
         stored = {name for names in shard_plan(root / "transformer").values() for name in names}
     except ConfigError:
         return False

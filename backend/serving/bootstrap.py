@@ -89,7 +89,7 @@ class GroupMember:
         self.rank, self.hooks, self._finalizing = rank, hooks, False
         hooks.on_settings(spec.settings)
         if rank == 0:
-            log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind)
+            log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind.name)
             for line in describe_settings(spec):
                 log.info("setting %s", line)
         secret = group_secret() if world > 1 else ""
