@@ -20,10 +20,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                           f"and {REQUIRE_TOOLS}=1 says the whole suite must run"
 
 
-SERVER_FIXTURES = {"sp1_server", "sp2_server"}
+SERVER_FIXTURES = {"sp1_server", "sp2_server", "sp2_group"}
 
 
-SERVER_STARTERS = ("running_server", "run_group")  # a module that imports one starts servers or process groups
+SERVER_STARTERS = ("running_server", "run_group", "LocalGroup")  # a module that imports one starts servers or process groups
 
 
 def starts_servers(item: pytest.Item) -> bool:
@@ -72,3 +72,20 @@ def sp2_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
     with running_server(tmp_path_factory.mktemp("sp2"), tiny_checkpoint, sp=2, max_batch="1", max_sessions="3",
                         session_idle_timeout_s=str(SP2_IDLE_S), decode_frames="false") as s:
         yield s
+
+
+GROUP_IDLE_S = 4.0  # session_idle_timeout_s of the shared local SP2 group (sp2_group)
+
+
+@pytest.fixture(scope="session")
+def sp2_group(tiny_checkpoint: str):
+    """One SP2 serving group of two local processes (serving/local_group, no tritonserver) for the whole run:
+    one session per forward (latents compare bit for bit with SP1), no frame decode, a short steered-session
+    idle limit."""
+    from backend.serving.config import ServingConfig
+    from backend.serving.local_group import LocalGroup
+    from factories import tiny_config
+
+    serving = ServingConfig(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0)
+    with LocalGroup(tiny_config(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, world=2) as group:
+        yield group

@@ -85,3 +85,46 @@ def steered_events(groups: GroupHandles, config: EngineConfig, request: SessionR
             "text_k": [k.float().numpy() for k in session.text.keys],
             "text_v": [v.float().numpy() for v in session.text.values],
         }
+
+
+# -- serving members (serving/local_group): a setup run in each member's process, and calls into a member --
+
+ADMISSIONS = {"geometry_of": 0, "check_request": 0, "open_session": 0}
+
+
+def count_admissions(rank: int) -> None:
+    """Count, in this member's process, the request checks and the session openings it runs."""
+    import backend.api.codec as codec
+    import backend.engine.rollout as rollout
+
+    def counted(owner: object, name: str):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            ADMISSIONS[name] += 1
+            return real(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    counted(rollout.WorldModelEngine, "geometry_of")
+    counted(rollout.WorldModelEngine, "open_session")
+    counted(codec, "check_request")
+
+
+def admission_counts(member) -> dict[str, int]:
+    return dict(ADMISSIONS)
+
+
+def open_sessions(member) -> int:
+    """Sessions whose caches this member holds."""
+    return sum(part.engine is not None for part in list(member.coordinator.local.values()))
+
+
+def planned_blocks(member) -> dict[str, int]:
+    """Blocks planned per session not ended, as this member's scheduler copy has them."""
+    return {sid: s.computed for sid, s in list(member.coordinator.scheduler.table.items())}
+
+
+def weight_bytes(member) -> int:
+    """The transformer weights this member holds."""
+    return member.engine.transformer.weight_bytes()

@@ -79,7 +79,7 @@ def test_sequence_requests_parse_as_starts_and_steps() -> None:
     with pytest.raises(InputError, match=r"a step needs 'camera_poses'"):
         parse_request({}.get, "{}", "7", 0)
     event = parse_request({p.ACTION: np.array([b"w"], dtype=object),
-                           p.PROMPT: np.array(["it starts to snow".encode()], dtype=object)}.get, "{}", "7", 0)
+                           p.PROMPT: np.array([b"it starts to snow"], dtype=object)}.get, "{}", "7", 0)
     assert event.controls.keys == "w" and event.controls.prompt == "it starts to snow"
     with pytest.raises(InputError, match=r"input 'prompt' on a step rides on its block"):
         parse_request({p.PROMPT: np.array([b"snow"], dtype=object)}.get, "{}", "7", end_flag)

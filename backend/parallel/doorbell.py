@@ -12,7 +12,8 @@ import logging
 import socket
 import threading
 import weakref
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import torch.distributed as dist
 

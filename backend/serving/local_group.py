@@ -107,8 +107,8 @@ def _member_main(rank: int, world: int, engine_config: EngineConfig, serving: Se
         kind = message[0]
         if kind == "request":
             _, call, arrays, parameters, key, flags = message
-            responders[call] = responder = _QueueResponder(call, outbox)
-            member.handle(arrays.get, parameters, key, flags, lambda parsed: responder)
+            responders[call] = _QueueResponder(call, outbox)
+            member.handle(arrays.get, parameters, key, flags, lambda parsed, r=responders[call]: r)
         elif kind == "cancel":
             if (responder := responders.get(message[1])) is not None:
                 responder.cancelled = True
@@ -270,6 +270,11 @@ class LocalGroup:
                 if p.is_alive():
                     p.kill()
                 p.join(10)
+
+    @property
+    def pids(self) -> list[int]:
+        """The members' process ids, by rank."""
+        return [p.pid for p in self._procs]
 
     def events(self, kind: str, timeout_s: float) -> tuple[int, Any]:
         """The next (rank, payload) of a member event of this kind ('failed': a member's group failed)."""

@@ -1,0 +1,144 @@
+"""Steered sessions and world events in a serving group without tritonserver (serving/local_group, SP2 over
+gloo): what the group does with them, on every rank alike. What only Triton does with them (its sequence
+batcher, its START flag, the client over gRPC) is tested in test_steering.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from backend.api.codec import request_arrays
+from backend.api.contract import SEQUENCE_START
+from backend.api.controls import integrate, parse_key_script
+from backend.api.request import Controls, SessionRequest
+from backend.serving.config import ServingConfig
+from backend.serving.local_group import LocalGroup, LocalStreamError
+from conftest import GROUP_IDLE_S
+from factories import forward_poses, tiny_config, tiny_request
+from polling import wait_until
+
+pytestmark = pytest.mark.server  # starts groups of processes
+
+
+def steered(controls: Controls, seed: int = 42, **changes) -> SessionRequest:
+    base = tiny_request(num_frames=9, seed=seed, decode=False)
+    return dataclasses.replace(base, num_frames=None, poses=controls.poses, keys=controls.keys, **changes)
+
+
+def play(group: LocalGroup, steps: list[Controls], seed: int = 42, rank: int = 0, **changes) -> np.ndarray:
+    """Steer a session through `steps` (the first is the first block's camera), one block per request; its
+    latents along the frames."""
+    session = group.steered(steered(steps[0], seed, **changes), rank)
+    blocks = [session.next_block()]
+    for i, controls in enumerate(steps[1:], start=1):
+        session.step(controls, end=i == len(steps) - 1)
+        blocks.append(session.next_block())
+    assert [b.block_index for b in blocks] == list(range(len(steps)))
+    return np.concatenate([b.latents for b in blocks], axis=1)
+
+
+def pose_steps(poses: np.ndarray) -> list[Controls]:
+    return [Controls(poses=poses[:9])] + [Controls(poses=poses[i : i + 12]) for i in range(9, len(poses), 12)]
+
+
+def test_a_long_session_streams_every_block_once_in_order(sp2_group) -> None:
+    window_blocks = 3  # the tiny checkpoint's 9-frame window
+    latents = play(sp2_group, [Controls(keys="w")] * (3 * window_blocks), rank=1)
+    assert latents.shape == (4, 3 * 3 * window_blocks, 8, 8)
+
+
+def test_whole_trajectory_and_steps_give_identical_latents(sp2_group, engine) -> None:
+    poses = forward_poses(57, step=0.25)  # constant speed: the running scale is the clip's from block 0 on
+    request = tiny_request(num_frames=57, poses=poses, decode=False)
+    whole = np.concatenate([b.latents for b in sp2_group.stream(request, rank=1)], axis=1)
+    assert np.array_equal(whole, play(sp2_group, pose_steps(poses)))
+    alone = np.concatenate([o.latents[0].numpy() for o, _ in engine.generate(request, decode=False)], axis=1)
+    assert np.array_equal(whole, alone)  # SP2 served == SP1 direct, bit for bit
+
+
+def test_a_key_script_equals_the_poses_it_integrates_to(sp2_group) -> None:
+    keys = parse_key_script("w*2,wj,d")
+    first = np.concatenate([np.eye(4, dtype=np.float32)[None], integrate(np.eye(4), keys[0], 8)])
+    poses = [first]
+    for k in keys[1:]:
+        poses.append(integrate(poses[-1][-1], k, 12))
+    by_keys = play(sp2_group, [Controls(keys=k) for k in keys])
+    assert np.array_equal(by_keys, play(sp2_group, [Controls(poses=p) for p in poses], rank=1))
+
+
+def test_two_events_give_the_same_bits_on_either_owner_as_on_one_rank(sp2_group, engine) -> None:
+    from backend.engine.blocks import BlockControls
+
+    steps = [Controls(keys="w"), Controls(keys="w", prompt="it starts to snow"), Controls(keys="d"),
+             Controls(keys="d", prompt="a castle in the forest"), Controls(keys="w")]
+    served = [play(sp2_group, steps, rank=r) for r in (0, 1)]
+    with engine.session(steered(steps[0])) as session:
+        alone = []
+        for controls in [Controls(keys="w")] + steps[1:]:
+            if controls.prompt is not None:
+                engine.set_prompt(session, controls.prompt)
+            alone.append(engine.run_block([session], {session.id: BlockControls(controls)})[0].latents[0].numpy())
+    assert np.array_equal(served[0], served[1]) and np.array_equal(served[0], np.concatenate(alone, axis=1))
+
+
+def test_an_idle_session_expires_on_every_rank_and_frees_its_caches(sp2_group) -> None:
+    session = sp2_group.steered(steered(Controls(keys="w")), rank=1)  # no pause held open
+    assert session.next_block().block_index == 0
+    wait_until(lambda: all(sp2_group.call(r, "sp_workers:open_sessions") == 0 for r in (0, 1)), GROUP_IDLE_S + 30,
+               "the idle session to expire on both ranks")
+    with pytest.raises(LocalStreamError, match=r"no running session \d+: the session sent no step for "
+                                               r"session_idle_timeout_s=4 s and was ended; start a new one"):
+        session.step(Controls(keys="w")).next()
+
+
+def test_hold_keeps_playing_and_flags_held_blocks(sp2_group) -> None:
+    session = sp2_group.steered(steered(Controls(keys="d"), on_starve="hold"), rank=1)
+    assert not session.next_block().held
+    # No step sent: the session repeats its last motion for one block ahead, then waits.
+    wait_until(lambda: 2 in sp2_group.call(0, "sp_workers:planned_blocks").values(), 60, "a held block")
+    session.step(Controls(keys="d"))
+    late = session.next_block()
+    assert late.held and late.block_index == 1
+    session.step(Controls(keys="d"), end=True)
+    last = session.next_block()
+    assert not last.held and last.block_index == 2
+
+
+def test_a_cancelled_session_leaves_the_others_running_then_a_third_plays(sp2_group) -> None:
+    a = sp2_group.steered(steered(Controls(keys="w"), seed=1), rank=0)
+    b = sp2_group.steered(steered(Controls(keys="a"), seed=2), rank=1)
+    assert a.next_block().block_index == 0 and b.next_block().block_index == 0
+    a.step(Controls(keys="w")).cancel()  # its client goes away mid-session
+    b.step(Controls(keys="a"))
+    assert b.next_block().block_index == 1
+    wait_until(lambda: sum(sp2_group.call(r, "sp_workers:open_sessions") for r in (0, 1)) == 2, 30,
+               "the cancelled session to free its caches on both ranks (b's stay)")
+    b.step(Controls(keys="a"), end=True)
+    assert b.next_block().block_index == 2
+    assert play(sp2_group, [Controls(keys="s")] * 2, seed=3).shape[1] == 6
+
+
+def test_bad_steps_get_clear_errors_and_the_session_goes_on(sp2_group) -> None:
+    session = sp2_group.steered(steered(Controls(keys="w")), rank=1)
+    session.next_block()
+    with pytest.raises(LocalStreamError, match=r"camera_poses must be FP32 \[12, 4, 4\]; got float32 \[5, 4, 4\]"):
+        session.step(Controls(poses=forward_poses(5))).next()
+    with pytest.raises(LocalStreamError, match=r"action 'wq' holds unknown key\(s\) \['q'\]"):
+        sp2_group.request(1, {"action": np.array([b"wq"], dtype=object)}, {}, session.key).next()
+    again = sp2_group.request(1, request_arrays(steered(Controls(keys="w"))), {}, session.key, SEQUENCE_START)
+    with pytest.raises(LocalStreamError, match=r"session \d+ is already running"):
+        again.next()
+    session.step(Controls(keys="w"), end=True)
+    assert session.next_block().block_index == 1
+
+
+def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
+    config = tiny_config(tiny_checkpoint, decode_frames=False)
+    with LocalGroup(config, ServingConfig(max_session_s=3.0), world=1) as group:
+        session = group.steered(steered(Controls(keys="w")))
+        session.next_block()
+        with pytest.raises(LocalStreamError, match=r"max_session_s=3 s"):
+            for _ in range(200):  # keep stepping: the cap, not idleness, ends it
+                session.step(Controls(keys="w"))
+                session.next_block()
