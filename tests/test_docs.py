@@ -15,7 +15,7 @@ PENDING = {"docs/security.md", "docs/checkpoints.md", "docs/fidelity.md", "docs/
 
 
 def test_committed_api_doc_is_the_current_rendering() -> None:
-    assert API_DOC.read_text() == render(), "docs/api.md is stale: run `python -m backend.launch.api_doc`"
+    assert API_DOC.read_text() == render(), "docs/api.md is stale: run `python -m backend.launch.generated`"
 
 
 def test_api_doc_has_every_input_output_parameter_and_setting_with_a_description() -> None:

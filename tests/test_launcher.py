@@ -15,9 +15,9 @@ from backend.api import contract
 from backend.api.settings import format_value, parameter_fields
 from backend.engine.config import EngineConfig
 from backend.launch.launcher import build_parser, main, parse_param, render
+from backend.launch.generated import rendered
 from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
-from backend.launch.paths import TEMPLATE_DIR
 from backend.launch.server import CPU_ONLY_ARGS, TritonServer
 from backend.parallel.ports import port_in_use
 from backend.serving.config import ServingConfig, split_parameters
@@ -48,7 +48,8 @@ def test_inputs_and_outputs_are_the_contract() -> None:
 
 
 def test_committed_config_is_the_default_rendering() -> None:
-    assert (TEMPLATE_DIR / "config.pbtxt").read_text() == render_config(instances=1, kind="KIND_CPU")
+    for path, text in rendered().items():  # config.pbtxt and docs/api.md
+        assert path.read_text() == text, f"{path} is stale: run `python -m backend.launch.generated`"
 
 
 def test_every_setting_is_a_parameter_with_its_default() -> None:

@@ -57,6 +57,16 @@ def test_a_recorded_world_replays_bit_for_bit(recorded: Path, server: str, repla
         assert np.array_equal(block.used.camera, kept.camera)
 
 
+BEFORE_THE_LIFECYCLE = Path(__file__).parent / "data" / "recording_stop29.npz"  # played by the server of stop 29
+
+
+def test_a_recording_written_before_the_one_lifecycle_replays_bit_for_bit(sp1_server, capsys) -> None:
+    """`client play --record` on the code before sessions had one writer (commit 8c13b8a): 3 blocks, a world
+    event on block 1, keys w, wj, d, on the tiny checkpoint; the wire contract and the recording format hold."""
+    assert main(["replay", str(BEFORE_THE_LIFECYCLE), "--url", sp1_server.grpc_url, "--steps"]) == 0
+    assert "bit-identical to the recording: 3 of 3 blocks" in capsys.readouterr().out
+
+
 def test_the_replay_cli_reports_a_differing_block(recorded: Path, sp1_server, tmp_path: Path, capsys) -> None:
     """A recording whose block 3 hash is not what the server computes: the table says which, the exit is 1."""
     with np.load(recorded, allow_pickle=False) as npz:

@@ -14,6 +14,18 @@ import torch.distributed as dist
 from .group import join_group
 from .ports import free_port
 
+# What every rank imports anyway: the fork server imports it once, and each rank starts as a fork of it (about
+# 5 s of imports a process saved on a 2-core machine). It touches no GPU and starts no thread pool.
+PRELOAD = ["torch", "torch.distributed", "numpy", "diffusers", "transformers", "backend.engine.rollout"]
+
+
+def process_context() -> mp.context.BaseContext:
+    """Where local ranks start: forks of a fork server that has imported `PRELOAD` (not of the caller, whose
+    threads and torch state a plain fork would copy)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def _rank_main(
     rank: int, world: int, port: int, secret: str, backend: str, fn: Callable, args: tuple, threads: int,
@@ -46,7 +58,7 @@ def run_group(
 
     With backend "nccl", rank r runs on cuda:r.
     """
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results: mp.Queue = ctx.Queue()
     port, secret = free_port(), secrets.token_hex(16)
     procs = [

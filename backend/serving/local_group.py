@@ -30,6 +30,7 @@ from ..api.errors import InputError
 from ..api.request import Controls, SessionRequest
 from ..engine.blocks import BlockOutput
 from ..engine.config import EngineConfig
+from ..parallel.local import process_context
 from ..parallel.ports import free_port
 from ..parallel.secret import SECRET_VARIABLE
 from .config import ServingConfig
@@ -193,7 +194,7 @@ class LocalGroup:
                  setup: str | None = None, start_timeout_s: float = 300.0) -> None:
         """setup: 'module:function', called with the rank in each member's process before it starts."""
         self.world = world
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         serving = dataclasses.replace(serving, rendezvous_port=free_port())
         secret = secrets.token_hex(16)
         self._outbox: mp.Queue = ctx.Queue()
