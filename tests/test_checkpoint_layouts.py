@@ -21,6 +21,8 @@ from backend.model.layouts import resolve_layout
 from backend.model.official_checkpoint import official_copy
 from backend.model.pth_files import read_pth_index, read_pth_tensors
 from backend.model.tiny_checkpoint import write_checkpoint
+from backend.serving.config import ServingConfig
+from backend.serving.local_group import LocalGroup
 from client.recording import RecordedBlock, Recording
 from client.replay import replay_whole
 from client.stream import StreamError
@@ -194,23 +196,23 @@ def diffusers_recording() -> Recording:
 
 
 def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts, tmp_path: Path) -> None:
-    """The official layout's own settings (4 latent frames a block, shift 10, window 18, sink 6) through Triton."""
+    """The official layout's own settings (4 latent frames a block, shift 10, window 18, sink 6): through Triton
+    at SP1 (its metrics say them, a replay on other settings is refused), and in a group of two at SP2."""
     request = tiny_request(num_frames=77)  # 5 blocks of 4 latent frames: 13 video frames, then 16 each
-    latents = {}
-    for sp in (1, 2):
-        with running_server(tmp_path, str(both_layouts[1]), sp=sp, window_frames="0", sink_frames="-1",
-                            max_batch="1") as server:
-            blocks = stream(server.grpc_url, request, timeout=240)
-            if sp == 1:
-                shown = setting_metrics(server)
-                log = server.log_path.read_text(errors="replace")
-                with pytest.raises(StreamError, match=r"block_frames: expected 3, this server 4; sink_frames: expected "
-                                   r"3, this server 6; timestep_shift: expected 5.0, this server 10.0; window_frames"):
-                    replay_whole(diffusers_recording(), server.grpc_url, "lingbot_world", False, 60)
-        assert [b.frames.shape[0] for b in blocks] == [13, 16, 16, 16, 16]
-        assert all(b.latents.shape == (16, 4, 8, 8) for b in blocks)
-        latents[sp] = latents_of(blocks)
-    assert np.array_equal(latents[1], latents[2])
+    with running_server(tmp_path, str(both_layouts[1]), sp=1, window_frames="0", sink_frames="-1") as server:
+        blocks = {1: stream(server.grpc_url, request, timeout=240)}
+        shown = setting_metrics(server)
+        log = server.log_path.read_text(errors="replace")
+        with pytest.raises(StreamError, match=r"block_frames: expected 3, this server 4; sink_frames: expected "
+                           r"3, this server 6; timestep_shift: expected 5.0, this server 10.0; window_frames"):
+            replay_whole(diffusers_recording(), server.grpc_url, "lingbot_world", False, 60)
+    config = tiny_config(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
+    with LocalGroup(config, ServingConfig(max_batch=1), world=2) as group:
+        blocks[2] = group.stream(request, rank=1, timeout_s=240)
+    for sp, served in blocks.items():
+        assert [b.frames.shape[0] for b in served] == [13, 16, 16, 16, 16], sp
+        assert all(b.latents.shape == (16, 4, 8, 8) for b in served)
+    assert np.array_equal(latents_of(blocks[1]), np.concatenate([b.latents for b in blocks[2]], axis=1))
     assert {k: v[0] for k, v in shown.items()} == {
         "block_frames": 4, "timestep_shift": 10.0, "window_frames": 18, "sink_frames": 6}
     assert shown["window_frames"][1] == "official script default (run_fast.sh --local_attn_size)"

@@ -67,33 +67,38 @@ def test_idle_sp2_instances_block_instead_of_polling(sp2_server) -> None:
     assert time.monotonic() - start < 1.5
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["rank0_store_host", "rank1"])
-def test_dead_owner_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path, tiny_checkpoint: str,
-                                                                      victim: int) -> None:
-    """A rank that owns a stream is killed outright (rank 0 also hosts the group's store): the survivor fails
-    at once, frees the rendezvous port and the model's memory, and the operator's reload serves."""
+def test_a_dead_owner_on_either_rank_errors_the_survivors_streams_and_a_reload_serves(tmp_path: Path,
+                                                                                        tiny_checkpoint: str) -> None:
+    """A rank that owns a stream is killed outright, rank 1, then, after the reload, rank 0 (it also hosts the
+    group's store): each time the survivor fails at once, frees the rendezvous port and the model's memory, and
+    the operator's reload serves."""
     timeout_s = 5
     with running_server(tmp_path, tiny_checkpoint, sp=2, collective_timeout_s=str(timeout_s)) as server:
-        threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)
-        wait_until(lambda: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > 0 for r in (0, 1)), 60,
-                   "blocks sent by both instances")
-        os.kill(server.stub_pids()[victim], signal.SIGKILL)
-        assert wait_not_ready(server.grpc_url, 10) < 5  # a dead peer's sockets close: no timeout to wait out
-        wait_until(lambda: f"rank {1 - victim}: model released" in Path(server.log_path).read_text(), 10,
-                   "the survivor to release the model")
-        for t in threads:
-            t.join()
-        # The survivor's stream ends with a plain sentence; the backend's text stays in the server log.
-        survivor = [e for e in errors if "lost one of its model instances" in e]
-        assert survivor and not any(re.search(r"gloo|Connection|Error\(|GLHF", e) for e in errors), errors
-        assert "Connection" in Path(server.log_path).read_text()
-        # The survivor left the group at once, so a reload rendezvouses on the same port and serves.
-        with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            client.load_model(MODEL, headers=server.admin_headers())
-            assert client.is_model_ready(MODEL)
-        assert len(stream(server.grpc_url, tiny_request(num_frames=21), timeout=60)) == 2
-        # The killed owner's gauge read 1 past its death; the reloaded model counts from zero.
-        assert metrics(server)["lingbot_world_streams_open"] == 0
+        log = Path(server.log_path)
+        for victim in (1, 0):
+            released = log.read_text().count(f"rank {1 - victim}: model released")  # by an earlier round
+            threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)
+            before = [metrics(server, r).get("lingbot_world_blocks_total", 0) for r in (0, 1)]
+            wait_until(lambda seen=before: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > b
+                                               for r, b in zip((0, 1), seen)), 60, "blocks sent by both instances")
+            os.kill(server.stub_pids()[victim], signal.SIGKILL)
+            assert wait_not_ready(server.grpc_url, 10) < 5  # a dead peer's sockets close: no timeout to wait out
+            survivor_released = f"rank {1 - victim}: model released"
+            wait_until(lambda line=survivor_released, n=released: log.read_text().count(line) > n, 10,
+                       "the survivor to release the model")
+            for t in threads:
+                t.join()
+            # The survivor's stream ends with a plain sentence; the backend's text stays in the server log.
+            survivor = [e for e in errors if "lost one of its model instances" in e]
+            assert survivor and not any(re.search(r"gloo|Connection|Error\(|GLHF", e) for e in errors), errors
+            assert "Connection" in log.read_text()
+            # The survivor left the group at once, so a reload rendezvouses on the same port and serves.
+            with grpcclient.InferenceServerClient(server.grpc_url) as client:
+                client.load_model(MODEL, headers=server.admin_headers())
+                assert client.is_model_ready(MODEL)
+            assert len(stream(server.grpc_url, tiny_request(num_frames=21), timeout=60)) == 2
+            # The killed owner's gauge read 1 past its death; the reloaded model counts from zero.
+            assert metrics(server)["lingbot_world_streams_open"] == 0
 
 
 @pytest.mark.parametrize("case", ["open_sequence", "dead_owner"])
@@ -119,23 +124,23 @@ def test_stop_ends_in_under_10_s_and_removes_its_shared_memory(tmp_path: Path, t
                 t.join()
 
 
-def test_fifty_sessions_keep_memory_bounded(sp1_server) -> None:
+def test_thirty_sessions_keep_memory_bounded(sp1_server) -> None:
     (stub,) = sp1_server.stub_pids().values()
     request = tiny_request(num_frames=21)
-    for _ in range(10):  # warm-up: allocator pools, first-call caches
+    for _ in range(5):  # warm-up: allocator pools, first-call caches
         stream(sp1_server.grpc_url, request)
     before = status_kib(stub, "VmRSS")
-    for i in range(50):
+    for i in range(30):
         blocks = stream(sp1_server.grpc_url, tiny_request(num_frames=21, seed=i))
         assert len(blocks) == 2
     growth_mib = (status_kib(stub, "VmRSS") - before) / 1024
-    print(f"stub RSS growth over 50 sessions: {growth_mib:.1f} MiB")
+    print(f"stub RSS growth over 30 sessions: {growth_mib:.1f} MiB")
     # glibc arenas make RSS step by tens of MiB without a trend (seen: +27, +54, -27 MiB per 20
     # sessions); a leaked session would also leave its cache behind, which the log check catches exactly.
     assert growth_mib < 128
     log = Path(sp1_server.log_path).read_text()
     ended = re.findall(r"session \S+ finished after 2 of 2 blocks; freed \d+ cache bytes \(left: (\d+)\); open sessions: (\d+)", log)
-    assert len(ended) >= 60 and {left for left, _ in ended} == {"0"}
+    assert len(ended) >= 35 and {left for left, _ in ended} == {"0"}
     assert ended[-1][1] == "0"
 
 
