@@ -146,6 +146,9 @@ class TritonServer:
             # Explicit control, so a model whose group failed can unload itself (in process, not over the
             # restricted APIs) and read not-ready.
             "--model-control-mode=explicit",
+            # config.pbtxt is complete (rendered from the contract): without this, the Python backend starts
+            # one more stub per load only to ask the model for a config (5 s of imports on 2 cores).
+            "--disable-auto-complete-config",
             # Each server's Python-backend shared-memory regions get their own names: servers on one host
             # (tests, multi-host ranks on one machine) otherwise share "triton_python_backend_shm_region_*".
             f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}{self.grpc_port}_",
