@@ -127,7 +127,8 @@ def test_end_flag_with_a_camera_makes_that_block_the_last() -> None:
     s.plan([RankEvents()])
     a = s.table["a"]
     ending = s.plan([step("a", "d", end=True)])
-    assert ending.batch == ending.finishing == ["a"] and a.state is State.DONE and a.ending == Ending(FINISHED)
+    assert ending.batch == ["a"] and ending.finishing == [("a", Ending(ENDED))]  # its client's end flag
+    assert a.state is State.DONE and a.ending == Ending(ENDED)
     assert s.plan([RankEvents()]).idle and not s.table  # its slot is free once its last block is planned
 
 
@@ -148,7 +149,7 @@ def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None
     assert s.table["b"].state is State.ENDING
     assert [o.id for o in s.plan([RankEvents(cancelled=["a"])]).opens] == ["b"]
     assert [(keys_of(p, "b"), p.finishing) for p in (s.plan([RankEvents()]), s.plan([RankEvents()]))] \
-        == [("w", []), ("d", ["b"])]
+        == [("w", []), ("d", [("b", Ending(ENDED))])]
 
 
 def test_a_set_length_ends_with_its_last_block_and_failures_end_before_any_block() -> None:
@@ -157,9 +158,9 @@ def test_a_set_length_ends_with_its_last_block_and_failures_end_before_any_block
     failed = Ending(REJECTED, "could not open")
     first = s.plan([RankEvents(), RankEvents(failed=[("broken", failed), ("unknown", failed)])])
     assert first.ended == [("broken", failed)] and first.batch == ["clip", "bounded"]
-    assert first.finishing == ["bounded"]  # max_blocks=1
+    assert first.finishing == [("bounded", Ending(FINISHED))]  # max_blocks=1: its set length
     second = s.plan([deliver_all(s)])
-    assert second.batch == second.finishing == ["clip"] and not s.table
+    assert second.batch == ["clip"] and second.finishing == [("clip", Ending(FINISHED))] and not s.table
 
 
 class Answered:

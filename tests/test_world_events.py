@@ -144,7 +144,7 @@ def test_a_served_session_holds_the_same_cache_bytes_after_five_events(sp1_serve
     def freed_after(script: str) -> int:
         seen = len(log.read_text())
         play(sp1_server.grpc_url, keys(script))
-        found = wait_until(lambda: re.findall(r"session r0-\d+ finished after .*; freed (\d+) cache bytes",
+        found = wait_until(lambda: re.findall(r"session r0-\d+ ended by its client after .*; freed (\d+) cache bytes",
                                               log.read_text()[seen:]), 30, "the session to end")
         return int(found[-1])
 

@@ -292,14 +292,14 @@ class GroupCoordinator:
                 self._set_prompt(session, controls.controls.prompt)
         with self.cpu.run_block(len(plan.batch)):
             outputs = self.engine.run_block(sessions, plan.controls)
-        finishing = set(plan.finishing)
+        finishing = {sid for sid, _ in plan.finishing}
         for sid, session, output in zip(plan.batch, sessions, outputs):
             owner = self.local[sid].owner
             stream = owner.stream if owner is not None else None
             if stream is not None or session.split_decode:
                 self.decoder.block(stream, session, output, final=sid in finishing)
-        for sid in plan.finishing:
-            self._end(sid, Ending(EndReason.FINISHED))
+        for sid, ending in plan.finishing:
+            self._end(sid, ending)
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""

@@ -50,7 +50,7 @@ class Plan:
     opens: list[SharedSession] = field(default_factory=list)
     batch: list[str] = field(default_factory=list)  # sessions that run their next block together
     controls: dict[str, BlockControls] = field(default_factory=dict)  # the steered sessions' of the batch
-    finishing: list[str] = field(default_factory=list)  # sessions of the batch that end after it (last block)
+    finishing: list[tuple[str, Ending]] = field(default_factory=list)  # the batch's sessions that end after it
     stop: bool = False
 
     @property
@@ -105,7 +105,7 @@ class Scheduler:
         if before_batch:
             plan.ended.append((sid, ending))
         else:
-            plan.finishing.append(sid)
+            plan.finishing.append((sid, ending))
 
     def _step(self, step: StepEvent, plan: Plan) -> None:
         s = self.table.get(step.session_id)
@@ -148,8 +148,9 @@ class Scheduler:
                 controls = s.steps.popleft() if s.steps else None  # None: hold the last motion
                 plan.controls[s.id] = BlockControls(controls)
             plan.batch.append(s.id)
-            if s.last_block_planned():
-                self._end(s.id, Ending(EndReason.FINISHED), plan, before_batch=False)
+            if s.last_block_planned():  # its client's end flag, or its set length
+                reason = EndReason.ENDED if s.state is State.ENDING else EndReason.FINISHED
+                self._end(s.id, Ending(reason), plan, before_batch=False)
 
     def _queue_full(self) -> str:
         settings = self.settings

@@ -31,8 +31,8 @@ class State(enum.Enum):
 class EndReason(enum.Enum):
     """Why a session ended, as logged and counted (lingbot_world_sessions_ended_total{reason})."""
 
-    FINISHED = "finished"  # its last block ran
-    ENDED = "ended by its client"  # a steered session's end flag, with no block left to run
+    FINISHED = "finished"  # its set length ran (a clip's blocks, a steered session's max_blocks)
+    ENDED = "ended by its client"  # a steered session's end flag, once the blocks its steps asked for ran
     REJECTED = "rejected"  # the queue was full, or it could not be opened
     FAILED = "failed"  # its own decode failed on its owner
     CANCELLED = "cancelled"  # its client went away
