@@ -61,12 +61,10 @@ class TritonPythonModel:
         self.member.stop()
 
     def _on_group_failure(self, exc: BaseException) -> None:
-        """The member has left the group and released the model; unload it so that it reads not ready.
-
-        Leaving at once, not in finalize, matters when a peer that owned a stream died: Triton 2.51 keeps a
-        model loaded while a dead stub's response factory lives (forever), so finalize never runs here,
-        and a reload needs this rank's rendezvous port and sockets back.
-        """
+        """The group failed: ask Triton to unload the model so that it reads not ready (the member then leaves
+        the group and releases the model at once, not in finalize: Triton 2.51 keeps a model loaded while a dead
+        stub's response factory lives, forever, so finalize may never run here, and a reload needs this rank's
+        rendezvous port and sockets back)."""
         self._unload_claim = claim_for_this_host(f"lingbot-unload-{self.member.load_id}-{self.host_rank}")
         if self._unload_claim is None:  # another instance of this server asked: a second ask, landing after an
             # operator's prompt reload, would unload the new load

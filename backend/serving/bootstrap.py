@@ -142,14 +142,15 @@ class GroupMember:
         log.info("rank %d: model released (RSS now %s)", self.rank, rss())
 
     def _on_group_failure(self, exc: BaseException) -> None:
-        """In-flight streams already got their error: leave the group and release the model now (a host may
-        never get to stop this member: see the adapter), then tell the host."""
-        leave_group()
-        self._release()
+        """In-flight streams already got their error: tell the host (a hung peer can hold the group's teardown),
+        then leave the group and release the model now (a host may never get to stop this member: see the
+        adapter)."""
         if self._finalizing:
             log.error("rank %d: sequence-parallel group failed (%r) while the model unloads", self.rank, exc)
-            return
-        self.hooks.on_failure(exc)
+        else:
+            self.hooks.on_failure(exc)
+        leave_group()
+        self._release()
 
 
 def rss() -> str:
