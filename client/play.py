@@ -3,7 +3,8 @@
     python -m client play --prompt "a castle" --keys "w*6,wa*2,j*3" --out out/play.mp4
 
 Each step of the script is one block (see backend/api/controls.py for the keys and step sizes); an entry
-"@text" is a world event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"). The client
+"@text" is a world event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"); "@!text"
+also recomputes the cached frames under it, so the old prompt does not linger (request parameter recache). The client
 keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
 Per block it prints the step latency (request sent to block received) and the real-time factor: seconds of
 video at 16 fps delivered per second since the first block (>= 1 keeps up with playback). With --record FILE
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
-                             height=args.height, width=args.width, keys=steps[0][0], on_starve=args.on_starve,
+                             height=args.height, width=args.width, keys=steps[0].keys, on_starve=args.on_starve,
                              return_used=args.record is not None)
     recorder = Recorder(request) if args.record else None
     sheet = ContactSheet() if args.contact_sheet else None
@@ -70,8 +71,7 @@ def main(argv: list[str]) -> int:
             sent = 1
             for received in range(len(steps)):
                 while sent < len(steps) and sent - received <= args.lookahead:
-                    keys, prompt = steps[sent]
-                    session.step(Controls(keys=keys, prompt=prompt), end=sent == len(steps) - 1)
+                    session.step(steps[sent], end=sent == len(steps) - 1)
                     sent += 1
                 block = session.next_block(args.timeout)
                 latency = block.arrival_s - session.sent_s[received]
@@ -80,12 +80,13 @@ def main(argv: list[str]) -> int:
                 if recorder is not None:
                     recorder.add(block)
                 if sheet is not None:
-                    sheet.add(block.frames, block.block_index, event=steps[received][1] is not None)
+                    sheet.add(block.frames, block.block_index, event=steps[received].prompt is not None)
                 factor = rate.add(len(block.frames), block.arrival_s)
                 rtf = "n/a" if factor is None else f"{factor:.2f}x"
-                keys, prompt = steps[received]
-                event = "" if prompt is None else f", prompt now {prompt!r}"
-                print(f"block {block.block_index}: keys {keys or '-'!r:6} {len(block.frames)} frames, "
+                step = steps[received]
+                event = "" if step.prompt is None else \
+                    f", prompt now {step.prompt!r}{' (cache recomputed)' if step.recache else ''}"
+                print(f"block {block.block_index}: keys {step.keys or '-'!r:6} {len(block.frames)} frames, "
                       f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
                       f"{', HELD (step late)' if block.held else ''}{event}", flush=True)
     except (StreamError, RecordingError) as exc:

@@ -41,6 +41,7 @@ class RecordedBlock:
     latents_sha256: str
     held: bool = False  # ran on held controls (its step came late)
     event: str | None = None  # the world event that took effect at this block: the prompt from here on
+    recache: bool = False  # with the event, the cached frames were recomputed under it (request parameter recache)
 
 
 @dataclass
@@ -69,8 +70,8 @@ class Recording:
             "format": FORMAT, "version": VERSION, "about": ABOUT,
             "prompt": self.prompt, "seed": self.seed, "height": self.height, "width": self.width,
             "settings": self.settings,
-            "blocks": [{"frames": len(b.camera), "held": b.held, "event": b.event, "latents_sha256": b.latents_sha256}
-                       for b in self.blocks],
+            "blocks": [{"frames": len(b.camera), "held": b.held, "event": b.event, "recache": b.recache,
+                        "latents_sha256": b.latents_sha256} for b in self.blocks],
         }
         arrays = {"meta": np.array(json.dumps(meta)), "image": self.image,
                   "camera": np.concatenate([b.camera for b in self.blocks]).astype(np.float32)}
@@ -189,7 +190,10 @@ def _parse(arrays: dict[str, np.ndarray]) -> Recording:
             if not isinstance(event, str) or i == 0:
                 raise RecordingError(f"{where}.event must be text, and block 0 takes the session's own prompt")
             check_prompt(event)
-        blocks.append(RecordedBlock(poses, sha, bool(_field(entry, "held", bool, where)), event))
+        recache = entry.get("recache", False)  # absent before recaches were recorded
+        if not isinstance(recache, bool) or (recache and event is None):
+            raise RecordingError(f"{where}.recache must be true or false, and true only with an event")
+        blocks.append(RecordedBlock(poses, sha, bool(_field(entry, "held", bool, where)), event, recache))
     return Recording(image, prompt, seed, height, width, settings, intrinsics, blocks)
 
 
@@ -222,9 +226,10 @@ class Recorder:
                 raise RecordingError("the session's first block came without the server's settings_used")
             r = self.request
             self.recording = Recording(r.image, r.prompt, r.seed, r.height, r.width, used.settings, r.intrinsics)
-        event = used.prompt if used.prompt != self._prompt else None
+        event = used.prompt if used.prompt != self._prompt or used.recached else None
         self._prompt = used.prompt
-        self.recording.blocks.append(RecordedBlock(used.camera, used.latents_sha256, block.held, event))
+        self.recording.blocks.append(RecordedBlock(used.camera, used.latents_sha256, block.held, event,
+                                                   used.recached))
 
     def save(self, path: str | Path) -> Path | None:
         """Write what was recorded (None: no block arrived, nothing written)."""

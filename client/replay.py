@@ -66,7 +66,7 @@ def replay_steps(recording: Recording, url: str, model: str, decode: bool, timeo
     """A steered session again: the first request with block 0's poses, then one step per block (lookahead 1),
     each with its recorded poses and world event; on_starve=wait, so no block is held this time."""
     blocks = recording.blocks
-    steps = [Controls(poses=b.camera, prompt=b.event) for b in blocks[1:]]
+    steps = [Controls(poses=b.camera, prompt=b.event, recache=b.recache) for b in blocks[1:]]
     received: list[BlockResponse] = []
     with SteeredSession(url, model_name=model) as session:
         session.start(base_request(recording, decode, poses=blocks[0].camera, num_frames=None))
@@ -102,7 +102,7 @@ def table(recording: Recording, checks: list[BlockCheck]) -> str:
     for check, block in zip(checks, recording.blocks):
         lines.append(f"{check.index:>5}  {len(block.camera):>6}  {'yes' if block.held else '-':>4}  "
                      f"{check.recorded[:16]:<16}  {(check.replayed or 'missing')[:16]:<16}  "
-                     f"{'yes' if check.same else 'NO':<4}  {block.event or ''}")
+                     f"{'yes' if check.same else 'NO':<4}  {block.event or ''}{' (recache)' if block.recache else ''}")
     return "\n".join(lines)
 
 

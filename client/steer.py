@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
-from backend.api.codec import BlockResponse, controls_arrays, request_arrays, request_parameters
+from backend.api.codec import BlockResponse, controls_arrays, controls_parameters, request_arrays, request_parameters
 from backend.api.request import Controls, SessionRequest
 from client.stream import StreamError, model_error, new_sequence_id, pack_inputs, parse_response
 
@@ -99,7 +99,7 @@ class SteeredSession:
         self._send(request_arrays(request), start=True, parameters=request_parameters(request))
 
     def step(self, controls: Controls, end: bool = False) -> None:
-        self._send(controls_arrays(controls), end=end, parameters=self._step_parameters)
+        self._send(controls_arrays(controls), end=end, parameters=self._step_parameters | controls_parameters(controls))
 
     def end(self) -> None:
         """Close the session without another block (its answer is an empty final response)."""

@@ -157,3 +157,11 @@ def test_each_input_is_checked_at_parse_and_its_fit_to_the_server_at_admission()
                       "{}", "7", 0)  # a step's camera too
     few = parse_request((valid_inputs() | {p.CAMERA_POSES: forward_poses(5)}).get, "{}")
     assert few.poses.shape == (5, 4, 4)  # parsed: 5 valid poses; admission counts them against num_frames
+
+
+def test_a_recache_rides_on_a_world_event() -> None:
+    step = {p.ACTION: np.array([b"w"], dtype=object), p.PROMPT: np.array([b"it starts to snow"], dtype=object)}
+    parsed = parse_request(step.get, json.dumps({p.PARAM_RECACHE: True}), "7", 0)
+    assert parsed.controls.recache and parsed.controls.prompt == "it starts to snow"
+    with pytest.raises(InputError, match=r"request parameter 'recache' rides on a world event: send it with 'prompt'"):
+        parse_request({p.ACTION: np.array([b"w"], dtype=object)}.get, json.dumps({p.PARAM_RECACHE: True}), "7", 0)

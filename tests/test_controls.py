@@ -11,6 +11,7 @@ from backend.api.contract import BLOCK_FRAMES
 from backend.api.controls import MOVE_PER_FRAME, TURN_PER_FRAME_DEG, integrate, parse_key_script, parse_keys, \
     parse_play_script
 from backend.api.errors import InputError
+from backend.api.request import Controls
 from backend.engine.camera_track import CameraTrack, split_blocks
 from backend.model import camera as cam
 
@@ -25,10 +26,11 @@ def test_keys_are_normalised_and_unknown_keys_named() -> None:
 
 
 def test_a_play_script_carries_world_events_on_the_next_block() -> None:
-    assert parse_play_script("w*2,@it starts to snow,d*2, @ rain ,-") == [
-        ("w", None), ("w", None), ("d", "it starts to snow"), ("d", None), ("", "rain")]
+    assert parse_play_script("w*2,@it starts to snow,d*2, @! rain ,-") == [
+        Controls(keys="w"), Controls(keys="w"), Controls(keys="d", prompt="it starts to snow"), Controls(keys="d"),
+        Controls(keys="", prompt="rain", recache=True)]  # "@!": the cached frames recomputed under it
     for script, error in [("@snow,w", r"before the first block"), ("w,@snow", r"no block after it"),
-                          ("w,@a,@b,w", r"two world events in a row"), ("w,@ ,w", r"empty world event")]:
+                          ("w,@a,@b,w", r"two world events in a row"), ("w,@ ,w", r"empty world event"), ("w,@!,w", r"empty world event '@!'")]:
         with pytest.raises(InputError, match=error):
             parse_play_script(script)
     with pytest.raises(InputError, match=r"world event '@snow' where only keys are taken"):

@@ -144,3 +144,50 @@ def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
             while time.monotonic() < deadline:  # keep stepping: the cap, not idleness, ends it
                 session.step(Controls(keys="w"))
                 session.next_block()
+
+
+def test_a_recache_event_takes_hold_at_once_and_equals_one_rank_bit_for_bit(sp2_group, engine) -> None:
+    """A world event with recache: its cache is recomputed under the new prompt at a boundary of its own, on
+    both ranks alike; the served latents equal the SP1 engine's set_prompt + recache, bit for bit, and differ
+    from the same event without recache from that block on."""
+    from backend.engine.blocks import BlockControls
+
+    def steps(recache: bool) -> list[Controls]:
+        return [Controls(keys="w"), Controls(keys="w"), Controls(keys="d", prompt="it starts to snow", recache=recache),
+                Controls(keys="d")]
+
+    served = {}
+    for recache in (True, False):
+        session = sp2_group.steered(steered(steps(recache)[0]), rank=1)
+        blocks = [session.next_block()]
+        for i, controls in enumerate(steps(recache)[1:], start=1):
+            session.step(controls, end=i == 3)
+            blocks.append(session.next_block())
+        assert [b.recached for b in blocks] == [False, False, recache, False]
+        assert [b.prompt for b in blocks][2:] == ["it starts to snow"] * 2
+        served[recache] = np.concatenate([b.latents for b in blocks], axis=1)
+    with engine.session(steered(Controls(keys="w")), keep_commits=True) as alone:
+        direct = []
+        for controls in steps(True):
+            if controls.prompt is not None:
+                engine.set_prompt(alone, controls.prompt)
+                engine.recache(alone)
+            direct.append(engine.run_block([alone], {alone.id: BlockControls(controls)})[0].latents[0].numpy())
+    assert np.array_equal(served[True], np.concatenate(direct, axis=1))
+    assert np.array_equal(served[True][:, :6], served[False][:, :6])  # before the event: the same
+    assert not np.array_equal(served[True][:, 6:], served[False][:, 6:])  # from the event on: the cache differs
+
+
+def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_group, tiny_checkpoint: str) -> None:
+    session = sp2_group.steered(steered(Controls(keys="w")), rank=0)
+    session.next_block()
+    with pytest.raises(LocalStreamError, match=r"'recache' rides on a world event: send it with 'prompt'"):
+        session.step(Controls(keys="w"), recache=True).next()
+    session.step(None, end=True).next()
+    config = tiny_config(tiny_checkpoint, decode_frames=False, window_frames=-1)
+    with LocalGroup(config, ServingConfig(), world=1) as group:
+        bounded = group.steered(steered(Controls(keys="w"), max_blocks=4))
+        bounded.next_block()
+        with pytest.raises(LocalStreamError, match=r"'recache' needs a sliding window: this server runs "
+                                                   r"window_frames=-1"):
+            bounded.step(Controls(keys="w", prompt="rain", recache=True)).next()

@@ -204,3 +204,16 @@ def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
     s.plan([RankEvents(submissions=[steered("a")])])
     plan = s.plan([RankEvents(expired=[("a", "why"), ("gone", "why")])])
     assert plan.ended == [("a", Ending(EXPIRED, "why"))] and not plan.batch and not s.table
+
+
+def test_a_recache_event_runs_at_a_boundary_of_its_own_then_its_block_says_so() -> None:
+    s = Scheduler(ServingConfig(max_blocks_ahead=100, max_batch=4))
+    s.plan([RankEvents(submissions=[steered("a"), steered("b")])])
+    s.plan([RankEvents()])  # both run their first block
+    event = Controls(keys="d", prompt="it starts to snow", recache=True)
+    recache = s.plan([RankEvents(steps=[StepEvent("a", event), StepEvent("b", Controls(keys="w"))])])
+    assert recache.recaches == [("a", "it starts to snow")] and not recache.batch and not recache.idle
+    after = s.plan([RankEvents()])  # b, which waited for the recache once, first; then a, recached
+    assert after.batch == ["b", "a"] and after.controls["a"].recached and not after.controls["b"].recached
+    assert after.controls["a"].controls == Controls(keys="d")  # the event has happened: its block runs plain
+    assert not s.plan([RankEvents(steps=[StepEvent("a", Controls(keys="d"))])]).controls["a"].recached

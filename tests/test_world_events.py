@@ -32,7 +32,7 @@ def steered(controls: Controls, seed: int = 42) -> SessionRequest:
 
 def keys(script: str) -> list[Controls]:
     """One block's Controls per entry of a `client play` key script with world events."""
-    return [Controls(keys=k, prompt=prompt) for k, prompt in parse_play_script(script)]
+    return parse_play_script(script)
 
 
 def direct(engine: WorldModelEngine, steps: list[Controls]) -> np.ndarray:

@@ -59,7 +59,7 @@ class TritonResponder:
         latents = output.latents[0].numpy()
         used = None if self.settings_used is None else BlockUsed(
             output.camera, output.prompt, latents_sha256(latents),
-            self.settings_used if output.block_index == 0 else None)
+            self.settings_used if output.block_index == 0 else None, output.recached)
         tensors = block_outputs(
             output.block_index, output.num_blocks, latents if self.return_latents else None, frames,
             (output.dit_ms, decode_ms, since_arrival_ms), output.held, used,

@@ -28,6 +28,11 @@ def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
     return arrays
 
 
+def controls_parameters(controls: Controls) -> dict[str, bool]:
+    """The request parameters a step's camera adds (a world event's recache)."""
+    return {c.PARAM_RECACHE: True} if controls.recache else {}
+
+
 def request_arrays(request: SessionRequest) -> dict[str, np.ndarray]:
     """The input arrays of a whole trajectory or a steered session's first request (the client packs these)."""
     values = {
@@ -171,10 +176,11 @@ def parse_request(
                 raise InputError(f"input '{c.PROMPT}' on a step rides on its block: send it with "
                                  f"'{c.CAMERA_POSES}' or '{c.ACTION}'")
             controls.prompt = _text(values[c.PROMPT], c.PROMPT)
-        if controls is not None:
-            controls.check()
         step = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
-                if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED)}
+                if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_RECACHE)}
+        if controls is not None:
+            controls.recache = step[c.PARAM_RECACHE]
+            controls.check()
         return StepRequest(sequence_key, controls, end, step[c.PARAM_RETURN_LATENTS], step[c.PARAM_RETURN_USED])
     if whole and c.ACTION in values:
         raise InputError(f"input '{c.ACTION}' steers a session block by block; a whole trajectory "
@@ -232,6 +238,7 @@ def block_outputs(
         c.PROMPT_USED: None if used is None else [used.prompt.encode("utf-8")],
         c.LATENTS_SHA256: None if used is None else [used.latents_sha256.encode("ascii")],
         c.SETTINGS_USED: None if used is None or used.settings is None else [used.settings.encode("utf-8")],
+        c.RECACHED: None if used is None else [used.recached],
     }
     return {
         spec.name: np.ascontiguousarray(np.asarray(values[spec.name], dtype=spec.dtype))
@@ -248,6 +255,7 @@ class BlockUsed:
     prompt: str  # the prompt in force
     latents_sha256: str
     settings: str | None = None  # the server's settings_used (a session's first block)
+    recached: bool = False  # its cached history was recomputed under its prompt first (a world event's recache)
 
 
 @dataclass(frozen=True)
@@ -287,10 +295,11 @@ def parse_block(output: Callable[[str], np.ndarray | None], arrival_s: float) ->
         if camera.dtype != np.float32 or camera.ndim != 3 or camera.shape[1:] != (4, 4):
             raise ResponseError(f"server sent {c.CAMERA_USED!r} as {camera.dtype} {list(camera.shape)}; "
                                 f"expected float32 [n, 4, 4]")
-        settings = output(c.SETTINGS_USED)
+        settings, recached = output(c.SETTINGS_USED), output(c.RECACHED)
         used = BlockUsed(camera=camera, prompt=_response_text(output, c.PROMPT_USED),
                          latents_sha256=_response_text(output, c.LATENTS_SHA256),
-                         settings=None if settings is None else _response_text(output, c.SETTINGS_USED))
+                         settings=None if settings is None else _response_text(output, c.SETTINGS_USED),
+                         recached=recached is not None and bool(recached.reshape(-1)[0]))
     return BlockResponse(
         block_index=first(c.BLOCK_INDEX),
         num_blocks=first(c.NUM_BLOCKS),

@@ -90,6 +90,7 @@ CAMERA_USED = "camera_used"
 PROMPT_USED = "prompt_used"
 LATENTS_SHA256 = "latents_sha256"
 SETTINGS_USED = "settings_used"
+RECACHED = "recached"
 
 # One response per AR block; the last block's response carries the final flag.
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -108,6 +109,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
           "C order); with return_used"),
     _spec(SETTINGS_USED, np.object_, (1,), "the server settings the latents depend on, key=value;... (a session's "
           "first block only; with return_used)"),
+    _spec(RECACHED, np.bool_, (1,), "the cached frames' self-attention K/V were recomputed under this block's prompt "
+          "before it (a world event with request parameter recache); with return_used"),
 )
 
 INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
@@ -133,6 +136,7 @@ PARAM_RETURN_USED = "return_used"
 PARAM_EXPECT_SETTINGS = "expect_settings"
 PARAM_POSE_SCALE = "pose_scale"
 PARAM_PAUSE = "pause"
+PARAM_RECACHE = "recache"
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
 POSE_SCALES = ("clip", "running")  # a whole trajectory's translation scale: the clip's largest, or the largest so far
 
@@ -151,6 +155,10 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_POSE_SCALE, POSE_SCALES[0], "whole trajectory: divide camera translations by the clip's "
                   "largest ('clip', as the reference) or by the largest so far ('running', as a steered session "
                   "does: a steered recording replays bit for bit)", choices=POSE_SCALES),
+    ParameterSpec(PARAM_RECACHE, False, "steered: on a step with a world event ('prompt'), recompute the "
+                  "self-attention K/V of every cached frame (sink and window) under the new prompt before its block, "
+                  "so the old prompt does not linger in the window; one forward per cached block, run as a block "
+                  "boundary of its own (the group's other sessions wait for it once)"),
     ParameterSpec(PARAM_PAUSE, False, "steered: a pause, a step without a camera that keeps the session open while "
                   "the client sends nothing: held without a block until the sequence's next request (then answered "
                   "empty, first) or the session's end; the idle limit does not run meanwhile, and a client that "

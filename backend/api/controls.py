@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .errors import InputError
+from .request import Controls
 
 MOVE_PER_FRAME = 0.05  # scene units per video frame
 TURN_PER_FRAME_DEG = 1.0  # degrees per video frame
@@ -34,26 +35,29 @@ def parse_keys(text: str) -> str:
 def parse_key_script(script: str) -> list[str]:
     """A session's steps from a key script such as "w*6,wa*2,j*3" (one entry per block)."""
     steps = parse_play_script(script)
-    if (event := next((prompt for _, prompt in steps if prompt is not None), None)) is not None:
+    if (event := next((c.prompt for c in steps if c.prompt is not None), None)) is not None:
         raise InputError(f"key script: world event '@{event}' where only keys are taken")
-    return [keys for keys, _ in steps]
+    return [c.keys for c in steps]
 
 
-def parse_play_script(script: str) -> list[tuple[str, str | None]]:
-    """(keys, new prompt or None) per block from a key script with world events, such as
-    "w*6,@it starts to snow,w*4": an @entry (no comma in it) is a prompt event riding on the next block's step."""
-    steps: list[tuple[str, str | None]] = []
-    event: str | None = None
+def parse_play_script(script: str) -> list[Controls]:
+    """Each block's keys, and the world event riding on its step, from a key script such as
+    "w*6,@it starts to snow,w*4": an @entry (no comma in it) is a prompt event riding on the next block's step;
+    "@!text" asks for the cached frames to be recomputed under it too (request parameter recache)."""
+    steps: list[Controls] = []
+    event: Controls | None = None
     for item in script.split(","):
         if item.strip().startswith("@"):
             if event is not None:
-                raise InputError(f"key script: two world events in a row ('@{event}', {item.strip()!r})")
+                raise InputError(f"key script: two world events in a row ('@{event.prompt}', {item.strip()!r})")
             if not steps:
                 raise InputError(f"key script: {item.strip()!r} before the first block: the first block takes "
                                  f"the session's own prompt")
-            event = item.strip()[1:].strip()
-            if not event:
-                raise InputError("key script: an empty world event '@'")
+            text = item.strip()[1:]
+            recache = text.startswith("!")
+            event = Controls(prompt=text[1:].strip() if recache else text.strip(), recache=recache)
+            if not event.prompt:
+                raise InputError(f"key script: an empty world event '{item.strip()}'")
             continue
         keys, _, count = item.strip().partition("*")
         try:
@@ -62,10 +66,13 @@ def parse_play_script(script: str) -> list[tuple[str, str | None]]:
             raise InputError(f"key script item {item!r}: the count after '*' must be a whole number") from None
         if blocks < 1:
             raise InputError(f"key script item {item!r}: the count must be at least 1")
-        steps += [(parse_keys(keys or NO_KEYS), event)] + [(parse_keys(keys or NO_KEYS), None)] * (blocks - 1)
+        keys = parse_keys(keys or NO_KEYS)
+        first = Controls(keys=keys) if event is None else Controls(keys=keys, prompt=event.prompt,
+                                                                   recache=event.recache)
+        steps += [first] + [Controls(keys=keys) for _ in range(blocks - 1)]
         event = None
     if event is not None:
-        raise InputError(f"key script: world event '@{event}' with no block after it")
+        raise InputError(f"key script: world event '@{event.prompt}' with no block after it")
     return steps
 
 

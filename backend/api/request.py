@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import MAX_PROMPT_BYTES, ON_STARVE, POSE_SCALES, PROMPT, block_video_frames
+from .contract import MAX_PROMPT_BYTES, ON_STARVE, PARAM_RECACHE, POSE_SCALES, PROMPT, block_video_frames
 from .errors import InputError
 from .provenance import parse_settings
 
@@ -32,6 +32,7 @@ class Controls:
     poses: np.ndarray | None = None  # float32 [n, 4, 4] camera-to-world, OpenCV axes
     keys: str | None = None  # normalised held keys ("" holds none)
     prompt: str | None = None  # a step's world event: the session's prompt from this block on
+    recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
 
     def check(self) -> None:
         """Each input on its own (at parse); the frame count is the server's to check (`check_frames`)."""
@@ -41,6 +42,8 @@ class Controls:
             check_poses(self.poses)
         if self.prompt is not None:
             check_prompt(self.prompt)
+        elif self.recache:
+            raise InputError(f"request parameter '{PARAM_RECACHE}' rides on a world event: send it with '{PROMPT}'")
 
     def check_frames(self, frames: int) -> None:
         """The block's poses against the video frames the server's block has (at admission)."""

@@ -22,6 +22,7 @@ class BlockOutput:
     held: bool = False  # a steered block run on its last motion because its step came late
     camera: np.ndarray | None = None  # float32 [n, 4, 4]: the camera-to-world poses of its new video frames, as run
     prompt: str = ""  # the prompt in force
+    recached: bool = False  # its cached history was recomputed under its prompt first (a world event's recache)
 
 
 @dataclass(frozen=True)
@@ -29,3 +30,4 @@ class BlockControls:
     """A steered session's camera for one block, as the group agreed on it."""
 
     controls: Controls | None  # None: repeat the last block's motion (held)
+    recached: bool = False  # the session's cache was recomputed under its prompt at the boundary before

@@ -254,6 +254,7 @@ class WorldModelEngine:
                     held=s.steered and step.controls is None,
                     camera=np.ascontiguousarray(video_poses[i], dtype=np.float32),
                     prompt=s.prompt,
+                    recached=step.recached,
                 )
             )
         return outputs

@@ -3,10 +3,11 @@ server (its limits, then the engine's settings and geometry) once, on the rank t
 resolves travels in the shared session record, so no other rank checks it again."""
 from __future__ import annotations
 
-from ..api.contract import block_video_frames
+from ..api.contract import PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
 from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
+from ..engine.validation import GLOBAL_WINDOW
 from .config import ServingConfig
 from .sessions import SharedSession
 
@@ -18,10 +19,16 @@ def admit(request: SessionRequest, limits: ServingConfig, engine: WorldModelEngi
     return SharedSession.submitted(session_id, request, engine.geometry_of(request), owner)
 
 
-def admit_step(step: StepRequest, block_frames: int) -> None:
-    """A step's camera against the server's block: 4 x block_frames new video frames."""
-    if step.controls is not None:
-        step.controls.check_frames(block_video_frames(block_frames, first=False))
+def admit_step(step: StepRequest, block_frames: int, window_frames: int) -> None:
+    """A step's camera against the server's block (4 x block_frames new video frames), and its recache against
+    the server's window: with global attention a recache would recompute every frame of the session."""
+    if step.controls is None:
+        return
+    step.controls.check_frames(block_video_frames(block_frames, first=False))
+    if step.controls.recache and window_frames == GLOBAL_WINDOW:
+        raise InputError(f"request parameter '{PARAM_RECACHE}' needs a sliding window: this server runs "
+                         f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute every "
+                         f"frame of the session")
 
 
 def check_limits(request: SessionRequest, limits: ServingConfig) -> None:

@@ -26,6 +26,7 @@ from ..api.contract import PARAM_PAUSE
 from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
+from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import messages
 from .cancel_watch import CancelWatch
@@ -67,6 +68,8 @@ class GroupCoordinator:
         self.rank = engine.sp.rank
         self.world = engine.sp.degree
         self.block_frames = engine.config.block_frames
+        self.window_frames = engine.window_frames
+        self.keep_commits = engine.window_frames != GLOBAL_WINDOW  # what a recache needs (a sliding window)
         self.control_group = control_group
         self.on_failure = on_failure
         self.control = ControlPlane(self.world, control_group, doorbell or LocalDoorbell(),
@@ -150,7 +153,7 @@ class GroupCoordinator:
                 stream.pause(responder)
                 return
             try:
-                admit_step(step, self.block_frames)
+                admit_step(step, self.block_frames, self.window_frames)
             except InputError as exc:
                 responder.send_error(str(exc))
                 return
@@ -280,6 +283,12 @@ class GroupCoordinator:
             self._end(sid, ending)
         if plan.opens:
             self._open_all(plan.opens)
+        for sid, prompt in plan.recaches:  # a boundary of its own (the scheduler plans no batch beside it)
+            session = self.local[sid].engine
+            self._set_prompt(session, prompt)
+            with self.cpu.run_block(1):
+                self.engine.recache(session)
+            log.info("rank %d: session %s recomputed its cached frames under its new prompt", self.rank, sid)
         if not plan.batch:
             return
         sessions = [self.local[sid].engine for sid in plan.batch]
@@ -324,7 +333,9 @@ class GroupCoordinator:
             with self._lock:
                 part = self.local.setdefault(shared.id, LocalPart(steered=shared.steered))
             try:
-                part.engine = self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner)
+                # A steered session keeps what its cached blocks were made of, for a world event's recache.
+                part.engine = self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
+                                                       keep_commits=shared.steered and self.keep_commits)
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
                 log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
                 self._failed.put((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..api.codec import controls_arrays, request_arrays, request_parameters
+from ..api.codec import controls_arrays, controls_parameters, request_arrays, request_parameters
 from ..api.contract import PARAM_PAUSE, PARAM_RETURN_USED, SEQUENCE_END, SEQUENCE_START
 from ..api.errors import InputError
 from ..api.request import Controls, SessionRequest
@@ -54,6 +54,7 @@ class LocalBlock:
     camera: np.ndarray | None  # the poses the block ran on
     prompt: str  # the prompt in force
     final: bool
+    recached: bool = False  # its cached history was recomputed under its prompt first
 
 
 # -- in each member's process ------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class _QueueResponder:
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
         block = LocalBlock(output.block_index, output.num_blocks, output.latents[0].numpy(), frames, output.held,
-                           output.camera, output.prompt, final)
+                           output.camera, output.prompt, final, output.recached)
         self._send("block", block, final)
 
     def send_error(self, message: str) -> None:
@@ -178,8 +179,8 @@ class LocalSteered:
 
     def step(self, controls: Controls | None, end: bool = False, **parameters: Any) -> LocalCall:
         """Send the next block's camera (None with end: end without another block); `next_block` reads it."""
-        arrays = {} if controls is None else controls_arrays(controls)
-        self.call = self.group.request(self.rank, arrays, {PARAM_RETURN_USED: self.return_used, **parameters},
+        arrays, extra = ({}, {}) if controls is None else (controls_arrays(controls), controls_parameters(controls))
+        self.call = self.group.request(self.rank, arrays, {PARAM_RETURN_USED: self.return_used, **extra, **parameters},
                                        self.key, SEQUENCE_END if end else 0)
         return self.call
 

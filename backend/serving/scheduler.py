@@ -7,6 +7,7 @@ writer of a session's state: a plan carries every session that ended, and why; t
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -51,11 +52,13 @@ class Plan:
     batch: list[str] = field(default_factory=list)  # sessions that run their next block together
     controls: dict[str, BlockControls] = field(default_factory=dict)  # the steered sessions' of the batch
     finishing: list[tuple[str, Ending]] = field(default_factory=list)  # the batch's sessions that end after it
+    # (session id, its world event's prompt): set the prompt, then recompute the cache; a boundary of its own
+    recaches: list[tuple[str, str]] = field(default_factory=list)
     stop: bool = False
 
     @property
     def idle(self) -> bool:
-        return not (self.opens or self.batch)
+        return not (self.opens or self.batch or self.recaches)
 
     def ended_by(self, reason: EndReason) -> list[str]:
         return [sid for sid, ending in self.ended if ending.reason is reason]
@@ -139,18 +142,31 @@ class Scheduler:
                  if not self.table[sid].lags(self.settings.max_blocks_ahead) and self.table[sid].has_camera()]
         if not ready:
             return
+        if ready[0].recache_due():  # the longest-waiting ready session's recache runs alone at this boundary
+            self._recache(ready[0], plan)
+            return
         shape = ready[0].block_shape  # the longest-waiting ready session picks the geometry
-        batch = [s for s in ready if s.block_shape == shape][: self.settings.max_batch]
+        batch = [s for s in ready if s.block_shape == shape and not s.recache_due()][: self.settings.max_batch]
         for s in batch:  # served sessions go to the back: fair round robin
             self.table.move_to_end(s.id)
             s.computed += 1
             if s.steered:
                 controls = s.steps.popleft() if s.steps else None  # None: hold the last motion
-                plan.controls[s.id] = BlockControls(controls)
+                plan.controls[s.id] = BlockControls(controls, recached=s.recached)
+                s.recached = False
             plan.batch.append(s.id)
             if s.last_block_planned():  # its client's end flag, or its set length
                 reason = EndReason.ENDED if s.state is State.ENDING else EndReason.FINISHED
                 self._end(s.id, Ending(reason), plan, before_batch=False)
+
+    def _recache(self, s: SharedSession, plan: Plan) -> None:
+        """Its event's prompt takes hold now, with its cache recomputed; its block runs at a later boundary, on
+        the same step (without the event, which has happened). The other sessions wait for this boundary once."""
+        step = s.steps[0]
+        s.steps[0] = dataclasses.replace(step, prompt=None, recache=False)
+        s.recached = True
+        self.table.move_to_end(s.id)
+        plan.recaches.append((s.id, step.prompt))
 
     def _queue_full(self) -> str:
         settings = self.settings

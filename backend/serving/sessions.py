@@ -67,6 +67,7 @@ class SharedSession:
     delivered: int = 0  # blocks sent to the client, as the owner last reported
     steps: deque[Controls] = field(default_factory=deque)  # steered: cameras received, not run yet
     requests: int = 1  # steered: requests that want a block (the first one included)
+    recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
 
     @classmethod
     def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int) -> SharedSession:
@@ -103,6 +104,10 @@ class SharedSession:
         if not self.steered or self.steps:
             return True
         return self.request.on_starve == "hold" and self.state is not State.ENDING and self.computed == self.requests
+
+    def recache_due(self) -> bool:
+        """Its next step is a world event that asks for its cached frames to be recomputed first."""
+        return bool(self.steps) and self.steps[0].recache
 
     def last_block_planned(self) -> bool:
         """Its set length is planned, or its client ended it and no step is left."""

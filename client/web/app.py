@@ -1,7 +1,7 @@
 """The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
 
 Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?},
-{"type": "keys", keys}, {"type": "event", prompt} (a world event), {"type": "stop"}. Bridge -> page: {"type":
+{"type": "keys", keys}, {"type": "event", prompt, recache} (a world event), {"type": "stop"}. Bridge -> page: {"type":
 "session", id, video, recording}, then per block a {"type": "block", ...} header followed by its frames as binary
 JPEG messages, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
 
@@ -115,7 +115,7 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                 elif message["type"] == "keys":
                     player.hold(message.get("keys") or "")
                 elif message["type"] == "event":
-                    player.event(message.get("prompt") or "")
+                    player.event(message.get("prompt") or "", bool(message.get("recache")))
                 elif message["type"] == "stop":
                     player.stop()
             except ValueError as exc:  # a page that breaks the protocol gets why, and the door

@@ -66,22 +66,24 @@ class Player:
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
         self.recording_path = recording_path(video_path)
         self.keys = ""
-        self.pending: str | None = None  # a world event not sent yet
+        self.pending: Controls | None = None  # a world event not sent yet (its prompt, its recache)
         self.stopping = False
         self._session: SteeredSession | None = None
 
     def hold(self, keys: str) -> None:
         self.keys = parse_keys(keys or "-")
 
-    def event(self, prompt: str) -> None:
-        """A world event: `prompt` rides on the next step (a newer one before it is sent replaces it)."""
+    def event(self, prompt: str, recache: bool = False) -> None:
+        """A world event: `prompt` rides on the next step (a newer one before it is sent replaces it); with
+        `recache`, the cached frames are recomputed under it first."""
         prompt = prompt.strip()
         check_prompt(prompt)  # InputError (a ValueError) names what is wrong
-        self.pending = prompt
+        self.pending = Controls(prompt=prompt, recache=recache)
 
     def _next_step(self) -> Controls:
-        prompt, self.pending = self.pending, None
-        return Controls(keys=self.keys, prompt=prompt)
+        event, self.pending = self.pending, None
+        return Controls(keys=self.keys) if event is None else \
+            Controls(keys=self.keys, prompt=event.prompt, recache=event.recache)
 
     def stop(self) -> None:
         """End the session after the blocks already asked for."""

@@ -15,7 +15,7 @@ INT_RANGE = {"height": (1, 1 << 16), "width": (1, 1 << 16), "seed": (-(1 << 63),
 MESSAGES: dict[str, dict[str, type]] = {
     "start": {"prompt": str, "image": str, "height": int, "width": int, "seed": int, "keys": str},
     "keys": {"keys": str},
-    "event": {"prompt": str},  # a world event: the prompt from the next step's block on
+    "event": {"prompt": str, "recache": bool},  # a world event: the prompt from the next step's block on
     "stop": {},
 }
 
@@ -43,7 +43,10 @@ def parse_message(text: str) -> dict[str, Any]:
         if name == "type" or value is None:
             continue
         expected = fields[name]
-        if expected is int:
+        if expected is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false")
+        elif expected is int:
             low, high = INT_RANGE[name]
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name} must be a whole number between {low} and {high}")

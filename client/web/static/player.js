@@ -150,7 +150,7 @@ $("event").addEventListener("keydown", (e) => {
   e.preventDefault();
   const prompt = $("event").value.trim();
   if (!prompt || !ws || ws.readyState !== WebSocket.OPEN) return;
-  ws.send(JSON.stringify({type: "event", prompt}));
+  ws.send(JSON.stringify({type: "event", prompt, recache: $("recache").checked}));
   $("event").value = "";
 });
 $("stop").addEventListener("click", () => {
