@@ -87,6 +87,18 @@ def steered_events(groups: GroupHandles, config: EngineConfig, request: SessionR
         }
 
 
+def recache_event(groups: GroupHandles, config: EngineConfig, request: SessionRequest, prompt: str, blocks: int,
+                  at: int) -> dict:
+    """On every rank: a session whose event `prompt` before block `at` is recached, and its teacher-forced ground
+    truth (bench.recache): each with its latents and this rank's cache shards as the event left them."""
+    from bench.recache import event_rollout, ground_truth
+
+    sp = SequenceParallel(groups.data)
+    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    recached = event_rollout(engine, request, blocks, at, prompt, recache=True)
+    return {"recached": recached, "truth": ground_truth(engine, request, blocks, at, prompt, recached)}
+
+
 # -- serving members (serving/local_group): a setup run in each member's process, and calls into a member --
 
 ADMISSIONS = {"geometry_of": 0, "check_request": 0, "open_session": 0}

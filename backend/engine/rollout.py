@@ -40,10 +40,13 @@ from .config import EngineConfig
 from .geometry import VideoGeometry
 from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
-from .session import Session
+from .session import CommitRecord, Session
 from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec
 
 log = logging.getLogger(__name__)
+
+GLOBAL_RECACHE = ("recache (keep_commits) needs a sliding window: under window_frames=-1 (global attention) it "
+                  "would replay every block of the session, its cost and kept commits growing without bound")
 
 
 class WorldModelEngine:
@@ -130,9 +133,12 @@ class WorldModelEngine:
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
-                     owner: int = 0) -> Session:
+                     owner: int = 0, keep_commits: bool = False) -> Session:
         """A session of an admitted request (`geometry`: its `geometry_of`, checked once); owner: the rank that
-        answers the request (its decoded frames come back there)."""
+        answers the request (its decoded frames come back there); keep_commits: keep what each cached block was
+        made of, so that `recache` can recompute its K/V (refused under global attention)."""
+        if keep_commits and self.window_frames == GLOBAL_WINDOW:
+            raise InputError(GLOBAL_RECACHE)
         tcfg = self.ckpt.transformer
         image = torch.from_numpy(np.ascontiguousarray(request.image))
         mesh = self.mesh
@@ -166,6 +172,7 @@ class WorldModelEngine:
             decode_state=decode_state,
             split_decode=decode_state is not None and self.vae.splits(geometry.latent_height),
             owner=owner,
+            commits=[] if keep_commits else None,
         )
 
     @torch.no_grad()
@@ -182,6 +189,36 @@ class WorldModelEngine:
         session.text.values.clear()
         session.text, session.prompt = text, prompt
 
+    @torch.no_grad()
+    def recache(self, session: Session) -> None:
+        """Recompute the self-attention K/V of every cached frame under the session's prompt in force (call it
+        right after `set_prompt`, before the next block; a collective, every rank alike).
+
+        From the session's kept records (open_session's keep_commits), oldest first: the cache's committed
+        length goes back to 0 (its buffers stay), then each block runs run_block's commit forward again (t = 0,
+        its RoPE positions, mask, condition and camera) between `make_room` and `commit`. Only the frames still
+        cached are replayed, so after evictions each block's K/V attends to the replayed history, not to the
+        evicted frames it once saw. Refused (InputError) under global attention, where the replay would grow
+        with the session, and for a session that keeps no records.
+        """
+        if self.window_frames == GLOBAL_WINDOW:
+            raise InputError(GLOBAL_RECACHE)
+        if session.commits is None:
+            raise InputError(f"recache: session {session.id!r} was opened without keep_commits: nothing to "
+                             "recompute its cache from")
+        cache = session.cache
+        length, evicted = cache.length, cache.evicted_tokens
+        evicted_of_kept = sum(session.evicted_of(r) for r in session.commits)
+        cache.length = cache.evicted_tokens = 0
+        for record in session.commits:
+            cache.make_room()
+            self._recommit(session, record)
+            cache.commit()
+        if (cache.length, cache.evicted_tokens) != (length, evicted_of_kept):
+            raise RuntimeError(f"recache of {session.id!r}: the replay left {cache.length} tokens and evicted "
+                               f"{cache.evicted_tokens}, the session had {length} and {evicted_of_kept}")
+        cache.evicted_tokens = evicted
+
     def _text_caches(self, prompt: str) -> TextCache:
         """This rank's head shard (of its TP and SP group) of the cross-attention K/V of `prompt`, every layer."""
         mesh = self.mesh
@@ -192,11 +229,14 @@ class WorldModelEngine:
 
     @torch.no_grad()
     def run_block(
-        self, sessions: list[Session], controls: dict[str, BlockControls] | None = None
+        self, sessions: list[Session], controls: dict[str, BlockControls] | None = None,
+        teacher: dict[str, torch.Tensor] | None = None,
     ) -> list[BlockOutput]:
         """Denoise the next block of each session (batched: same block shape), then commit its clean K/V.
 
         controls: the camera of every steered session in the batch (a whole trajectory knows its own).
+        teacher: per session id, the clean latents [1, z, block_frames, h, w] its commit takes in place of its
+        own, which its output then carries (a teacher-forced run, for tests and benchmarks).
         """
         geometry = sessions[0].geometry
         if any(s.geometry.block_shape != geometry.block_shape or s.done for s in sessions):
@@ -210,15 +250,13 @@ class WorldModelEngine:
         for s in sessions:
             s.cache.make_room()
         ctx = self._context(sessions, starts, geometry)
-        condition = self._conditions(sessions, starts, geometry)
-        fold = self.ckpt.vae.spatial_factor
+        condition_latents = self._condition_latents(sessions, geometry)
+        condition = self._with_masks(condition_latents, starts, geometry)
         steps = [controls[s.id] if s.steered else BlockControls(None) for s in sessions]
         video_poses = [s.camera.resolve(c.controls) if s.steered else s.planned[s.block_index]
                        for s, c in zip(sessions, steps)]
-        camera = torch.stack([
-            camera_features(s.camera.next_block(poses), s.camera.intrinsics, geometry.height, geometry.width, fold)
-            for s, poses in zip(sessions, video_poses)
-        ]).to(self.device)
+        poses = [s.camera.next_block(p) for s, p in zip(sessions, video_poses)]
+        camera = self._camera(sessions, poses, geometry)
         noise_shape = (1, z, bf, geometry.latent_height, geometry.latent_width)
 
         def noise() -> torch.Tensor:  # same draws on every rank: one CPU generator per session
@@ -232,14 +270,18 @@ class WorldModelEngine:
             clean = flow_to_x0(x, self._predict(x, condition, camera, timesteps, geometry, ctx), sigma)
             if k < len(schedule.renoise_sigmas):
                 x = renoise(clean, noise(), schedule.renoise_sigmas[k])
-        # Clean-KV commit: one forward at t = 0 writes the block's keys/values into the cache.
-        self._predict(clean, condition, camera, torch.zeros((len(sessions), bf), device=self.device), geometry, ctx)
+        if teacher:
+            clean = torch.cat([teacher.get(s.id, clean[i : i + 1]).to(self.device) for i, s in enumerate(sessions)])
+        self._commit_forward(clean, condition, camera, geometry, ctx)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         outputs = []
         for i, (s, step) in enumerate(zip(sessions, steps)):
             s.cache.commit()
+            if s.commits is not None:
+                s.keep_commit(CommitRecord(starts[i], clean[i : i + 1].clone(), poses[i],
+                                           condition_latents[i : i + 1].clone()))
             s.block_index += 1
             outputs.append(
                 BlockOutput(
@@ -273,14 +315,17 @@ class WorldModelEngine:
         session.cache.values.clear()
         session.text.keys.clear()
         session.text.values.clear()
+        if session.commits is not None:
+            session.commits.clear()
         if session.condition is not None:
             session.condition.feature_cache = session.condition.previous = None
 
     @contextlib.contextmanager
-    def session(self, request: SessionRequest, session_id: str | None = None) -> Iterator[Session]:
+    def session(self, request: SessionRequest, session_id: str | None = None,
+                keep_commits: bool = False) -> Iterator[Session]:
         """A session for one caller (its request checked here), closed (caches freed) on exit."""
         check_request(request)
-        session = self.open_session(request, self.geometry_of(request), session_id)
+        session = self.open_session(request, self.geometry_of(request), session_id, keep_commits=keep_commits)
         try:
             yield session
         finally:
@@ -303,18 +348,43 @@ class WorldModelEngine:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _conditions(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> torch.Tensor:
-        """[B, 4 + z, block_frames, h, w]: the masks and condition latents of the sessions' next block,
-        encoded on ENCODER_RANK and broadcast (one broadcast per block for the whole batch)."""
+    def _condition_latents(self, sessions: list[Session], g: VideoGeometry) -> torch.Tensor:
+        """[B, z, block_frames, h, w] float32: the condition latents of the sessions' next block, encoded on
+        ENCODER_RANK and broadcast (one broadcast per block for the whole batch)."""
         bf = g.block_frames
         if self.conditions is not None:
             latents = torch.cat([self.conditions.encode_next(s.condition, bf) for s in sessions]).float()
         else:
             shape = (len(sessions), self.ckpt.vae.z_dim, bf, g.latent_height, g.latent_width)
             latents = torch.empty(shape, device=self.device)
-        latents = self.sp.broadcast(latents.contiguous(), src=ENCODER_RANK)
+        return self.sp.broadcast(latents.contiguous(), src=ENCODER_RANK)
+
+    def _with_masks(self, latents: torch.Tensor, starts: list[int], g: VideoGeometry) -> torch.Tensor:
+        """[B, 4 + z, block_frames, h, w]: the masks of the blocks starting at latent frames `starts`, then
+        their condition latents."""
+        bf = g.block_frames
         masks = torch.cat([condition_mask(f, bf, g.latent_height, g.latent_width, self.device) for f in starts])
         return torch.cat([masks, latents], dim=1)
+
+    def _camera(self, sessions: list[Session], poses: list[torch.Tensor], g: VideoGeometry) -> torch.Tensor:
+        """[B, 384, block_frames, h, w]: the camera features of each session's block from its model poses."""
+        fold = self.ckpt.vae.spatial_factor
+        return torch.stack([camera_features(p, s.camera.intrinsics, g.height, g.width, fold)
+                            for s, p in zip(sessions, poses)]).to(self.device)
+
+    def _commit_forward(self, clean: torch.Tensor, condition: torch.Tensor, camera: torch.Tensor, g: VideoGeometry,
+                        ctx: ForwardContext) -> None:
+        """The clean-KV commit: one forward at t = 0 on the blocks' clean latents writes their keys/values into
+        the caches' slot after the history (`commit` then keeps them)."""
+        timesteps = torch.zeros((clean.shape[0], g.block_frames), device=self.device)
+        self._predict(clean, condition, camera, timesteps, g, ctx)
+
+    def _recommit(self, session: Session, record: CommitRecord) -> None:
+        """The commit forward of one kept block again, under the session's text K/V in force."""
+        g, starts = session.geometry, [record.first_frame]
+        condition = self._with_masks(record.condition, starts, g)
+        camera = self._camera([session], [record.poses], g)
+        self._commit_forward(record.clean, condition, camera, g, self._context([session], starts, g))
 
     def _context(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> ForwardContext:
         head_dim = self.ckpt.transformer.head_dim

@@ -14,6 +14,26 @@ from .camera_track import CameraTrack
 from .geometry import VideoGeometry
 
 
+@dataclass(frozen=True)
+class CommitRecord:
+    """What one committed block was made of: enough to run its commit forward again (engine.recache).
+
+    At the 14B geometry (480x832, z 16, 3-frame blocks: latents 16 x 3 x 60 x 104) one record is 2,396,352 B:
+    the clean latents and the condition latents 1,198,080 B each in float32, the poses 192 B
+    (model/memory.commit_record_bytes). A window of 18 frames with a 6-frame sink holds the tokens of at most 6
+    blocks, so a session keeps at most 6 records between blocks: 14,378,112 B (13.7 MiB) on every rank, beside
+    its 23 GB self-attention window at SP1.
+    """
+
+    first_frame: int  # its first latent frame (its RoPE positions and condition mask)
+    clean: torch.Tensor  # [1, z, block_frames, h, w] float32: the latents its commit forward took
+    poses: torch.Tensor  # [block_frames, 4, 4] float32: its model poses (CameraTrack.next_block)
+    condition: torch.Tensor  # [1, z, block_frames, h, w] float32: its condition latents (broadcast, no mask)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.clean, self.poses, self.condition))
+
+
 @dataclass
 class Session:
     id: str
@@ -30,6 +50,9 @@ class Session:
     split_decode: bool  # every rank decodes a band of its blocks' rows (else its owner decodes them alone)
     owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
     block_index: int = 0
+    # The records of the committed blocks whose tokens the cache still holds, oldest first (open_session's
+    # keep_commits, for engine.recache); None: kept for no block.
+    commits: list[CommitRecord] | None = None
 
     @property
     def steered(self) -> bool:
@@ -48,3 +71,15 @@ class Session:
 
     def cache_bytes(self) -> int:
         return self.cache.nbytes() + self.text.nbytes()
+
+    def keep_commit(self, record: CommitRecord) -> None:
+        """Add the block just committed; drop the records whose tokens the cache has all evicted."""
+        self.commits = [r for r in (*self.commits, record) if self.evicted_of(r) < self.cache.block_tokens]
+
+    def evicted_of(self, record: CommitRecord) -> int:
+        """How many of a committed block's tokens the cache has evicted."""
+        return self.cache.evicted_among(record.first_frame * self.geometry.tokens_per_frame, self.cache.block_tokens)
+
+    def commit_bytes(self) -> int:
+        """The kept records' bytes (0 without keep_commits)."""
+        return sum(r.nbytes() for r in self.commits or ())

@@ -73,6 +73,12 @@ class SelfAttentionCache:
         """Keep the block written by the last forward (the clean-KV commit) as history."""
         self.length += self.block_tokens
 
+    def evicted_among(self, first: int, count: int) -> int:
+        """How many of the `count` tokens from token `first` (counted from the first commit) were evicted: the
+        evicted ones are always the tokens [sink, sink + evicted_tokens)."""
+        start, end = max(first, self.sink_tokens), min(first + count, self.sink_tokens + self.evicted_tokens)
+        return max(0, end - start)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
