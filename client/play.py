@@ -19,7 +19,7 @@ import sys
 from backend.api import contract
 from backend.api.controls import parse_play_script
 from backend.api.errors import InputError
-from backend.api.request import Controls, SessionRequest
+from backend.api.request import SessionRequest
 from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
 from client.recording import Recorder, RecordingError

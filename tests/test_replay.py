@@ -91,26 +91,31 @@ def test_a_server_with_other_settings_refuses_the_replay_naming_them(recorded: P
 
 
 def test_play_records_and_replay_checks_it_from_the_command_line(sp1_server, tmp_path: Path, capsys) -> None:
-    """`play --record` with a world event, replayed step by step (exit 0); a whole replay of an event is refused
-    before connecting (exit 2), as is a damaged file."""
+    """`play --record` with two world events, one with recache, replayed step by step (exit 0); a whole replay of
+    an event is refused before connecting (exit 2), as is a damaged file."""
     import imageio.v3 as iio
 
     image = tmp_path / "first.png"
     iio.imwrite(image, sample_image())
     record = tmp_path / "played.npz"
     size = str(TINY_SIZE)
-    assert main(["play", "--url", sp1_server.grpc_url, "--prompt", "a castle", "--keys", "w,@it starts to snow,wj",
+    keys = "w,@it starts to snow,wj,@!a castle in the rain,d"  # the second event recomputes the cache
+    assert main(["play", "--url", sp1_server.grpc_url, "--prompt", "a castle", "--keys", keys,
                  "--height", size, "--width", size, "--out", str(tmp_path / "p.mp4"), "--image", str(image),
                  "--record", str(record)]) == 0
-    assert f"recording: {record} (2 blocks" in capsys.readouterr().out
-    assert Recording.load(record).events == {1: "it starts to snow"}
+    printed = capsys.readouterr().out
+    assert f"recording: {record} (3 blocks" in printed and "(cache recomputed)" in printed
+    kept = Recording.load(record)
+    assert kept.events == {1: "it starts to snow", 2: "a castle in the rain"}
+    assert [b.recache for b in kept.blocks] == [False, False, True]  # as the server said (recached)
     out_mp4 = tmp_path / "replayed.mp4"
     assert main(["replay", str(record), "--steps", "--url", sp1_server.grpc_url, "--out", str(out_mp4)]) == 0
     out = capsys.readouterr().out
-    assert "latents bit-identical to the recording: 2 of 2 blocks" in out and "it starts to snow" in out
-    assert len(list(iio.imiter(out_mp4, plugin="FFMPEG"))) == 9 + 12
+    assert "latents bit-identical to the recording: 3 of 3 blocks" in out and "it starts to snow" in out
+    assert "a castle in the rain (recache)" in out
+    assert len(list(iio.imiter(out_mp4, plugin="FFMPEG"))) == 9 + 12 + 12
     assert main(["replay", str(record), "--url", "127.0.0.1:1"]) == 2
-    assert "world events at block(s) [1]" in capsys.readouterr().err
+    assert "world events at block(s) [1, 2]" in capsys.readouterr().err
     record.write_bytes(record.read_bytes()[:100])
     assert main(["replay", str(record), "--url", sp1_server.grpc_url]) == 2
     assert "not a readable recording" in capsys.readouterr().err

@@ -196,7 +196,10 @@ def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, brows
     start(page, player_url, first_frame)
     wait_until(lambda: blocks(page) >= 1, BLOCK_S * 2, "the first block")
     assert status(page, "prompt") == "a castle on a hill"
+    log = Path(sp1_server.log_path)
+    recached_before = len(re.findall(r"recomputed its cached frames under its new prompt", log.read_text()))
     page.fill("#event", "it starts to snow")
+    page.check("#recache")  # and recompute the cache under it
     page.press("#event", "Enter")
     assert page.input_value("#event") == ""
     wait_until(lambda: status(page, "prompt") == "it starts to snow", BLOCK_S * 4, "a block under the event's prompt")
@@ -204,5 +207,6 @@ def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, brows
     page.click("#stop")
     wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
     assert metrics(sp1_server, rank=0)["lingbot_world_prompt_events_total"] - before == 1
-    assert re.search(r"from block \d+ on: prompt 'it starts to snow'", Path(sp1_server.log_path).read_text())
+    assert re.search(r"from block \d+ on: prompt 'it starts to snow'", log.read_text())
+    assert len(re.findall(r"recomputed its cached frames under its new prompt", log.read_text())) == recached_before + 1
     page.close()
