@@ -1,7 +1,7 @@
 """What a recache costs and what it changes: `engine.recache` after a world event recomputes the self-attention
 K/V of every cached frame under the new prompt (docs/model.md, Recache).
 
-    python -m bench.recache [--preset mid] [--blocks 7] [--recache-after 2 7] [--effect-preset tiny] [--event-blocks 2 5]
+    python -m bench.recache [--preset mid] [--blocks 7] [--recache-after 1 2 7] [--effect-preset tiny] [--event-blocks 2 5]
 
 1. Cost on CPU (SP1, random weights made in memory, `--preset`, 64x64, window 18, sink 6): one session with
    keep_commits; after `--recache-after` blocks (each) a world event (`set_prompt`) and a recache. Each row gives
@@ -177,7 +177,7 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="mid", help="random weights of the cost run")
     parser.add_argument("--blocks", type=int, default=COST.blocks, help="blocks of the cost run")
-    parser.add_argument("--recache-after", type=int, nargs="+", default=[2, COST.blocks],
+    parser.add_argument("--recache-after", type=int, nargs="+", default=[1, 2, COST.blocks],
                         help="the cost run's recaches: after these many blocks")
     parser.add_argument("--effect-preset", choices=sorted(PRESETS), default="tiny", help="checkpoint of the effect run")
     parser.add_argument("--effect-blocks", type=int, default=8)

@@ -199,7 +199,7 @@ class WorldModelEngine:
         its RoPE positions, mask, condition and camera) between `make_room` and `commit`. Only the frames still
         cached are replayed, so after evictions each block's K/V attends to the replayed history, not to the
         evicted frames it once saw. Refused (InputError) under global attention, where the replay would grow
-        with the session, and for a session that keeps no records.
+        with the session, and for a session opened without keep_commits.
         """
         if self.window_frames == GLOBAL_WINDOW:
             raise InputError(GLOBAL_RECACHE)
