@@ -70,10 +70,10 @@ def test_streams_complete_in_order(coordinator: GroupCoordinator) -> None:
 def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monkeypatch) -> None:
     real_open = coordinator.engine.open_session
 
-    def open_session(request, geometry, session_id=None, owner=0):
+    def open_session(request, geometry, session_id=None, owner=0, **kwargs):
         if request.seed == 13:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real_open(request, geometry, session_id, owner)
+        return real_open(request, geometry, session_id, owner, **kwargs)
 
     monkeypatch.setattr(coordinator.engine, "open_session", open_session)
     bad, good = RecordingResponder(), RecordingResponder()
