@@ -122,7 +122,7 @@ class GroupCoordinator:
                     f"session {key} is already running; send steps without the start flag, or end it first"
                 )
                 return
-            self.local[shared.id] = LocalPart(OwnerPart(stream, key), steered=request.steered)
+            self.local[shared.id] = LocalPart(OwnerPart(stream, key))
             if request.steered:
                 self.running[key] = shared.id
         self._inbox.put(shared)
@@ -230,7 +230,7 @@ class GroupCoordinator:
 
     def _next_deadline(self) -> float | None:
         """The soonest idle or lifetime limit of this rank's open steered sessions (monotonic seconds)."""
-        deadlines = [part.owner.deadline(self.settings) for _, part in self._owned() if part.steered and part.engine]
+        deadlines = [part.owner.deadline(self.settings) for _, part in self._owned() if part.steered_here and part.engine]
         return min(deadlines, default=None)
 
     def _close(self, reason: str) -> None:
@@ -252,7 +252,7 @@ class GroupCoordinator:
         for shared in drain(self._inbox):
             with self._lock:
                 part = self.local.pop(shared.id, None)
-                if part is not None and part.owner.key is not None:
+                if part is not None and part.steered_here:
                     self._forget_key(part.owner.key, shared.id, reason)
             if part is not None:
                 part.owner.stream.send_error(reason)
@@ -266,7 +266,7 @@ class GroupCoordinator:
         events.cancelled = [sid for sid, part in owned if part.owner.stream.is_cancelled()]
         # The owner's clock decides a steered session's limits; the decision travels as news, so every rank's
         # scheduler ends it alike.
-        events.expired = [(sid, why) for sid, part in owned if part.steered and part.engine is not None
+        events.expired = [(sid, why) for sid, part in owned if part.steered_here and part.engine is not None
                           and (why := part.owner.expiry(self.settings, now)) is not None]
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch):
         # report those that advanced, so a boundary where nothing changed carries no news.
@@ -331,7 +331,7 @@ class GroupCoordinator:
         scheduler ends it (it joins no batch before: a session runs from the boundary after its opening)."""
         for shared in opens:
             with self._lock:
-                part = self.local.setdefault(shared.id, LocalPart(steered=shared.steered))
+                part = self.local.setdefault(shared.id, LocalPart())
             try:
                 # A steered session keeps what its cached blocks were made of, for a world event's recache.
                 part.engine = self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
@@ -345,7 +345,7 @@ class GroupCoordinator:
         ending's error, or by closing the stream after its blocks)."""
         with self._lock:
             part = self.local.pop(sid, None)
-            if part is not None and part.owner is not None and part.owner.key is not None:
+            if part is not None and part.steered_here:
                 self._forget_key(part.owner.key, sid, ending.why)
         if part is None:  # never opened here
             return

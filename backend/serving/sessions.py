@@ -146,4 +146,8 @@ class LocalPart:
 
     owner: OwnerPart | None = None
     engine: Session | None = None
-    steered: bool = False
+
+    @property
+    def steered_here(self) -> bool:
+        """A steered session this rank owns (its sequence key is known here only)."""
+        return self.owner is not None and self.owner.key is not None
