@@ -19,12 +19,13 @@ from typing import TextIO
 import numpy as np
 
 from backend.api import contract
-from backend.api.codec import BlockResponse
+from backend.api.codec import BlockResponse, Place
+from backend.api.description import DEFAULT_VIDEO_FRAMES, ServerDescription
 from backend.api.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
 from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
-from client.stream import StreamError, StreamingSession, add_server_args, build_inputs
+from client.stream import StreamError, StreamingSession, add_server_args, build_inputs, fill_size, show_place
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 EXIT_STREAM_ERROR = 1
@@ -48,12 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--camera", choices=PRESETS, help="camera preset (default: forward)")
     p.add_argument("--action-dir", help="LingBot-World action dir: image.jpg, poses.npy, intrinsics.npy")
     p.add_argument("--hfov", type=float, default=DEFAULT_HFOV_DEG, help="preset horizontal FOV in degrees (default: %(default)s)")
-    p.add_argument("--num-frames", type=int, default=81, help=f"video frames: {contract.frames_rule()} (default: %(default)s)")
-    p.add_argument("--block-frames", type=int, default=contract.BLOCK_FRAMES,
+    p.add_argument("--num-frames", type=int,
+                   help=f"video frames, whole AR blocks: {contract.frames_rule()} on a server of 3 latent frames a "
+                        f"block (default: the most whole blocks up to {DEFAULT_VIDEO_FRAMES}, 81 or 77 on 4)")
+    p.add_argument("--block-frames", type=int,
                    help=f"the server's latent frames per AR block: {contract.BLOCK_FRAMES} for the diffusers download, 4 "
-                        f"(13 + 16 x k frames) for the official one (default: %(default)s)")
-    p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
-    p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
+                        f"(13 + 16 x k frames) for the official one (default: what the server says of itself)")
+    p.add_argument("--height", type=int, help="(default: the server's default_height, else 480)")
+    p.add_argument("--width", type=int, help="(default: the server's default_width, else 832)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
     p.add_argument("--out", default="out/session.mp4", help="MP4 written as blocks arrive (default: %(default)s)")
     p.add_argument("--fps", type=float, default=DEFAULT_FPS, help="MP4 frame rate (default: %(default)s)")
@@ -68,6 +71,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.no_decode and args.contact_sheet:
         p.error("--contact-sheet needs decoded frames; drop --no-decode")
     return args
+
+
+def print_place(place: Place) -> None:
+    print(f"\n{show_place(place)}", flush=True)
+
+
+def fill_from_server(args: argparse.Namespace) -> None:
+    """--block-frames, --num-frames, --height and --width the user left out, from what the server says of itself
+    (its block size: neither checkpoint layout needs a flag); a server that says nothing gets the diffusers
+    layout's."""
+    described = fill_size(args, more=args.block_frames is None or args.num_frames is None)
+    if args.block_frames is None:
+        args.block_frames = described.block_frames if described else contract.BLOCK_FRAMES
+    if args.num_frames is None:
+        args.num_frames = ServerDescription.whole_frames_up_to(DEFAULT_VIDEO_FRAMES, args.block_frames)
 
 
 def request_arrays(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -145,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         return replay(argv[1:])
     args = parse_args(argv)
     try:
+        fill_from_server(args)
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_STREAM_ERROR
+    try:
         image, poses, intrinsics = request_arrays(args)
         inputs = build_inputs(image, args.prompt, poses, intrinsics, num_frames=args.num_frames,
                               seed=args.seed, height=args.height, width=args.width, block_frames=args.block_frames)
@@ -160,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     progress: Progress | None = None
     print(f"request {request_id}: {args.num_frames} frames at {args.height}x{args.width} from {args.url}")
     try:
-        with StreamingSession(args.url, model_name=args.model) as session, (writer or contextlib.nullcontext()):
+        with StreamingSession(args.url, model_name=args.model, on_place=print_place) as session, \
+                (writer or contextlib.nullcontext()):
             progress = Progress(sys.stdout, session.send(inputs, request_id=request_id, parameters=parameters))
             for block in session.responses(args.timeout):
                 if writer is not None:

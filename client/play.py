@@ -24,7 +24,8 @@ from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
 from client.recording import Recorder, RecordingError
 from client.steer import SteeredSession
-from client.stream import StreamError, add_server_args
+from client.stream import StreamError, add_server_args, fill_size, show_place
+from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 
@@ -35,8 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--image", help="first frame (JPEG/PNG); default: a generated test scene")
     p.add_argument("--keys", default="w*6",
                    help='key script, e.g. "w*6,wa*2,@it starts to snow,j*3" (default: %(default)s)')
-    p.add_argument("--height", type=int, default=480, help="(default: %(default)s)")
-    p.add_argument("--width", type=int, default=832, help="(default: %(default)s)")
+    p.add_argument("--height", type=int, help="(default: the server's default_height, else 480)")
+    p.add_argument("--width", type=int, help="(default: the server's default_width, else 832)")
     p.add_argument("--seed", type=int, default=42, help="(default: %(default)s)")
     p.add_argument("--on-starve", choices=contract.ON_STARVE, default=contract.ON_STARVE[0],
                    help="when a step is late: the server waits, or holds the last motion (default: %(default)s)")
@@ -53,25 +54,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
+        fill_size(args)
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
         steps = parse_play_script(args.keys)
         image = load_image(args.image) if args.image else synthetic_image(args.height, args.width)
     except (InputError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # return_used: each block is labelled with what the server ran it on (its prompt_used, its held flag)
     request = SessionRequest(image=image, prompt=args.prompt, poses=None, num_frames=None, seed=args.seed,
                              height=args.height, width=args.width, keys=steps[0].keys, on_starve=args.on_starve,
-                             return_used=args.record is not None)
+                             return_used=True)
     recorder = Recorder(request) if args.record else None
     sheet = ContactSheet() if args.contact_sheet else None
     latencies: list[float] = []
     rate = DeliveryRate(DEFAULT_FPS)
     try:
-        with SteeredSession(args.url, model_name=args.model) as session, Mp4Writer(args.out, DEFAULT_FPS) as mp4:
+        with SteeredSession(args.url, model_name=args.model, on_place=lambda p: print(show_place(p), flush=True)) \
+                as session, Mp4Writer(args.out, DEFAULT_FPS) as mp4:
             session.start(request)
+            used = UsedSteps(steps[0], args.prompt)
             sent = 1
             for received in range(len(steps)):
                 while sent < len(steps) and sent - received <= args.lookahead:
                     session.step(steps[sent], end=sent == len(steps) - 1)
+                    used.sent(steps[sent])
                     sent += 1
                 block = session.next_block(args.timeout)
                 latency = block.arrival_s - session.sent_s[received]
@@ -79,16 +89,16 @@ def main(argv: list[str]) -> int:
                 mp4.append(block.frames)
                 if recorder is not None:
                     recorder.add(block)
+                label = used.label(block)
                 if sheet is not None:
-                    sheet.add(block.frames, block.block_index, event=steps[received].prompt is not None)
+                    sheet.add(block.frames, block.block_index, event=label.event)
                 factor = rate.add(len(block.frames), block.arrival_s)
                 rtf = "n/a" if factor is None else f"{factor:.2f}x"
-                step = steps[received]
-                event = "" if step.prompt is None else \
-                    f", prompt now {step.prompt!r}{' (cache recomputed)' if step.recache else ''}"
-                print(f"block {block.block_index}: keys {step.keys or '-'!r:6} {len(block.frames)} frames, "
+                event = "" if not label.event else \
+                    f", prompt now {label.prompt!r}{' (cache recomputed)' if block.used.recached else ''}"
+                print(f"block {block.block_index}: keys {label.keys!r:6} {len(block.frames)} frames, "
                       f"step latency {latency * 1000:.0f} ms, real-time factor {rtf}"
-                      f"{', HELD (step late)' if block.held else ''}{event}", flush=True)
+                      f"{', HELD (step late: the last motion repeated)' if block.held else ''}{event}", flush=True)
     except (StreamError, RecordingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         save_partial(recorder, args.record)

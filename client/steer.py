@@ -15,13 +15,15 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
-from backend.api.codec import BlockResponse, controls_arrays, controls_parameters, request_arrays, request_parameters
+from backend.api.codec import (BlockResponse, Place, controls_arrays, controls_parameters, parse_place, request_arrays,
+                               request_parameters)
 from backend.api.request import Controls, SessionRequest
 from client.stream import StreamError, model_error, new_sequence_id, pack_inputs, parse_response
 
@@ -38,8 +40,11 @@ class SteeredSession:
     answer, and learns of a disconnect only while a step waits for its block."""
 
     def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, sequence_id: int | None = None,
-                 keep_alive: bool = True) -> None:
+                 keep_alive: bool = True, on_place: Callable[[Place], None] | None = None) -> None:
+        """on_place: called (on tritonclient's thread) with each place in line the server tells the session
+        while it waits for a slot; those responses answer no request."""
         self.url = url
+        self.on_place = on_place
         self.model_name = model_name
         self.sequence_id = sequence_id or new_sequence_id()
         self.sent_s: list[float] = []  # send time of every request, in order (pauses not included)
@@ -57,6 +62,10 @@ class SteeredSession:
     def _on_response(self, result: Any = None, error: Any = None) -> None:
         """tritonclient's stream thread: a request's answer (or the stream's failure)."""
         arrival = time.perf_counter()
+        if error is None and (place := parse_place(result.as_numpy)) is not None:  # the start still waits
+            if self.on_place is not None:
+                self.on_place(place)
+            return
         with self._lock:
             if error is not None and error.status() is not None:  # the stream failed: no request's answer
                 self._keep_alive, pause = False, False

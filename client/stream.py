@@ -11,7 +11,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,8 +20,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
-from backend.api.codec import BlockResponse, parse_block, request_arrays
+from backend.api.codec import BlockResponse, Place, parse_block, parse_place, request_arrays
+from backend.api.description import ServerDescription
 from backend.api.errors import ResponseError
+from backend.api.refusal import Refusal
 from backend.api.request import SessionRequest, check_frame_counts, check_request
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
@@ -34,7 +36,13 @@ class StreamError(RuntimeError):
 
     def __init__(self, message: str, server_sentence: str | None = None) -> None:
         super().__init__(message)
-        self.sentence = server_sentence or message
+        # The server's refusal code (api/contract ERROR_CODES) and retry time, when it sent one.
+        self.refusal = None if server_sentence is None else Refusal.parse(server_sentence)
+        self.sentence = self.refusal.sentence if self.refusal else server_sentence or message
+
+    @property
+    def code(self) -> str | None:
+        return None if self.refusal is None else self.refusal.code
 
 
 class StreamTimeoutError(StreamError, TimeoutError):
@@ -49,6 +57,35 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """--url and --model, the server every client command talks to."""
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
     parser.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+
+
+def describe_server(url: str, model_name: str = contract.MODEL_NAME) -> ServerDescription | None:
+    """What the server says of itself in its model config (api/description); None for a config without it."""
+    client = grpcclient.InferenceServerClient(url=url)
+    try:
+        config = client.get_model_config(model_name, as_json=True)["config"]
+    except InferenceServerException as exc:
+        raise StreamError(f"reading {model_name!r}'s config from {url} failed: {exc.message()}") from exc
+    finally:
+        client.close()
+    params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    try:
+        return ServerDescription.from_parameters(params)
+    except ValueError as exc:
+        raise StreamError(f"{model_name!r} at {url} describes itself wrongly: {exc}") from exc
+
+
+def fill_size(args: argparse.Namespace, more: bool = False) -> ServerDescription | None:
+    """--height and --width the user left out (None), from the server's description (default_height and
+    default_width), else 480 x 832; returns the description (None: the server has none, or it was not needed:
+    read only for a size left out, or when the caller needs `more` of it)."""
+    needed = more or args.height is None or args.width is None
+    described = describe_server(args.url, args.model) if needed else None
+    if args.height is None:
+        args.height = described.default_height if described else 480
+    if args.width is None:
+        args.width = described.default_width if described else 832
+    return described
 
 
 def new_sequence_id() -> int:
@@ -101,16 +138,31 @@ def request_inputs(request: SessionRequest) -> list[grpcclient.InferInput]:
     return pack_inputs(request_arrays(request))
 
 
-def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[BlockResponse | None, bool]:
-    """(block, is_final) of one streamed response; block is None for an empty final response."""
+def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[BlockResponse | Place | None, bool]:
+    """(block, is_final) of one streamed response; block is None for an empty final response, a `Place` for a
+    waiting session's place in line (never final)."""
     response = result.get_response()
     final = _FINAL_FLAG in response.parameters and response.parameters[_FINAL_FLAG].bool_param
     if not response.outputs:
         return None, final
     try:
-        return parse_block(result.as_numpy, arrival_s), final
+        place = parse_place(result.as_numpy)
+        return place or parse_block(result.as_numpy, arrival_s), final
     except ResponseError as exc:
         raise StreamError(str(exc)) from exc
+
+
+def show_place(place: Place) -> str:
+    """A place in line in words, as the players print it."""
+    if place.position == 0:
+        return "a slot is free: computing the first block"
+    wait = f", about {place.wait_s:.0f} s" if place.wait_s >= 0 else ""
+    return f"waiting: {ordinal(place.position)} in line{wait}"
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def model_error(error: InferenceServerException) -> str | None:
@@ -125,9 +177,12 @@ class StreamingSession:
     closes the stream after the final one (cancelling it if iteration stops early).
     """
 
-    def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False) -> None:
+    def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False,
+                 on_place: Callable[[Place], None] | None = None) -> None:
+        """on_place: called with each place in line the server tells a waiting request (blocks only are yielded)."""
         self.url = url
         self.model_name = model_name
+        self.on_place = on_place
         self.request_id = ""
         self.sent_s: float | None = None  # time.perf_counter() when the request was enqueued
         self._client = grpcclient.InferenceServerClient(url=url, verbose=verbose)
@@ -188,7 +243,10 @@ class StreamingSession:
                 if error is not None:
                     raise StreamError(self._describe(error), model_error(error))
                 block, finished = parse_response(result, arrival_s)
-                if block is not None:
+                if isinstance(block, Place):
+                    if self.on_place is not None:
+                        self.on_place(block)
+                elif block is not None:
                     yield block
         finally:
             self._queue = None

@@ -11,9 +11,10 @@ import grpc
 import imageio.v3 as iio
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from backend.api import contract
+from backend.api.description import ServerDescription
 from client.__main__ import main
 from backend.api.request import default_intrinsics
 from client.camera import camera_preset
@@ -65,6 +66,13 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.script: Script = three_blocks_then_empty_final
         self.requests: list[service_pb2.ModelInferRequest] = []
         self.cancelled = threading.Event()
+        self.description: ServerDescription | None = None  # what its model config says of it
+
+    def ModelConfig(self, request, context):
+        config = model_config_pb2.ModelConfig(name=request.name)
+        for key, value in (self.description.parameters() if self.description else {}).items():
+            config.parameters[key].string_value = value
+        return service_pb2.ModelConfigResponse(config=config)
 
     def ModelStreamInfer(self, request_iterator, context):
         context.add_callback(self.cancelled.set)  # runs when the RPC ends, cancelled or not
@@ -241,6 +249,36 @@ def test_cli_writes_video_sheet_and_latents(fake, tmp_path: Path, capsys) -> Non
     assert request.parameters[contract.PARAM_RETURN_LATENTS].bool_param
 
 
+def test_cli_takes_the_block_size_and_the_size_from_the_server_and_prints_its_place(fake, tmp_path: Path,
+                                                                                   capsys) -> None:
+    """Neither layout needs a flag: a server of 4 latent frames a block gets 77 frames (its most whole blocks up
+    to 81), at its own default size; a place in line is printed, not counted as a block."""
+    fake, url = fake
+    fake.description = ServerDescription("official", 4, "block_frames=4", 321, 1 << 20, 1 << 24, 4, 16, H, W)
+
+    def queued_then_blocks(request, context):
+        place = service_pb2.ModelInferResponse(id=request.id)
+        for name, value, dtype in ((contract.QUEUE_POSITION, [2], np.int32), (contract.WAIT_S, [40.0], np.float32)):
+            tensor = place.outputs.add(name=name, datatype=contract.OUTPUT_SPECS[name].triton_dtype, shape=[1])
+            place.raw_output_contents.append(np.asarray(value, dtype).tobytes())
+            del tensor
+        yield service_pb2.ModelStreamInferResponse(infer_response=place)
+        yield from three_blocks_then_empty_final(request, context)
+
+    fake.script = queued_then_blocks
+    try:
+        code = main(["--url", url, "--prompt", "a street", "--out", str(tmp_path / "s.mp4"), "--no-decode"])
+    finally:
+        fake.description = None
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "waiting: 2nd in line, about 40 s" in printed and "block   3/3" in printed
+    (request,) = fake.requests
+    inputs = {i.name: i for i in request.inputs}
+    assert list(inputs[contract.CAMERA_POSES].shape) == [77, 4, 4]
+    assert list(inputs[contract.IMAGE].shape) == [H, W, 3]
+
+
 def test_cli_reports_server_errors(fake, tmp_path: Path, capsys) -> None:
     fake, url = fake
     fake.script = lambda request, context: iter([service_pb2.ModelStreamInferResponse(error_message="out of memory")])
@@ -252,9 +290,11 @@ def test_cli_reports_server_errors(fake, tmp_path: Path, capsys) -> None:
 
 
 def test_cli_rejects_bad_input_before_connecting(tmp_path: Path, capsys) -> None:
-    assert main(["--url", "127.0.0.1:1", "--prompt", "x", "--num-frames", "77"]) == 2
+    assert main(["--url", "127.0.0.1:1", "--prompt", "x", "--num-frames", "77", "--block-frames", "3", "--height",
+                 "32", "--width", "32"]) == 2
     assert "num_frames must be 9 + 12 x k, whole AR blocks (e.g. 9, 21, 45 or 81), got 77" in capsys.readouterr().err
-    assert main(["--prompt", "x", "--action-dir", str(tmp_path / "none")]) == 2
+    assert main(["--prompt", "x", "--action-dir", str(tmp_path / "none"), "--num-frames", "9", "--block-frames", "3",
+                 "--height", "32", "--width", "32"]) == 2
     assert "action directory not found" in capsys.readouterr().err
 
 
@@ -265,6 +305,6 @@ def test_cli_help_lists_the_commands_and_play_shows_its_defaults(capsys) -> None
         assert exit_.value.code == 0
     main_help, play_help = capsys.readouterr().out.split("usage: python -m client play", 1)
     assert "python -m client play" in main_help and "python -m client serve" in main_help
-    for default in ("(default: 480)", "(default: 832)", "(default: 42)", "(default: w*6)", "(default: out/play.mp4)",
+    for default in ("default_height, else 480)", "default_width, else 832)", "(default: 42)", "(default: w*6)", "(default: out/play.mp4)",
                     "(default: localhost:8001)", "(default: wait)", "(default: 1)", "(default: 600.0)"):
         assert default in play_help

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.serving.config import ServingConfig
 from backend.serving.coordinator import GroupCoordinator
@@ -24,7 +25,9 @@ from polling import wait_until
 class RecordingResponder:
     def __init__(self) -> None:
         self.blocks: list[int] = []
+        self.places: list[tuple[int, float]] = []
         self.error: str | None = None
+        self.code: str | None = None
         self.closed = threading.Event()
         self.cancelled = False
 
@@ -33,9 +36,12 @@ class RecordingResponder:
         if final:
             self.closed.set()
 
-    def send_error(self, message: str) -> None:
-        self.error = message
+    def send_error(self, refusal: Refusal) -> None:
+        self.error, self.code = refusal.sentence, refusal.code
         self.closed.set()
+
+    def send_place(self, position: int, wait_s: float) -> None:
+        self.places.append((position, wait_s))
 
     def finish(self) -> None:
         self.closed.set()

@@ -88,7 +88,7 @@ def test_an_idle_session_expires_on_every_rank_and_frees_its_caches(sp2_group) -
     assert session.next_block().block_index == 0
     wait_until(lambda: all(sp2_group.call(r, "sp_workers:open_sessions") == 0 for r in (0, 1)), GROUP_IDLE_S + 30,
                "the idle session to expire on both ranks")
-    with pytest.raises(LocalStreamError, match=r"no running session \d+: the session sent no step for "
+    with pytest.raises(LocalStreamError, match=r"^\[EXPIRED\] no running session \d+: the session sent no step for "
                                                r"session_idle_timeout_s=4 s and was ended; start a new one"):
         session.step(Controls(keys="w")).next()
 
@@ -123,15 +123,18 @@ def test_a_cancelled_session_leaves_the_others_running_then_a_third_plays(sp2_gr
 def test_bad_steps_get_clear_errors_and_the_session_goes_on(sp2_group) -> None:
     session = sp2_group.steered(steered(Controls(keys="w")), rank=1)
     session.next_block()
-    with pytest.raises(LocalStreamError, match=r"camera_poses must be FP32 \[12, 4, 4\]; got float32 \[5, 4, 4\]"):
+    with pytest.raises(LocalStreamError, match=r"^\[INVALID_INPUT\] camera_poses must be FP32 \[12, 4, 4\]; got "
+                                               r"float32 \[5, 4, 4\]"):
         session.step(Controls(poses=forward_poses(5))).next()
     with pytest.raises(LocalStreamError, match=r"action 'wq' holds unknown key\(s\) \['q'\]"):
         sp2_group.request(1, {"action": np.array([b"wq"], dtype=object)}, {}, session.key).next()
     again = sp2_group.request(1, request_arrays(steered(Controls(keys="w"))), {}, session.key, SEQUENCE_START)
-    with pytest.raises(LocalStreamError, match=r"session \d+ is already running"):
+    with pytest.raises(LocalStreamError, match=r"^\[SESSION_EXISTS\] session \d+ is already running"):
         again.next()
     session.step(Controls(keys="w"), end=True)
     assert session.next_block().block_index == 1
+    with pytest.raises(LocalStreamError, match=r"^\[SESSION_UNKNOWN\] no running session \d+: it (was )?ended by its "):
+        session.step(Controls(keys="w")).next()
 
 
 def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
@@ -140,7 +143,7 @@ def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
         session = group.steered(steered(Controls(keys="w")))
         session.next_block()
         deadline = time.monotonic() + 30
-        with pytest.raises(LocalStreamError, match=r"max_session_s=3 s"):
+        with pytest.raises(LocalStreamError, match=r"^\[EXPIRED\] .*max_session_s=3 s"):
             while time.monotonic() < deadline:  # keep stepping: the cap, not idleness, ends it
                 session.step(Controls(keys="w"))
                 session.next_block()
@@ -191,3 +194,32 @@ def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_gr
         with pytest.raises(LocalStreamError, match=r"'recache' needs a sliding window: this server runs "
                                                    r"window_frames=-1"):
             bounded.step(Controls(keys="w", prompt="rain", recache=True)).next()
+
+
+def test_waiting_sessions_are_told_their_place_at_once_and_as_it_moves_and_a_full_line_refuses(sp2_group) -> None:
+    """3 slots (sp2_group's max_sessions), 16 places (max_queue): each waiting session hears its place as soon as
+    it is in line, a client that leaves is out of the line at once and those behind move up, a freed slot goes to
+    the first in line (place 0, then its first block), and the 20th start is refused with its retry time."""
+    held = [sp2_group.steered(steered(Controls(keys="w"), seed=i), rank=i % 2) for i in range(3)]
+    for session in held:
+        assert session.next_block().block_index == 0
+    pauses = [session.pause() for session in held]  # the 3 slots stay taken: a pause stops the idle clock
+    line = [sp2_group.steered(steered(Controls(keys="a"), seed=10 + i), rank=1) for i in range(17)]  # one owner:
+    # the line is in arrival order (a boundary's submissions are taken in rank order)
+    started = time.monotonic()
+    places = [session.call.next(30, places=True) for session in line[:16]]
+    assert [p.position for p in places] == list(range(1, 17)), places
+    assert time.monotonic() - started < 5, "the places came late"
+    with pytest.raises(LocalStreamError, match=r"^\[CAPACITY_EXHAUSTED retry_after_s=\d+\] server busy: 16 sessions "
+                                               r"already wait for a slot"):
+        line[16].next_block()
+    line[1].call.cancel()  # the 2nd in line leaves: the 3rd and later move up at once, the 1st stays
+    assert line[2].call.next(30, places=True).position == 2 and line[15].call.next(30, places=True).position == 15
+    held[0].step(Controls(keys="w"), end=True)  # a slot frees after its last block
+    assert held[0].next_block().block_index == 1
+    assert line[0].call.next(30, places=True).position == 0 and line[0].next_block().block_index == 0
+    assert line[2].call.next(30, places=True).position == 1
+    for call in pauses[1:] + [session.call for session in line[2:16]]:
+        call.cancel()  # line[0] ends at its idle limit
+    wait_until(lambda: all(sp2_group.call(r, "sp_workers:open_sessions") == 0 for r in (0, 1)), 60,
+               "every session to end on both ranks")

@@ -8,10 +8,14 @@ import time
 import numpy as np
 import torch
 
+from backend.api.contract import CAPACITY_EXHAUSTED
+from backend.api.contract import EXPIRED as EXPIRED_CODE
+from backend.api.refusal import Refusal
 from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
 from backend.serving.config import ServingConfig
 from backend.engine.geometry import VideoGeometry
+from backend.serving.line import UNKNOWN_WAIT_S, BlockClock, line_waits, slot_waits
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
 from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
 from backend.serving.streams import SteeredStream
@@ -55,7 +59,7 @@ def test_admission_limits_and_queue_rejection() -> None:
     assert [o.id for o in plan.opens] == ["a", "b"]
     assert plan.ended_by(REJECTED) == ["d"]  # "c" waits: one queue slot
     (_, rejected), = plan.ended
-    assert "server busy" in rejected.error and "max_queue=1" in rejected.error
+    assert rejected.error.code == CAPACITY_EXHAUSTED and "max_queue=1" in rejected.error.sentence
     assert not plan.batch  # sessions run from the round after they open
     assert s.table["c"].state is State.PENDING and s.table["a"].state is State.ACTIVE
     assert [o.id for o in s.plan([RankEvents(cancelled=["a"])]).opens] == ["c"]
@@ -172,8 +176,11 @@ class Answered:
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
         self.blocks.append(output.block_index)
 
-    def send_error(self, message: str) -> None:
-        raise AssertionError(message)
+    def send_error(self, refusal: Refusal) -> None:
+        raise AssertionError(refusal.message)
+
+    def send_place(self, position: int, wait_s: float) -> None:
+        raise AssertionError(f"a steered session with a slot told place {position}")
 
     def finish(self) -> None:
         pass
@@ -196,10 +203,11 @@ def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
     stream.send_block(block(0), np.zeros(1), 0.0, True)  # answered: now the server waits on the client
     answered = stream.waits_on_client_since()
     assert answered is not None and owner.deadline(settings) == answered + 60.0
-    assert "session_idle_timeout_s=60 s" in owner.expiry(settings, answered + 60.0)
+    assert "session_idle_timeout_s=60 s" in owner.expiry(settings, answered + 60.0).sentence
     stream.add(Answered())  # a step waits for its block (behind a long one, say): no idle clock
     assert owner.expiry(settings, answered + 90.0) is None
-    assert "max_session_s=100 s" in owner.expiry(settings, owner.started_s + 100.0)
+    assert owner.expiry(settings, owner.started_s + 100.0) == Refusal(EXPIRED_CODE, "the session reached "
+                                                                       "max_session_s=100 s and was ended; start a new one")
     s = Scheduler(settings)
     s.plan([RankEvents(submissions=[steered("a")])])
     plan = s.plan([RankEvents(expired=[("a", "why"), ("gone", "why")])])
@@ -217,3 +225,16 @@ def test_a_recache_event_runs_at_a_boundary_of_its_own_then_its_block_says_so() 
     assert after.batch == ["b", "a"] and after.controls["a"].recached and not after.controls["b"].recached
     assert after.controls["a"].controls == Controls(keys="d")  # the event has happened: its block runs plain
     assert not s.plan([RankEvents(steps=[StepEvent("a", Controls(keys="d"))])]).controls["a"].recached
+
+
+def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it() -> None:
+    """Each waiting session takes the slot that frees first, and holds it for its own length."""
+    assert slot_waits([30.0, 10.0], free=0, queued_s=[5.0, 5.0, 5.0]) == [10.0, 15.0, 20.0]
+    assert slot_waits([30.0], free=1, queued_s=[8.0, 4.0]) == [0.0, 8.0]
+    s = Scheduler(ServingConfig(max_sessions=2, max_queue=2, max_batch=2))
+    s.plan([RankEvents(submissions=[sub("a", blocks=4), sub("b", blocks=2), sub("c", blocks=1), sub("d")])])
+    clock = BlockClock()
+    assert line_waits(s, clock, {}, 0.0) == [UNKNOWN_WAIT_S, UNKNOWN_WAIT_S]  # nothing measured yet
+    clock.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
+    # "b" frees its slot after 2 blocks (4 s), "a" after 4 (8 s); "c" takes b's and holds it 1 block (2 s)
+    assert line_waits(s, clock, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]

@@ -159,7 +159,7 @@ def test_a_stranger_without_the_secret_changes_nothing(sp2) -> None:
 
 
 def assert_plain(errors: list[str]) -> None:
-    assert errors and all(e.endswith(messages.GROUP_FAILED) or "not ready" in e or "unknown model" in e
+    assert errors and all(e.endswith(messages.GROUP_FAILED.message) or "not ready" in e or "unknown model" in e
                           for e in errors), errors
     assert not any(re.search(r"DistNetworkError|Traceback|Error\(|recv", e) for e in errors), errors
 

@@ -6,8 +6,11 @@ from collections.abc import Mapping
 import triton_python_backend_utils as pb_utils
 
 from ..model.layout import Setting
+from ..serving.line import LineCounts
 
 LATENCY_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0]
+QUEUE_BUCKETS_S = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0]
+SESSION_STATES = ("pending", "active", "ending")
 
 
 class StreamMetrics:
@@ -38,8 +41,17 @@ class StreamMetrics:
                    family.COUNTER),
             family("lingbot_world_sessions_ended_total", "sessions this instance owned that ended, by reason (as logged)",
                    family.COUNTER),
+            family("lingbot_world_refusals_total", "error responses this instance sent, by code", family.COUNTER),
+            family("lingbot_world_queue_seconds", "a session's wait for its slot, from its request (this instance's)",
+                   family.HISTOGRAM),
+            # The group's own counts: the same on every rank, so rank 0 alone publishes them.
+            family("lingbot_world_sessions", "the group's sessions by state (rank 0)", family.GAUGE),
+            family("lingbot_world_queue_depth", "the group's sessions waiting for a slot (rank 0)", family.GAUGE),
+            family("lingbot_world_free_slots", "the group's free session slots, max_sessions minus those held (rank 0)",
+                   family.GAUGE),
         ]
-        blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits, ended = self._families
+        (blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits, ended, refusals, queued,
+         sessions, depth, free) = self._families
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
@@ -56,6 +68,14 @@ class StreamMetrics:
         self.prompt_cache_hits = hits.Metric(labels=labels)
         self._ended_family = ended
         self._ended = {}  # reason -> its metric, made on its first use
+        self._refusals_family = refusals
+        self._refusals = {}  # code -> its metric, made on its first use
+        self.queue_seconds = queued.Metric(labels=labels, buckets=QUEUE_BUCKETS_S)
+        self.group = rank == 0
+        if self.group:
+            self.sessions = {state: sessions.Metric(labels={**labels, "state": state}) for state in SESSION_STATES}
+            self.queue_depth = depth.Metric(labels=labels)
+            self.free_slots = free.Metric(labels=labels)
 
     def show_settings(self, settings: Mapping[str, Setting]) -> None:
         """One gauge per resolved setting, its value, labelled with where it came from."""
@@ -83,3 +103,19 @@ class StreamMetrics:
         if reason not in self._ended:
             self._ended[reason] = self._ended_family.Metric(labels={**self._labels, "reason": reason})
         self._ended[reason].increment(1)
+
+    def refused(self, code: str) -> None:
+        """An error response went out with `code` (contract.ERROR_CODES)."""
+        if code not in self._refusals:
+            self._refusals[code] = self._refusals_family.Metric(labels={**self._labels, "code": code})
+        self._refusals[code].increment(1)
+
+    def line(self, counts: LineCounts) -> None:
+        """The group loop's report after a plan that changed the counts (GroupCoordinator's on_line)."""
+        for waited in counts.waited_s:
+            self.queue_seconds.observe(waited)
+        if self.group:
+            for state in SESSION_STATES:
+                self.sessions[state].set(float(getattr(counts, state)))
+            self.queue_depth.set(float(counts.waiting))
+            self.free_slots.set(float(counts.free_slots))

@@ -9,9 +9,11 @@ import socket
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..api.description import split_description
 from ..api.request import SessionRequest, StepRequest
 from ..serving.bootstrap import GroupMember, Hooks, Place
 from ..serving.config import split_parameters
+from ..serving.line import LineCounts
 from .metrics import StreamMetrics
 from .placement import instance_rank
 from .responder import TritonLogHandler, TritonResponder
@@ -27,6 +29,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        description, params = split_description(params)
         engine_config, serving = split_parameters(params)
         rank, world = instance_rank(args, model_config, serving.host_rank, serving.host_count)
         on_gpu = args["model_instance_kind"] == "GPU"
@@ -34,11 +37,13 @@ class TritonPythonModel:
                       world // serving.host_count)
         self.rank, self.host_rank, self._unload_claim = rank, serving.host_rank, None
         self.metrics = StreamMetrics(self.model_name, rank)
+        self.metrics.line(LineCounts(0, 0, 0, 0, serving.max_sessions))  # Triton keeps a family's values: a reload
+        # starts from an empty group
         self.member = GroupMember(engine_config, serving, place, Hooks(
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
-            on_loop_block=self.metrics.loop_block, send_lock=TritonResponder.process_lock,
-        ))
+            on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, send_lock=TritonResponder.process_lock,
+        ), description)
 
     def execute(self, requests: list) -> None:
         with TritonResponder.process_lock:  # no response is sent while the stub is in here (see responder)

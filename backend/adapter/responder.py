@@ -8,8 +8,9 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..api.codec import BlockUsed, block_outputs
+from ..api.codec import BlockUsed, block_outputs, place_outputs
 from ..api.provenance import latents_sha256
+from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from .metrics import StreamMetrics
 
@@ -79,9 +80,14 @@ class TritonResponder:
                 m.inter_block.observe(now - self.last_block)
             self.last_block = now
 
-    def send_error(self, message: str) -> None:
-        if self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL):
+    def send_error(self, refusal: Refusal) -> None:
+        if self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal.message)), FINAL):
             self.metrics.errors.increment(1)
+            self.metrics.refused(refusal.code)
+
+    def send_place(self, position: int, wait_s: float) -> None:
+        tensors = place_outputs(position, wait_s)
+        self._send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]), 0)
 
     def finish(self) -> None:
         self._send(None, FINAL)

@@ -240,11 +240,40 @@ def block_outputs(
         c.SETTINGS_USED: None if used is None or used.settings is None else [used.settings.encode("utf-8")],
         c.RECACHED: None if used is None else [used.recached],
     }
+    return _typed(values)
+
+
+def place_outputs(position: int, wait_s: float) -> dict[str, np.ndarray]:
+    """The output tensors of a waiting session's place in line (a response without a block)."""
+    return _typed({c.QUEUE_POSITION: [position], c.WAIT_S: [wait_s]})
+
+
+def _typed(values: dict[str, object]) -> dict[str, np.ndarray]:
+    """Each given output in its contract dtype, in the contract's order (None: not sent)."""
     return {
         spec.name: np.ascontiguousarray(np.asarray(values[spec.name], dtype=spec.dtype))
         for spec in c.OUTPUTS
-        if values[spec.name] is not None
+        if values.get(spec.name) is not None
     }
+
+
+@dataclass(frozen=True)
+class Place:
+    """A waiting session's place in line as its client reads it (position 0: it has its slot now)."""
+
+    position: int
+    wait_s: float  # estimated seconds until its slot; negative: not estimated yet (no block measured)
+
+
+def parse_place(output: Callable[[str], np.ndarray | None]) -> Place | None:
+    """The place in line of a response that carries one and no block; None for a block's response."""
+    position, wait = output(c.QUEUE_POSITION), output(c.WAIT_S)
+    if position is None or output(c.BLOCK_INDEX) is not None:
+        return None
+    if position.size != 1 or wait is None or wait.size != 1:
+        raise ResponseError(f"server response carries {c.QUEUE_POSITION!r} without one-element "
+                            f"{c.QUEUE_POSITION!r} and {c.WAIT_S!r} outputs")
+    return Place(int(position.reshape(-1)[0]), float(wait.reshape(-1)[0]))
 
 
 @dataclass(frozen=True)

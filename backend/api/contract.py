@@ -91,6 +91,8 @@ PROMPT_USED = "prompt_used"
 LATENTS_SHA256 = "latents_sha256"
 SETTINGS_USED = "settings_used"
 RECACHED = "recached"
+QUEUE_POSITION = "queue_position"
+WAIT_S = "wait_s"
 
 # One response per AR block; the last block's response carries the final flag.
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -111,8 +113,16 @@ OUTPUTS: tuple[TensorSpec, ...] = (
           "first block only; with return_used)"),
     _spec(RECACHED, np.bool_, (1,), "the cached frames' self-attention K/V were recomputed under this block's prompt "
           "before it (a world event with request parameter recache); with return_used"),
+    # A session waiting for a slot is told its place in line, at once and whenever it changes, by a response of
+    # these two alone (no block_index: not a block); 0 when it leaves the line for a slot.
+    _spec(QUEUE_POSITION, np.int32, (1,), "a waiting session's place in line (1: next), in a response without a "
+          "block; 0: it has a slot now and its first block is being computed"),
+    _spec(WAIT_S, np.float32, (1,), "with queue_position: the estimated seconds until a slot, from measured block "
+          "times (sessions without a set length are counted at their lifetime limit, so it is an upper bound)"),
 )
 
+QUEUE_OUTPUTS = (QUEUE_POSITION, WAIT_S)
+BLOCK_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name not in QUEUE_OUTPUTS)
 INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
 OUTPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in OUTPUTS}
 WHOLE_TRAJECTORY_INPUTS = (IMAGE, PROMPT, CAMERA_POSES, NUM_FRAMES, SEED, HEIGHT, WIDTH)
@@ -195,3 +205,56 @@ def frames_rule(block_frames: int = BLOCK_FRAMES) -> str:
     examples = ", ".join(str(whole_block_frames(b, block_frames)) for b in (1, 2, 4))
     examples += f" or {whole_block_frames(7, block_frames)}"
     return f"{whole_block_frames(1, block_frames)} + {step} x k, whole AR blocks (e.g. {examples})"
+
+
+@dataclass(frozen=True)
+class ErrorCode:
+    """A refusal's or an ending's machine-readable code: its error text starts `[CODE] ` (see api/refusal)."""
+
+    name: str
+    doc: str  # when a client gets it
+    action: str  # what the client does
+    retry_after: bool = False  # its text carries retry_after_s
+
+
+CAPACITY_EXHAUSTED = "CAPACITY_EXHAUSTED"
+INVALID_INPUT = "INVALID_INPUT"
+SETTINGS_MISMATCH = "SETTINGS_MISMATCH"
+SESSION_EXISTS = "SESSION_EXISTS"
+SESSION_UNKNOWN = "SESSION_UNKNOWN"
+EXPIRED = "EXPIRED"
+CANCELLED = "CANCELLED"
+OUT_OF_MEMORY = "OUT_OF_MEMORY"
+OPEN_FAILED = "OPEN_FAILED"
+DECODE_FAILED = "DECODE_FAILED"
+GROUP_FAILED = "GROUP_FAILED"
+SERVER_STOPPING = "SERVER_STOPPING"
+RELOAD_REFUSED = "RELOAD_REFUSED"
+
+ERROR_CODES: tuple[ErrorCode, ...] = (
+    ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the line is full (max_queue sessions wait)",
+              "retry after retry_after_s (the estimated wait of the line's last place)", retry_after=True),
+    ErrorCode(INVALID_INPUT, "an input or a request parameter is wrong (the sentence names it and what is "
+              "expected), or the request does not fit this server's limits", "fix the request"),
+    ErrorCode(SETTINGS_MISMATCH, "request parameter expect_settings differs from this server's settings_used (a "
+              "replay against another checkpoint or settings)", "replay on a server with those settings"),
+    ErrorCode(SESSION_EXISTS, "a start flag on a sequence whose session still runs", "end it first, or use a new "
+              "sequence id"),
+    ErrorCode(SESSION_UNKNOWN, "a step of a sequence with no running session: it never started here, or it ended "
+              "(the sentence says how)", "start a new session"),
+    ErrorCode(EXPIRED, "a steered session reached session_idle_timeout_s without a step, or max_session_s",
+              "start a new session"),
+    ErrorCode(CANCELLED, "its client went away (logged and counted; nobody is left to tell)", "none"),
+    ErrorCode(OUT_OF_MEMORY, "the server had no memory to open this session", "retry later, or ask for fewer "
+              "frames or a smaller height x width", retry_after=True),
+    ErrorCode(OPEN_FAILED, "the session could not be opened for another reason (in the server log)",
+              "retry; if it fails again, tell the operator"),
+    ErrorCode(DECODE_FAILED, "a block could not be decoded into frames", "retry; if it fails again, tell the "
+              "operator"),
+    ErrorCode(GROUP_FAILED, "the group lost a model instance: the stream cannot go on; the server reloads the "
+              "model by itself", "retry after retry_after_s (the model is reloading)", retry_after=True),
+    ErrorCode(SERVER_STOPPING, "the model is being unloaded (a stop, or an operator's unload)",
+              "retry after retry_after_s, on this server once it is back or on another", retry_after=True),
+    ErrorCode(RELOAD_REFUSED, "a load of the model while it serves (the operator's API)", "unload it first"),
+)
+ERROR_CODE_SPECS: dict[str, ErrorCode] = {c.name: c for c in ERROR_CODES}

@@ -19,6 +19,11 @@ RESULT_SETTINGS = ("block_frames", "denoise_steps", "dtype", "sink_frames", "tim
 MAX_SETTINGS_BYTES = 512
 
 
+def settings_of(config: object) -> str:
+    """The settings_used of an engine configuration (any object with the RESULT_SETTINGS as attributes)."""
+    return format_settings({name: getattr(config, name) for name in RESULT_SETTINGS})
+
+
 def format_settings(values: dict[str, object]) -> str:
     """`key=value;...` of the RESULT_SETTINGS in `values` (every one must be there)."""
     missing = [name for name in RESULT_SETTINGS if name not in values]

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..api.contract import SETTINGS_MISMATCH
 from ..api.errors import InputError
-from ..api.provenance import RESULT_SETTINGS, format_settings, parse_settings, setting_differences
+from ..api.provenance import parse_settings, setting_differences, settings_of
 from ..api.request import SessionRequest, check_frame_counts, check_prompt, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
@@ -108,7 +109,7 @@ class WorldModelEngine:
         if request.expect_settings and (differ := setting_differences(
                 parse_settings(request.expect_settings), parse_settings(self.settings_used, "settings_used"))):
             raise InputError(f"this server's settings differ from request parameter 'expect_settings' (the "
-                             f"recording's): {'; '.join(differ)}")
+                             f"recording's): {'; '.join(differ)}", SETTINGS_MISMATCH)
         geometry = VideoGeometry.build(
             self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
         )
@@ -121,7 +122,7 @@ class WorldModelEngine:
     @property
     def settings_used(self) -> str:
         """The settings a block's latents depend on (api/provenance), as this engine runs them."""
-        return format_settings({name: getattr(self.config, name) for name in RESULT_SETTINGS})
+        return settings_of(self.config)
 
     def session_window_frames(self, request: SessionRequest, geometry: VideoGeometry) -> int:
         """The latent frames a session's cache holds: the window, or a clip's (or a bounded steered session's)

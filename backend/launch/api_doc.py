@@ -96,6 +96,7 @@ def render() -> str:
     outputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), s.doc] for s in contract.OUTPUTS]
     params = [[f"`{p.name}`", type(p.default).__name__, f"`{p.default}`", _allowed(p.choices, p.minimum), p.doc]
               for p in contract.REQUEST_PARAMETERS]
+    codes = [[f"`{e.name}`", "yes" if e.retry_after else "", e.doc, e.action] for e in contract.ERROR_CODES]
     defaults = default_parameters()
     settings = "\n\n".join(_settings_section(cls, defaults) for cls in SETTINGS)
     return "\n".join([
@@ -105,7 +106,15 @@ def render() -> str:
         "answers a missing or malformed one with an error naming it. A dimension of -1 takes any size.\n",
         _table(["input", "type", "shape", "allowed", "what"], inputs),
         "\n## Outputs (one response per block)\n",
+        f"A response is a block (it has `{contract.BLOCK_INDEX}`) or, for a session waiting for a slot, its place "
+        f"in line (`{contract.QUEUE_POSITION}` and `{contract.WAIT_S}` alone, never final): at once and whenever "
+        "the place changes, and 0 when it leaves the line for its slot.\n",
         _table(["output", "type", "shape", "what"], outputs),
+        "\n## Error codes\n",
+        "Every error response's text starts with its code: `[CODE] sentence`, or `[CODE retry_after_s=N] "
+        "sentence` for the codes marked retry (N: whole seconds, at least 1). `backend/api/refusal.py` "
+        "(`Refusal.parse`, torch-free) reads it.\n",
+        _table(["code", "retry", "when", "what the client does"], codes),
         "\n## Request parameters\n",
         "Triton request `parameters`; a steered session takes them from its first request.\n",
         _table(["parameter", "type", "default", "allowed", "what"], params),

@@ -23,7 +23,9 @@ from pathlib import Path
 from ..api.contract import MODEL_NAME
 from ..api.settings import from_parameters, to_parameters
 from ..parallel.ports import free_port, port_in_use
+from ..engine.validation import checked_spec
 from ..serving.config import ServingConfig, split_parameters
+from ..serving.described import describe
 from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
 from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
@@ -162,6 +164,10 @@ def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
     # every instance of every server is one rank of tp x sp
     engine = dataclasses.replace(engine, sp_degree=args.sp * hosts // engine.tp_degree)
     parameters = to_parameters(engine) | to_parameters(serving)
+    if Path(engine.checkpoint).exists():  # else the load names the missing checkpoint
+        # What a client reads of this server (api/description); every instance checks it at load. Resolving
+        # reads the checkpoint's JSON configs only, and names a setting the checkpoint cannot serve now.
+        parameters |= describe(checked_spec(engine, args.sp * hosts), serving).parameters()
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,

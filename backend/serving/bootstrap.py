@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..api.codec import parse_request
+from ..api.description import ServerDescription
 from ..api.errors import ConfigError, InputError
 from ..api.request import SessionRequest, StepRequest
 from ..engine.config import EngineConfig
@@ -30,6 +31,8 @@ from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from .config import ServingConfig
 from .coordinator import GroupCoordinator
+from .described import check_description
+from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
 from .streams import Responder
 from .threads import CoreSplit, instance_cores
@@ -55,6 +58,7 @@ class Hooks:
     on_settings: Callable[[dict], None] = lambda settings: None  # the resolved settings, before loading
     on_prompts: Callable[[int, int], None] | None = None  # see GroupCoordinator
     on_ended: Callable[[str], None] | None = None
+    on_line: Callable[[LineCounts], None] | None = None  # the group's sessions by state (see GroupCoordinator)
     on_loop_block: Report | None = None  # LoopCpu's report
     send_lock: AbstractContextManager | None = field(default=None)  # the lock responders send under
 
@@ -62,8 +66,10 @@ class Hooks:
 class GroupMember:
     """One rank, joined and loaded, its group loop running."""
 
-    def __init__(self, engine_config: EngineConfig, serving: ServingConfig, place: Place, hooks: Hooks) -> None:
-        """Validate alone (before waiting for peers or reading weights), join the group, load, start the loop."""
+    def __init__(self, engine_config: EngineConfig, serving: ServingConfig, place: Place, hooks: Hooks,
+                 description: ServerDescription | None = None) -> None:
+        """Validate alone (before waiting for peers or reading weights), join the group, load, start the loop.
+        description: what the model config says of this server (api/description), checked against it."""
         rank, world = place.rank, place.world
         layout = RankLayout(engine_config.tp_degree, engine_config.sp_degree)
         if layout.world != world:
@@ -75,6 +81,7 @@ class GroupMember:
         layout.check_hosts(serving.host_count)
         engine_config = dataclasses.replace(engine_config, device=place.device)
         spec = checked_spec(engine_config, world)
+        check_description(description, spec, serving)
         on_gpu = place.device.startswith("cuda")
         threads = None
         if on_gpu:
@@ -107,7 +114,7 @@ class GroupMember:
             if world > 1 else None
         self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
                                             doorbell=doorbell, threads=threads, cpu=LoopCpu(hooks.on_loop_block),
-                                            on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
+                                            on_prompts=hooks.on_prompts, on_ended=hooks.on_ended, on_line=hooks.on_line,
                                             send_lock=hooks.send_lock)
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
@@ -121,7 +128,7 @@ class GroupMember:
         try:
             parsed = parse_request(get_input, parameters_json, key, flags)
         except InputError as exc:
-            responder_for(None).send_error(str(exc))
+            responder_for(None).send_error(exc.refusal)
             return
         self.coordinator.submit(parsed, responder_for(parsed))
 

@@ -9,6 +9,7 @@ cancellation), the heartbeat is due, or a steered session on this rank reaches i
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -21,8 +22,9 @@ from contextlib import AbstractContextManager
 
 import torch.distributed as dist
 
+from ..api import contract as c
 from ..api.errors import InputError
-from ..api.contract import PARAM_PAUSE
+from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
@@ -35,6 +37,7 @@ from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
 from .loop_cpu import LoopCpu
 from .admission import admit, admit_step
+from .line import UNMEASURED_RETRY_S, BlockClock, LineCounts, line_waits
 from .scheduler import Plan, RankEvents, Scheduler, StepEvent
 from .sessions import EndReason, Ending, LocalPart, OwnerPart, SharedSession
 from .streams import OwnerStream, Responder, SteeredStream, WholeStream
@@ -61,6 +64,7 @@ class GroupCoordinator:
         cpu: LoopCpu | None = None,
         on_prompts: Callable[[int, int], None] | None = None,  # (world events applied, prompt cache hits) since the last call
         on_ended: Callable[[str], None] | None = None,  # (why) when a session this rank owns ends, as logged
+        on_line: Callable[[LineCounts], None] | None = None,  # the group's sessions by state, after a plan
         send_lock: AbstractContextManager | None = None,  # reentrant: the lock responders send under (see streams)
     ) -> None:
         self.engine: WorldModelEngine | None = engine
@@ -79,6 +83,9 @@ class GroupCoordinator:
         self.cpu = cpu or LoopCpu()
         self.on_prompts = on_prompts
         self.on_ended = on_ended
+        self.on_line = on_line
+        self._last_counts: LineCounts | None = None
+        self.clock = BlockClock()  # a batch's wall time: the line's wait estimates
         self.send_lock = send_lock
         self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring,
                                     on_stream_failed=self._stream_failed)
@@ -86,9 +93,10 @@ class GroupCoordinator:
         # opening on), until the session ends; the state itself is the scheduler's.
         self.local: dict[str, LocalPart] = {}
         self.running: dict[str, str] = {}  # Triton sequence key -> its steered session that takes steps here
-        self.ended_keys: OrderedDict[str, str] = OrderedDict()  # sequence key -> why its last session ended
+        # sequence key -> how its last session ended (the code and sentence a late step gets)
+        self.ended_keys: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._lock = threading.Lock()  # local, running, ended_keys: shared with Triton's thread and the cancel watch
-        self._closed_reason: str | None = None  # set when the loop has ended, for requests still arriving
+        self._closed_reason: Refusal | None = None  # set when the loop has ended, for requests still arriving
         self._inbox: queue.SimpleQueue[SharedSession] = queue.SimpleQueue()
         self._steps: queue.SimpleQueue[StepEvent] = queue.SimpleQueue()
         self._failed: queue.SimpleQueue[tuple[str, Ending]] = queue.SimpleQueue()
@@ -111,16 +119,14 @@ class GroupCoordinator:
         try:
             shared = admit(request, self.settings, engine, f"r{self.rank}-{next(self._ids)}", self.rank)
         except InputError as exc:
-            responder.send_error(str(exc))
+            responder.send_error(exc.refusal)
             return
         stream: OwnerStream = (SteeredStream(responder, self._ring, self.send_lock) if request.steered
                                else WholeStream(responder, self._ring, self.send_lock))
         key = request.session_key
         with self._lock:
             if request.steered and key in self.running:
-                responder.send_error(
-                    f"session {key} is already running; send steps without the start flag, or end it first"
-                )
+                responder.send_error(messages.session_exists(key))
                 return
             self.local[shared.id] = LocalPart(OwnerPart(stream, key))
             if request.steered:
@@ -143,10 +149,10 @@ class GroupCoordinator:
         key = step.session_key
         with self._lock:
             part = self._steered(key)
-            pause = f"request parameter '{PARAM_PAUSE}': " if step.pause else ""
             if part is None:
-                why = self.ended_keys.get(key, "it never started here (send the start flag first)")
-                responder.send_error(f"{pause}no running session {key}: {why}")
+                code, why = self.ended_keys.get(key, (c.SESSION_UNKNOWN, "it never started here (send the start "
+                                                                       "flag first)"))
+                responder.send_error(messages.no_session(key, why, code, step.pause))
                 return
             stream: SteeredStream = part.owner.stream
             if step.pause:  # no news for the scheduler: it changes no block
@@ -155,11 +161,11 @@ class GroupCoordinator:
             try:
                 admit_step(step, self.block_frames, self.window_frames)
             except InputError as exc:
-                responder.send_error(str(exc))
+                responder.send_error(exc.refusal)
                 return
             sid = self.running[key]
             if step.end:  # no step may follow: the sequence's next request is told so
-                self._forget_key(key, sid, "it was ended by its end flag; start a new one")
+                self._forget_key(key, sid, c.SESSION_UNKNOWN, "it was ended by its end flag; start a new one")
             if step.controls is not None:
                 stream.add(responder)
             else:  # an end flag alone: the request is answered when the session closes
@@ -181,11 +187,11 @@ class GroupCoordinator:
         sid = self.running.get(key)
         return None if sid is None else self.local[sid]
 
-    def _forget_key(self, key: str, sid: str, why: str) -> None:
+    def _forget_key(self, key: str, sid: str, code: str, why: str) -> None:
         """Sequence `key` no longer steers session `sid` (under the lock); a late request is told `why`."""
         if self.running.get(key) == sid:
             del self.running[key]
-        self.ended_keys[key] = why
+        self.ended_keys[key] = (code, why)
         self.ended_keys.move_to_end(key)
         while len(self.ended_keys) > KEEP_ENDED:
             self.ended_keys.popitem(last=False)
@@ -213,6 +219,7 @@ class GroupCoordinator:
                     self._close(messages.MODEL_UNLOADING)
                     return
                 self._apply(plan)
+                self._tell_line(plan)
                 if plan.idle:
                     self.control.wait_idle(self._next_deadline())
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
@@ -233,7 +240,7 @@ class GroupCoordinator:
         deadlines = [part.owner.deadline(self.settings) for _, part in self._owned() if part.steered_here and part.engine]
         return min(deadlines, default=None)
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: Refusal) -> None:
         """The loop ends: every session is aborted with `reason`, then late arrivals are answered directly."""
         self._closed_reason = reason
         drain(self._inbox)  # sessions not shared yet: their owner parts get the error below
@@ -253,7 +260,7 @@ class GroupCoordinator:
             with self._lock:
                 part = self.local.pop(shared.id, None)
                 if part is not None and part.steered_here:
-                    self._forget_key(part.owner.key, shared.id, reason)
+                    self._forget_key(part.owner.key, shared.id, reason.code, reason.sentence)
             if part is not None:
                 part.owner.stream.send_error(reason)
 
@@ -299,8 +306,10 @@ class GroupCoordinator:
                          self.rank, session.block_index, sid)
             elif controls.controls.prompt is not None:
                 self._set_prompt(session, controls.controls.prompt)
+        start = time.perf_counter()
         with self.cpu.run_block(len(plan.batch)):
             outputs = self.engine.run_block(sessions, plan.controls)
+        self.clock.observe(time.perf_counter() - start)
         finishing = {sid for sid, _ in plan.finishing}
         for sid, session, output in zip(plan.batch, sessions, outputs):
             owner = self.local[sid].owner
@@ -309,6 +318,38 @@ class GroupCoordinator:
                 self.decoder.block(stream, session, output, final=sid in finishing)
         for sid, ending in plan.finishing:
             self._end(sid, ending)
+
+    def _tell_line(self, plan: Plan) -> None:
+        """After a plan: each of this rank's sessions whose place in line changed is told its new place (0: it has
+        its slot) and its estimated wait; the group's counts go to the metrics hook when they changed."""
+        now = time.monotonic()
+        places = {s.id: n for n, s in enumerate(self.scheduler.waiting(), start=1)}
+        told = [(part.owner, places.get(sid, 0)) for sid, part in self._owned()]
+        told = [(owner, place) for owner, place in told if place != (owner.place or 0)]
+        if told:
+            waits = line_waits(self.scheduler, self.clock, self._opened_s(), now)
+            for owner, place in told:
+                owner.place = place
+                owner.stream.send_place(place, waits[place - 1] if place else 0.0)  # before any block of its own
+        if self.on_line is not None:
+            opened = {s.id for s in plan.opens}
+            waited = [now - part.owner.started_s for sid, part in self._owned() if sid in opened]
+            counts = LineCounts.of(self.scheduler, self.settings, waited)
+            if waited or counts != self._last_counts:
+                self._last_counts = counts
+                self.on_line(counts)
+
+    def _opened_s(self) -> dict[str, float]:
+        with self._lock:
+            return {sid: part.opened_s for sid, part in self.local.items() if part.opened_s is not None}
+
+    def _with_retry(self, refusal: Refusal) -> Refusal:
+        """A full line's refusal gets its retry time here, from this rank's measured block times: the wait of the
+        place behind the line's last (the plan carries none: no plan depends on a clock)."""
+        if refusal.code != c.CAPACITY_EXHAUSTED:
+            return refusal
+        wait = line_waits(self.scheduler, self.clock, self._opened_s(), time.monotonic(), extra=1)[-1]
+        return dataclasses.replace(refusal, retry_after_s=wait if wait > 0 else UNMEASURED_RETRY_S)
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""
@@ -336,6 +377,7 @@ class GroupCoordinator:
                 # A steered session keeps what its cached blocks were made of, for a world event's recache.
                 part.engine = self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                                        keep_commits=shared.steered and self.keep_commits)
+                part.opened_s = time.monotonic()
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
                 log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
                 self._failed.put((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))
@@ -346,7 +388,7 @@ class GroupCoordinator:
         with self._lock:
             part = self.local.pop(sid, None)
             if part is not None and part.steered_here:
-                self._forget_key(part.owner.key, sid, ending.why)
+                self._forget_key(part.owner.key, sid, ending.late_code, ending.why)
         if part is None:  # never opened here
             return
         reason = ending.reason.value
@@ -356,7 +398,7 @@ class GroupCoordinator:
             if ending.error is None:
                 self.decoder.finish(part.owner.stream)  # after its last block: close what still waits
             else:
-                self.decoder.error(part.owner.stream, ending.error)
+                self.decoder.error(part.owner.stream, self._with_retry(ending.error))
         if (session := part.engine) is not None:
             held = session.cache_bytes()
             self.engine.close_session(session)

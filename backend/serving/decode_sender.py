@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
@@ -61,8 +62,8 @@ class DecodeSender:
 
         self._queue.put(send)
 
-    def error(self, responder: Responder, message: str) -> None:
-        self._queue.put(lambda: responder.send_error(message))
+    def error(self, responder: Responder, refusal: Refusal) -> None:
+        self._queue.put(lambda: responder.send_error(refusal))
 
     def finish(self, responder: Responder) -> None:
         self._queue.put(responder.finish)

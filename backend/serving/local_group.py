@@ -17,6 +17,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ..api.codec import controls_arrays, controls_parameters, request_arrays, re
 from ..api.contract import PARAM_PAUSE, PARAM_RETURN_USED, SEQUENCE_END, SEQUENCE_START
 from ..api.errors import InputError
 from ..api.request import Controls, SessionRequest
+from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from ..engine.config import EngineConfig
 from ..parallel.local import process_context
@@ -57,6 +59,14 @@ class LocalBlock:
     recached: bool = False  # its cached history was recomputed under its prompt first
 
 
+@dataclass(frozen=True)
+class LocalPlace:
+    """A waiting session's place in line (0: it has its slot), a response without a block."""
+
+    position: int
+    wait_s: float
+
+
 # -- in each member's process ------------------------------------------------------------------------------
 
 class _QueueResponder:
@@ -72,8 +82,11 @@ class _QueueResponder:
                            output.camera, output.prompt, final, output.recached)
         self._send("block", block, final)
 
-    def send_error(self, message: str) -> None:
-        self._send("error", message, True)
+    def send_error(self, refusal: Refusal) -> None:
+        self._send("error", refusal.message, True)
+
+    def send_place(self, position: int, wait_s: float) -> None:
+        self._send("place", LocalPlace(position, wait_s), False)
 
     def finish(self) -> None:
         self._send("finish", None, True)
@@ -137,21 +150,30 @@ class LocalCall:
     def __init__(self, group: LocalGroup, rank: int, call: int) -> None:
         self.group, self.rank, self.call = group, rank, call
         self.responses: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.places: list[LocalPlace] = []  # the places in line it was told, in order
         self.done = False
 
-    def next(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalBlock | None:
-        """The next block; None when the request ended without one. Raises LocalStreamError on an error."""
-        if self.done:
-            raise LocalStreamError("the request has ended")
-        try:
-            kind, payload = self.responses.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no response within {timeout_s} s") from None
-        if kind == "error":
-            self.done = True
-            raise LocalStreamError(payload)
-        self.done = kind == "finish" or payload.final
-        return payload if kind == "block" else None
+    def next(self, timeout_s: float = DEFAULT_TIMEOUT_S, places: bool = False) -> LocalBlock | LocalPlace | None:
+        """The next block (or, with `places`, the next place in line too); None when the request ended without
+        one. Raises LocalStreamError on an error."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.done:
+                raise LocalStreamError("the request has ended")
+            try:
+                kind, payload = self.responses.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no response within {timeout_s} s") from None
+            if kind == "error":
+                self.done = True
+                raise LocalStreamError(payload)
+            if kind == "place":
+                self.places.append(payload)
+                if places:
+                    return payload
+                continue
+            self.done = kind == "finish" or payload.final
+            return payload if kind == "block" else None
 
     def blocks(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[LocalBlock]:
         """Every block until the final response."""
@@ -291,7 +313,7 @@ class LocalGroup:
                 kind, tag, payload = self._outbox.get()
             except (EOFError, OSError):
                 return
-            if kind in ("block", "error", "finish"):
+            if kind in ("block", "place", "error", "finish"):
                 self._calls[tag].responses.put((kind, payload))
             else:
                 self._control.put((kind, tag, payload))

@@ -4,31 +4,58 @@ The exception itself goes to the server log (the callers log it); clients never 
 """
 from __future__ import annotations
 
-GROUP_FAILED = (
+from ..api import contract as c
+from ..api.refusal import Refusal
+
+HEAL_S = 20.0  # a failed group's reload, as measured (bench/README, the kill matrix): a group-failed retry hint
+UNLOAD_S = 10.0  # an unload, then the server's own restart or reload: a stopping server's retry hint
+
+GROUP_FAILED = Refusal(
+    c.GROUP_FAILED,
     "The server lost one of its model instances while generating this video, so the stream cannot go on. "
-    "Retry once the model is loaded again (the operator reloads it or restarts the server)."
+    "The server reloads the model by itself: retry in a little while.",
+    HEAL_S,
 )
-MODEL_UNLOADING = "The model is being unloaded, so this stream was stopped. Retry once the model is loaded again."
-DECODE_FAILED = (
+MODEL_UNLOADING = Refusal(
+    c.SERVER_STOPPING, "The model is being unloaded, so this stream was stopped. Retry once the model is loaded "
+    "again.", UNLOAD_S)
+DECODE_FAILED = Refusal(
+    c.DECODE_FAILED,
     "The server could not turn this block into video frames, so the stream stopped here. "
-    "Retry the request; if it fails again, ask the operator to look at the server log."
+    "Retry the request; if it fails again, ask the operator to look at the server log.",
 )
+OPEN_RETRY_S = 30.0  # an out-of-memory open: other sessions end meanwhile
 
 
-def open_failed(exc: BaseException) -> str:
+def open_failed(exc: BaseException) -> Refusal:
     """A session that could not be opened: memory is the cause a client can act on; the rest is the server's."""
     if "out of memory" in str(exc).lower():
-        return (
-            "The server has no memory for this video right now. Retry later, or ask for fewer frames or "
-            "a smaller height x width."
-        )
-    return ("The server could not start this video. Retry the request; if it fails again, ask the operator to "
-            "look at the server log.")
+        return Refusal(c.OUT_OF_MEMORY, "The server has no memory for this video right now. Retry later, or ask "
+                       "for fewer frames or a smaller height x width.", OPEN_RETRY_S)
+    return Refusal(c.OPEN_FAILED, "The server could not start this video. Retry the request; if it fails again, ask "
+                   "the operator to look at the server log.")
 
 
-def session_idle(limit_s: float) -> str:
-    return f"the session sent no step for session_idle_timeout_s={limit_s:g} s and was ended; start a new one"
+def session_idle(limit_s: float) -> Refusal:
+    return Refusal(c.EXPIRED, f"the session sent no step for session_idle_timeout_s={limit_s:g} s and was ended; "
+                   "start a new one")
 
 
-def session_too_long(limit_s: float) -> str:
-    return f"the session reached max_session_s={limit_s:g} s and was ended; start a new one"
+def session_too_long(limit_s: float) -> Refusal:
+    return Refusal(c.EXPIRED, f"the session reached max_session_s={limit_s:g} s and was ended; start a new one")
+
+
+def queue_full(max_queue: int, max_sessions: int, retry_after_s: float) -> Refusal:
+    return Refusal(c.CAPACITY_EXHAUSTED, f"server busy: {max_queue} sessions already wait for a slot "
+                   f"(max_queue={max_queue}, max_sessions={max_sessions}); retry after retry_after_s", retry_after_s)
+
+
+def session_exists(key: str) -> Refusal:
+    return Refusal(c.SESSION_EXISTS, f"session {key} is already running; send steps without the start flag, or end "
+                   "it first")
+
+
+def no_session(key: str, why: str, code: str = c.SESSION_UNKNOWN, pause: bool = False) -> Refusal:
+    """A step of sequence `key` that no running session takes; `why`: how its last one ended, or that none began."""
+    prefix = f"request parameter '{c.PARAM_PAUSE}': " if pause else ""
+    return Refusal(code, f"{prefix}no running session {key}: {why}")

@@ -11,8 +11,10 @@ import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..api.refusal import Refusal
 from ..api.request import Controls
 from ..engine.blocks import BlockControls
+from . import messages
 from .config import ServingConfig
 from .sessions import EndReason, Ending, SharedSession, State
 
@@ -32,7 +34,7 @@ class RankEvents:
 
     submissions: list[SharedSession] = field(default_factory=list)  # sessions this rank admitted
     steps: list[StepEvent] = field(default_factory=list)
-    expired: list[tuple[str, str]] = field(default_factory=list)  # (session id, why): the owner's limits
+    expired: list[tuple[str, Refusal]] = field(default_factory=list)  # (session id, why): the owner's limits
     cancelled: list[str] = field(default_factory=list)
     failed: list[tuple[str, Ending]] = field(default_factory=list)  # sessions this rank could not open or decode
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
@@ -133,8 +135,14 @@ class Scheduler:
                 s.state = State.ACTIVE
             self.table.move_to_end(s.id)  # joins the round robin at its back
             plan.opens.append(s)
+        # Its retry time is its owner's estimate from measured block times (no plan depends on a clock): 0 here.
+        full = messages.queue_full(settings.max_queue, settings.max_sessions, retry_after_s=0.0)
         for s in waiting[max(slots, 0) + settings.max_queue:]:
-            self._end(s.id, Ending(EndReason.REJECTED, self._queue_full()), plan)
+            self._end(s.id, Ending(EndReason.REJECTED, full), plan)
+
+    def waiting(self) -> list[SharedSession]:
+        """The line: sessions waiting for a slot, first first."""
+        return [s for s in self.table.values() if not s.admitted]
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> None:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
@@ -167,10 +175,3 @@ class Scheduler:
         s.recached = True
         self.table.move_to_end(s.id)
         plan.recaches.append((s.id, step.prompt))
-
-    def _queue_full(self) -> str:
-        settings = self.settings
-        return (
-            f"server busy: {settings.max_queue} sessions already wait for a slot (max_queue={settings.max_queue}, "
-            f"max_sessions={settings.max_sessions}); retry later"
-        )

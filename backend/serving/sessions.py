@@ -13,6 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..api import contract as c
+from ..api.refusal import Refusal
 from ..api.request import Controls, SessionRequest
 from ..engine.geometry import VideoGeometry
 from ..engine.session import Session
@@ -43,12 +45,19 @@ class EndReason(enum.Enum):
 @dataclass(frozen=True)
 class Ending:
     reason: EndReason
-    error: str | None = None  # what its client is told; None: its stream closes after its blocks
+    error: Refusal | None = None  # what its client is told; None: its stream closes after its blocks
 
     @property
     def why(self) -> str:
         """For a step that comes after the end."""
-        return self.error or f"it {self.reason.value}"
+        return self.error.sentence if self.error is not None else f"it {self.reason.value}"
+
+    @property
+    def late_code(self) -> str:
+        """The code of a step that comes after the end: the ending's own where it says more (an expiry, a group
+        failure), else that no session runs."""
+        return self.error.code if self.error is not None and self.reason is not EndReason.REJECTED \
+            else c.SESSION_UNKNOWN
 
 
 @dataclass
@@ -121,6 +130,7 @@ class OwnerPart:
     stream: OwnerStream
     key: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
+    place: int | None = None  # the place in line its client was told last (0: its slot); None: never queued
 
     def deadline(self, settings: ServingConfig) -> float:
         """When a steered session is ended for its idle or lifetime limit (monotonic seconds). The idle clock
@@ -129,7 +139,7 @@ class OwnerPart:
         waiting = self.stream.waits_on_client_since()
         return lifetime if waiting is None else min(lifetime, waiting + settings.session_idle_timeout_s)
 
-    def expiry(self, settings: ServingConfig, now: float) -> str | None:
+    def expiry(self, settings: ServingConfig, now: float) -> Refusal | None:
         """Why the session must end now, or None."""
         if now - self.started_s >= settings.max_session_s:
             return messages.session_too_long(settings.max_session_s)
@@ -146,6 +156,7 @@ class LocalPart:
 
     owner: OwnerPart | None = None
     engine: Session | None = None
+    opened_s: float | None = None  # when it was opened here (monotonic): a wait estimate's clock, never a plan's
 
     @property
     def steered_here(self) -> bool:

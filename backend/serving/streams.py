@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 
 
@@ -23,7 +24,9 @@ class Responder(Protocol):
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None: ...
 
-    def send_error(self, message: str) -> None: ...
+    def send_error(self, refusal: Refusal) -> None: ...
+
+    def send_place(self, position: int, wait_s: float) -> None: ...  # a non-final response without a block
 
     def finish(self) -> None: ...  # close the stream without data (after a cancellation)
 
@@ -61,8 +64,12 @@ class WholeStream(OwnerStream):
             self._delivered(self._responder, output, frames, decode_ms, final)
         self._on_delivered()
 
-    def send_error(self, message: str) -> None:
-        self._responder.send_error(message)
+    def send_error(self, refusal: Refusal) -> None:
+        self._responder.send_error(refusal)
+
+    def send_place(self, position: int, wait_s: float) -> None:
+        with self._lock:
+            self._responder.send_place(position, wait_s)
 
     def finish(self) -> None:
         self._responder.finish()
@@ -152,8 +159,14 @@ class SteeredStream(OwnerStream):
         if waiting:
             self._on_delivered()
 
-    def send_error(self, message: str) -> None:
-        self._close(lambda r: r.send_error(message))
+    def send_error(self, refusal: Refusal) -> None:
+        self._close(lambda r: r.send_error(refusal))
+
+    def send_place(self, position: int, wait_s: float) -> None:
+        """The session's place in line, on its first request (the one a slot will answer)."""
+        with self._lock:
+            if self._waiting:
+                self._waiting[0].send_place(position, wait_s)
 
     def finish(self) -> None:
         """The session ended: requests still waiting (an end flag without a camera) close without a block."""

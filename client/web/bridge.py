@@ -13,13 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from backend.api.codec import Place
 from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest, check_prompt
 from client.images import synthetic_image
 from client.pace import DeliveryRate
 from client.recording import Recorder
 from client.steer import SteeredSession
-from client.stream import StreamError
+from client.stream import StreamError, show_place
+from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, Mp4Writer
 from client.web.frames import decode_upload, encode_jpeg
 
@@ -98,8 +100,15 @@ class Player:
             session.close()
 
     async def play(self, request: SessionRequest) -> None:
-        """Run the session to its end, relaying every block; errors go to the page."""
-        self._session = SteeredSession(self.url, model_name=self.model)
+        """Run the session to its end, relaying every block and its place in line while it waits; errors go to
+        the page with their code."""
+        loop = asyncio.get_running_loop()
+
+        def on_place(place: Place) -> None:  # tritonclient's thread
+            message = {"type": "place", "position": place.position, "wait_s": place.wait_s, "text": show_place(place)}
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(message)))
+
+        self._session = SteeredSession(self.url, model_name=self.model, on_place=on_place)
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
         recorder = Recorder(request)
 
@@ -112,7 +121,9 @@ class Player:
                 await self._relay(self._session, request, mp4, recorder, thread)
             await self.send({"type": "ended", "frames": mp4.frames_written, "recorded": await save()})
         except (StreamError, ValueError) as exc:
-            await self.send({"type": "error", "message": plain(exc), "recorded": await save()})
+            refusal = exc.refusal if isinstance(exc, StreamError) else None
+            await self.send({"type": "error", "message": plain(exc), "recorded": await save(),
+                             "code": refusal and refusal.code, "retry_after_s": refusal and refusal.retry_after_s})
         finally:
             await asyncio.to_thread(self.close)  # cancels the stream: a wait still on the thread ends with it
             thread.shutdown(wait=False)
@@ -123,24 +134,24 @@ class Player:
             return asyncio.get_running_loop().run_in_executor(thread, call, *args)
 
         session.start(request)
+        used = UsedSteps(Controls(keys=request.keys or ""), request.prompt)
         step = self._next_step()
         session.step(step)
-        sent = [Controls(keys=request.keys or ""), step]  # every request's keys and event, in order
-        prompt = request.prompt  # in force at the block received
+        used.sent(step)
         received, rate = 0, DeliveryRate()
         while (block := await on_thread(session.next_block, self.timeout)) is not None:
             latency = block.arrival_s - session.sent_s[received]
             if not self.stopping:
                 step = self._next_step()
                 session.step(step)
-                sent.append(step)
-            prompt = sent[received].prompt or prompt
+                used.sent(step)
+            label = used.label(block)  # what the server ran it on (its held flag, its prompt_used)
             recorder.add(block)
             await on_thread(mp4.append, block.frames)
             jpegs = await on_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
             await self.send({
                 "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
-                "keys": sent[received].keys, "prompt": prompt, "event": sent[received].prompt is not None,
+                "keys": label.keys, "prompt": label.prompt, "event": label.event,
                 "step_latency_s": latency,
                 "first_block_s": block.arrival_s - session.sent_s[0] if received == 0 else None,
                 "realtime_factor": rate.add(len(jpegs), block.arrival_s),

@@ -83,6 +83,9 @@ function onMessage(event) {
   if (msg.type === "session") {
     $("download").href = msg.video;
     $("download-recording").href = msg.recording;
+  } else if (msg.type === "place") {  // waiting for a slot: its place in line (0: it has one now)
+    $("status").dataset.place = msg.position;
+    show(msg.position ? "waiting" : "starting", msg.position ? ` · ${msg.text}` : "");
   } else if (msg.type === "block") {
     stats.blocks += 1;
     stats.frames += msg.frames;
@@ -100,7 +103,8 @@ function onMessage(event) {
     $("download-recording").hidden = !msg.recorded;
     finish();
   } else if (msg.type === "error") {
-    fail(msg.message);
+    $("status").dataset.code = msg.code || "";
+    fail(msg.message + (msg.retry_after_s ? ` (retry in ${msg.retry_after_s} s)` : ""));
     $("download-recording").hidden = !msg.recorded;
     show(stats ? "failed" : "idle");
     finish();
@@ -124,6 +128,8 @@ async function start(event) {
     ws.close();
   }
   queue = [];
+  delete $("status").dataset.place;
+  delete $("status").dataset.code;
   stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], prompt: "", events: 0,
     stopping: false};
   const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...

@@ -1,0 +1,82 @@
+"""The line for a slot, as its clients and the metrics see it: how long each waiting session waits, estimated
+from measured block times, and the group's counts. For clients and operators only: no plan depends on a clock."""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from .config import ServingConfig
+from .scheduler import Scheduler
+from .sessions import SharedSession, State
+
+UNKNOWN_WAIT_S = -1.0  # no block measured yet since the model loaded
+UNMEASURED_RETRY_S = 5.0  # a full line's retry hint before any block was measured
+
+
+class BlockClock:
+    """A moving average of one batch's wall time (its forwards and the group's exchanges)."""
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.weight = weight
+        self.batch_s: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        self.batch_s = seconds if self.batch_s is None else (1 - self.weight) * self.batch_s + self.weight * seconds
+
+
+def slot_waits(held_s: list[float], free: int, queued_s: list[float]) -> list[float]:
+    """When each waiting session gets a slot (seconds from now), in line order: the slots' holders release them
+    after `held_s` (`free` slots are free now), and each waiting session, once it has a slot, holds it for its own
+    entry of `queued_s`."""
+    slots = [0.0] * free + list(held_s)
+    heapq.heapify(slots)
+    waits = []
+    for duration in queued_s:
+        start = heapq.heappop(slots)
+        waits.append(start)
+        heapq.heappush(slots, start + duration)
+    return waits
+
+
+def line_waits(scheduler: Scheduler, clock: BlockClock, opened_s: dict[str, float], now: float,
+               extra: int = 0) -> list[float]:
+    """The estimated wait of each session in `scheduler`'s line, and of `extra` more behind it (a refused
+    session's retry time); UNKNOWN_WAIT_S each until a batch was timed. `opened_s`: when each live session was
+    opened here (an open-ended session holds its slot until its lifetime limit)."""
+    settings = scheduler.settings
+    waiting = scheduler.waiting()
+    if clock.batch_s is None:
+        return [UNKNOWN_WAIT_S] * (len(waiting) + extra)
+    live = [s for s in scheduler.table.values() if s.admitted]
+    # A slot's session runs one block every round: each batch serves max_batch sessions of those that hold one.
+    round_s = clock.batch_s * max(1, math.ceil(len(live) / settings.max_batch))
+
+    def hold_s(s: SharedSession, age_s: float) -> float:
+        if s.num_blocks:
+            return max(0, s.num_blocks - s.computed) * round_s
+        return max(0.0, settings.max_session_s - age_s)
+
+    held = [hold_s(s, now - opened_s.get(s.id, now)) for s in live]
+    queued = [hold_s(s, 0.0) for s in waiting] + [round_s] * extra
+    return slot_waits(held, max(0, settings.max_sessions - len(live)), queued)
+
+
+@dataclass(frozen=True)
+class LineCounts:
+    """The group's sessions by state (the same on every rank), for the metrics port."""
+
+    pending: int
+    active: int
+    ending: int
+    waiting: int  # the line's length (a session whose client ended it before its slot waits too)
+    free_slots: int
+    waited_s: list[float] = field(default_factory=list)  # this rank's sessions that left the line since the last
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, settings: ServingConfig, waited_s: list[float]) -> LineCounts:
+        states = [s.state for s in scheduler.table.values()]
+        holding = sum(s.admitted for s in scheduler.table.values())
+        return cls(sum(s is State.PENDING for s in states), sum(s is State.ACTIVE for s in states),
+                   sum(s is State.ENDING for s in states), len(scheduler.waiting()),
+                   max(0, settings.max_sessions - holding), waited_s)
