@@ -27,6 +27,7 @@ from client.recording import RecordedBlock, Recording
 from client.replay import replay_whole
 from client.stream import StreamError
 from factories import forward_poses, sample_image, tiny_config, tiny_request
+from client.__main__ import main as client_main
 from triton_harness import latents_of, running_server, stream
 
 pytestmark = pytest.mark.server  # starts real tritonservers and groups of local processes
@@ -195,7 +196,7 @@ def diffusers_recording() -> Recording:
     return Recording(sample_image(), "a castle", 42, 64, 64, settings, None, [RecordedBlock(forward_poses(9), "0" * 64)])
 
 
-def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts, tmp_path: Path) -> None:
+def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts, tmp_path: Path, capsys) -> None:
     """The official layout's own settings (4 latent frames a block, shift 10, window 18, sink 6): through Triton
     at SP1 (its metrics say them, a replay on other settings is refused), and in a group of two at SP2."""
     request = tiny_request(num_frames=77)  # 5 blocks of 4 latent frames: 13 video frames, then 16 each
@@ -206,6 +207,10 @@ def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts
         with pytest.raises(StreamError, match=r"block_frames: expected 3, this server 4; sink_frames: expected "
                            r"3, this server 6; timestep_shift: expected 5.0, this server 10.0; window_frames"):
             replay_whole(diffusers_recording(), server.grpc_url, "lingbot_world", False, 60)
+        # The client needs no flag for this layout: the server describes its 4-frame blocks and its size
+        assert client_main(["--url", server.grpc_url, "--prompt", "a castle", "--camera", "forward", "--no-decode",
+                            "--out", str(tmp_path / "cli.mp4"), "--timeout", "240"]) == 0
+        assert "77 frames at 64x64" in capsys.readouterr().out
     config = tiny_config(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
     with LocalGroup(config, ServingConfig(max_batch=1), world=2) as group:
         blocks[2] = group.stream(request, rank=1, timeout_s=240)

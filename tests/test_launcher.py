@@ -12,8 +12,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from backend.api import contract
+from backend.api.description import split_description
+from backend.api.errors import ConfigError
 from backend.api.settings import format_value, parameter_fields
 from backend.engine.config import EngineConfig
+from backend.engine.validation import checked_spec
 from backend.launch.launcher import build_parser, main, parse_param, render
 from backend.launch.generated import rendered
 from backend.launch.model_repository import render_config
@@ -21,6 +24,7 @@ from backend.launch.mpi import own_address
 from backend.launch.server import CPU_ONLY_ARGS, TritonServer
 from backend.parallel.ports import port_in_use
 from backend.serving.config import ServingConfig, split_parameters
+from backend.serving.described import check_description
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:
@@ -188,3 +192,21 @@ def test_cpu_start_lines_are_no_error_excerpt(tmp_path: Path) -> None:
     server = TritonServer(tmp_path, log_path=log, extra_args=CPU_ONLY_ARGS)
     assert server.log_excerpt() == 'E1203 13:53:00.000000 1 model_lifecycle.cc:1] "failed to load lingbot_world: boom"'
     assert "--pinned-memory-pool-byte-size=0" in server.command() and "--allow-gpu-metrics=false" in server.command()
+
+
+def test_the_launcher_describes_the_server_and_an_instance_refuses_a_false_description(tmp_path: Path,
+                                                                                     tiny_checkpoint: str) -> None:
+    """What a client reads of the server (its block size, limits, layout) is what it resolved from the checkpoint;
+    a description that differs (a hand-edited config.pbtxt) is refused at load, naming the entry."""
+    args = build_parser().parse_args(["--kind", "cpu", "--sp", "2", "--param", f"checkpoint={tiny_checkpoint}",
+                                      "--param", "max_sessions=7", "--repository-out", str(tmp_path)])
+    repository, _, _ = render(args)
+    description, rest = split_description(params_of((repository / contract.MODEL_NAME / "config.pbtxt").read_text()))
+    engine, serving = split_parameters(rest)
+    assert (description.layout, description.block_frames, description.max_sessions) == ("diffusers", 3, 7)
+    assert description.settings_used.startswith("block_frames=3;")
+    spec = checked_spec(engine, 2)
+    check_description(description, spec, serving)
+    with pytest.raises(ConfigError, match=r"described != resolved\): block_frames: 4 != 3; rewrite it with the "
+                                          r"launcher"):
+        check_description(dataclasses.replace(description, block_frames=4), spec, serving)

@@ -15,7 +15,7 @@ from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
 from backend.serving.config import ServingConfig
 from backend.engine.geometry import VideoGeometry
-from backend.serving.line import UNKNOWN_WAIT_S, BlockClock, line_waits, slot_waits
+from backend.serving.line import UNKNOWN_WAIT_S, Clocks, line_waits, slot_waits
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
 from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
 from backend.serving.streams import SteeredStream
@@ -142,7 +142,7 @@ def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
     a = s.table["a"]
     s.plan([RankEvents()])  # a runs its first block; b waits for a slot
     plan = s.plan([step("a", None, end=True)])
-    assert plan.ended_by(ENDED) == ["a"] and a.ending.why == "it ended by its client"
+    assert plan.ended_by(ENDED) == ["a"] and a.ending.told().sentence == "it ended by its client"
     assert a.state is State.DONE and [o.id for o in plan.opens] == ["b"]
 
 
@@ -233,8 +233,8 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
     assert slot_waits([30.0], free=1, queued_s=[8.0, 4.0]) == [0.0, 8.0]
     s = Scheduler(ServingConfig(max_sessions=2, max_queue=2, max_batch=2))
     s.plan([RankEvents(submissions=[sub("a", blocks=4), sub("b", blocks=2), sub("c", blocks=1), sub("d")])])
-    clock = BlockClock()
-    assert line_waits(s, clock, {}, 0.0) == [UNKNOWN_WAIT_S, UNKNOWN_WAIT_S]  # nothing measured yet
-    clock.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
+    clocks = Clocks()
+    assert line_waits(s, clocks, {}, 0.0) == [UNKNOWN_WAIT_S, UNKNOWN_WAIT_S]  # nothing measured yet
+    clocks.batch.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
     # "b" frees its slot after 2 blocks (4 s), "a" after 4 (8 s); "c" takes b's and holds it 1 block (2 s)
-    assert line_waits(s, clock, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]
+    assert line_waits(s, clocks, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]

@@ -34,10 +34,10 @@ def test_a_busy_port_is_refused_by_name() -> None:
 
 
 def test_a_launcher_that_fails_is_a_failure_not_ready() -> None:
-    done = run_demo(SP="0")  # the launcher refuses 0 instances and exits 1
+    done = run_demo(SP="0")  # the launcher's usage error (exit status 2) names --sp
     assert done.returncode == 1
-    assert "the server failed to start (launcher exit status 1)" in done.stderr
-    assert "instances must be >= 1" in done.stderr and "server ready" not in done.stdout
+    assert "the server failed to start (launcher exit status 2)" in done.stderr
+    assert "argument --sp: instances must be >= 1, got 0" in done.stderr and "server ready" not in done.stdout
 
 
 def test_writing_the_tiny_checkpoint_prints_no_progress_bar(tmp_path: Path) -> None:

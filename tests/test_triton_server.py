@@ -150,6 +150,8 @@ def test_queue_limit_rejects_clearly(server) -> None:
     errors = [str(r.error) for r in results if r.error is not None]
     assert len(errors) == 2, errors
     assert all("server busy" in e and "max_queue=4" in e for e in errors)
+    refusals = [r.error.refusal for r in results if r.error is not None]
+    assert all(r.code == contract.CAPACITY_EXHAUSTED and 1 <= r.retry_after_s <= 60 for r in refusals), refusals
     assert all(len(r.blocks) == 5 for r in results if r.error is None)
     assert_ready(server)
 
@@ -186,12 +188,14 @@ def test_cli_against_the_real_server(server, tmp_path: Path, capsys) -> None:
     from client.__main__ import main
 
     out, sheet = tmp_path / "session.mp4", tmp_path / "sheet.png"
-    code = main(["--url", server.grpc_url, "--prompt", "a castle", "--camera", "orbit", "--num-frames", "33",
-                 "--height", "64", "--width", "64", "--out", str(out), "--contact-sheet", str(sheet), "--timeout", "120"])
+    # No size or frame flag: the server describes its blocks (3 latent frames) and its default size (64 x 64)
+    code = main(["--url", server.grpc_url, "--prompt", "a castle", "--camera", "forward", "--out", str(out),
+                 "--contact-sheet", str(sheet), "--timeout", "120"])
     printed = capsys.readouterr().out
     assert code == 0, printed
+    assert "81 frames at 64x64" in printed
     assert "time to first block" in printed and "inter-block latency" in printed
-    assert len(list(iio.imiter(out, plugin="FFMPEG"))) == 33
+    assert len(list(iio.imiter(out, plugin="FFMPEG"))) == 81
     assert sheet.stat().st_size > 0
 
 

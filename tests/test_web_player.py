@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,3 +211,50 @@ def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, brows
     assert re.search(r"from block \d+ on: prompt 'it starts to snow'", log.read_text())
     assert len(re.findall(r"recomputed its cached frames under its new prompt", log.read_text())) == recached_before + 1
     page.close()
+
+
+def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_order(player_url, browser) -> None:
+    """The shared server has 3 slots and 4 places in line: of 10 pages started at once, within 2 s the 3 with a
+    slot play or compute their first block, the 4 in line show their places 1-4, and the 3 beyond are refused at
+    once with the capacity code and a retry time. Stopping the players hands the slots down the line in order."""
+    pages = [browser.new_page() for _ in range(10)]
+    for page in pages:
+        page.goto(player_url)
+        page.fill("#prompt", "a castle on a hill")
+        page.fill("#width", str(TINY_SIZE))
+        page.fill("#height", str(TINY_SIZE))
+    for page in pages:
+        page.click("#start")
+    started = time.monotonic()
+
+    def where() -> tuple[list, list, list]:
+        states = [(page, status(page, "state")) for page in pages]
+        playing = [p for p, s in states if s in ("playing", "starting") and status(p, "place") in (None, "0")]
+        waiting = sorted((int(status(p, "place")), p) for p, s in states if s == "waiting")
+        refused = [p for p, s in states if s == "failed" and status(p, "code") == "CAPACITY_EXHAUSTED"]
+        return playing, [p for _, p in waiting], refused
+
+    try:
+        wait_until(lambda: [len(x) for x in where()] == [3, 4, 3], 2.0, "3 pages playing, 4 in line, 3 refused")
+    except AssertionError:
+        raise AssertionError([(status(p, "state"), status(p, "place"), status(p, "code"), p.inner_text("#error"))
+                              for p in pages]) from None
+    elapsed = time.monotonic() - started
+    playing, line, refused = where()
+    assert [status(p, "place") for p in line] == ["1", "2", "3", "4"], elapsed
+    for page in refused:
+        retry = re.search(r"server busy: 4 sessions already wait for a slot .* \(retry in (\d+) s\)",
+                          page.inner_text("#error"))
+        assert retry and 1 <= int(retry.group(1)) <= 60, page.inner_text("#error")
+    for page in playing:  # the slots go to the line, first come first served
+        page.click("#stop")
+    wait_until(lambda: all(status(p, "state") == "ended" for p in playing), BLOCK_S, "the stopped pages to end")
+    wait_until(lambda: all(status(p, "state") == "playing" for p in line[:3]) and status(line[3], "place") == "1",
+               BLOCK_S, "the first 3 in line to play and the 4th to move up to place 1")
+    for page in line[:3]:
+        page.click("#stop")
+    wait_until(lambda: status(line[3], "state") == "playing", BLOCK_S, "the last in line to play")
+    line[3].click("#stop")
+    wait_until(lambda: status(line[3], "state") == "ended", BLOCK_S, "the last page to end")
+    for page in pages:
+        page.close()

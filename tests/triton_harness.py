@@ -14,7 +14,10 @@ from backend.launch.server import TritonServer
 from backend.parallel.local import free_port
 from backend.api.request import SessionRequest
 from backend.api.settings import to_parameters
-from backend.serving.config import ServingConfig
+from backend.api.description import ServerDescription
+from backend.engine.validation import checked_spec
+from backend.serving.config import ServingConfig, split_parameters
+from backend.serving.described import describe
 from client.stream import StreamingSession, request_inputs
 from factories import tiny_config, tiny_request
 
@@ -27,11 +30,17 @@ def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str
     return to_parameters(tiny_config(checkpoint, sp_degree=sp)) | to_parameters(serving) | overrides
 
 
+def description_of(parameters: dict[str, str], sp: int) -> ServerDescription:
+    """What the launcher writes beside these parameters (api/description)."""
+    engine, serving = split_parameters(parameters)
+    return describe(checked_spec(engine, sp), serving)
+
+
 @contextlib.contextmanager
 def running_server(tmp: Path, checkpoint: str, sp: int = 1, **overrides: str) -> Iterator[TritonServer]:
-    repo = write_model_repository(
-        tmp / f"repo_sp{sp}", instances=sp, kind="KIND_CPU", parameters=tiny_parameters(checkpoint, sp, **overrides)
-    )
+    parameters = tiny_parameters(checkpoint, sp, **overrides)
+    repo = write_model_repository(tmp / f"repo_sp{sp}", instances=sp, kind="KIND_CPU", parameters=parameters,
+                                  description=description_of(parameters, sp))
     server = TritonServer(repo, backends_dir=prepare_backends(), log_path=tmp / f"tritonserver_sp{sp}.log")
     with server:
         server.wait_ready("lingbot_world", timeout=240)

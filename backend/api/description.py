@@ -62,7 +62,8 @@ class ServerDescription:
     @staticmethod
     def whole_frames_up_to(frames: int, block_frames: int) -> int:
         """The most video frames of whole AR blocks up to `frames` (one block at least)."""
-        blocks = max(1, (frames - 1) // (contract.VAE_TEMPORAL_FACTOR * block_frames))
+        step = contract.VAE_TEMPORAL_FACTOR * block_frames  # a block's frames; the first has 3 fewer
+        blocks = max(1, (frames + contract.VAE_TEMPORAL_FACTOR - 1) // step)
         return contract.whole_block_frames(blocks, block_frames)
 
     def differences(self, other: ServerDescription) -> list[str]:

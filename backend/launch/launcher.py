@@ -60,11 +60,19 @@ def parse_param(text: str) -> tuple[str, str]:
     return key, value
 
 
+def instance_count(text: str) -> int:
+    """--sp: a whole number of instances, at least one."""
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"instances must be >= 1, got {count}")
+    return count
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m backend.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sp",
-        type=int,
+        type=instance_count,
         default=1,
         help="model instances of this server (one per GPU with KIND_GPU); the SP degree is this x host_count "
         "/ tp_degree",
@@ -164,16 +172,18 @@ def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
     # every instance of every server is one rank of tp x sp
     engine = dataclasses.replace(engine, sp_degree=args.sp * hosts // engine.tp_degree)
     parameters = to_parameters(engine) | to_parameters(serving)
-    if Path(engine.checkpoint).exists():  # else the load names the missing checkpoint
-        # What a client reads of this server (api/description); every instance checks it at load. Resolving
-        # reads the checkpoint's JSON configs only, and names a setting the checkpoint cannot serve now.
-        parameters |= describe(checked_spec(engine, args.sp * hosts), serving).parameters()
+    # What a client reads of this server (api/description); every instance checks it at load. Resolving reads
+    # the checkpoint's JSON configs only, and names a setting the checkpoint cannot serve now. Without the
+    # checkpoint (the committed rendering's default path) there is none: the load names the missing checkpoint.
+    description = describe(checked_spec(engine, args.sp * hosts), serving) if Path(engine.checkpoint).exists() \
+        else None
     repository = write_model_repository(
         args.repository_out,
         instances=args.sp,
         kind=kind,
         device_ids=device_ids,
         parameters=parameters,
+        description=description,
     )
     return repository, kind, secret
 

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from ..api import contract
+from ..api.description import ServerDescription
 from ..api.settings import parameter_fields, to_parameters
 from ..engine.config import EngineConfig
 from ..serving.config import ServingConfig
@@ -80,9 +81,11 @@ def render_sequence_batching(values: dict[str, str]) -> str:
 
 
 def render_config(
-    *, instances: int, kind: str, device_ids: list[int] | None = None, parameters: dict[str, str] | None = None
+    *, instances: int, kind: str, device_ids: list[int] | None = None, parameters: dict[str, str] | None = None,
+    description: ServerDescription | None = None,
 ) -> str:
-    """config.pbtxt text; every key of `parameters` must be a settings field (a typo is an error, not ignored)."""
+    """config.pbtxt text; every key of `parameters` must be a settings field (a typo is an error, not ignored);
+    `description`: what the server says of itself (api/description), its own parameters."""
     values = default_parameters()
     unknown = sorted(set(parameters or {}) - set(values))
     if unknown:
@@ -93,6 +96,10 @@ def render_config(
         params.append(f"  # {cls.__name__}")
         params += [f"  {{ key: {_quote(f.name)}, value: {{ string_value: {_quote(values[f.name])} }} }}"
                    for f in parameter_fields(cls)]
+    if description is not None:
+        params.append("  # ServerDescription (what a client reads; every instance checks it at load)")
+        params += [f"  {{ key: {_quote(k)}, value: {{ string_value: {_quote(v)} }} }}"
+                   for k, v in description.parameters().items()]
     # A comma after every entry but the last (comments do not count).
     entries = [i for i, line in enumerate(params) if not line.lstrip().startswith("#")]
     params = [line + ("," if i in entries[:-1] else "") for i, line in enumerate(params)]
@@ -124,13 +131,15 @@ def write_model_repository(
     kind: str,
     device_ids: list[int] | None = None,
     parameters: dict[str, str] | None = None,
+    description: ServerDescription | None = None,
     template_dir: Path = TEMPLATE_DIR,
 ) -> Path:
     """Write `out_dir/<model>/{config.pbtxt,1/model.py}` (model.py from the template); returns `out_dir`."""
     model_py = template_dir / "1" / "model.py"
     if not model_py.is_file():
         raise FileNotFoundError(f"model template {model_py} is missing")
-    config = render_config(instances=instances, kind=kind, device_ids=device_ids, parameters=parameters)
+    config = render_config(instances=instances, kind=kind, device_ids=device_ids, parameters=parameters,
+                           description=description)
     model_dir = out_dir / contract.MODEL_NAME
     if model_dir.exists():
         shutil.rmtree(model_dir)

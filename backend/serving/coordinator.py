@@ -37,7 +37,7 @@ from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
 from .loop_cpu import LoopCpu
 from .admission import admit, admit_step
-from .line import UNMEASURED_RETRY_S, BlockClock, LineCounts, line_waits
+from .line import MAX_RETRY_S, UNMEASURED_RETRY_S, Clocks, LineCounts, line_waits
 from .scheduler import Plan, RankEvents, Scheduler, StepEvent
 from .sessions import EndReason, Ending, LocalPart, OwnerPart, SharedSession
 from .streams import OwnerStream, Responder, SteeredStream, WholeStream
@@ -85,7 +85,7 @@ class GroupCoordinator:
         self.on_ended = on_ended
         self.on_line = on_line
         self._last_counts: LineCounts | None = None
-        self.clock = BlockClock()  # a batch's wall time: the line's wait estimates
+        self.clocks = Clocks()  # the line's wait estimates
         self.send_lock = send_lock
         self.decoder = DecodeSender(engine, threads.decode if threads else None, on_failure=self._ring,
                                     on_stream_failed=self._stream_failed)
@@ -94,7 +94,7 @@ class GroupCoordinator:
         self.local: dict[str, LocalPart] = {}
         self.running: dict[str, str] = {}  # Triton sequence key -> its steered session that takes steps here
         # sequence key -> how its last session ended (the code and sentence a late step gets)
-        self.ended_keys: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self.ended_keys: OrderedDict[str, Refusal] = OrderedDict()
         self._lock = threading.Lock()  # local, running, ended_keys: shared with Triton's thread and the cancel watch
         self._closed_reason: Refusal | None = None  # set when the loop has ended, for requests still arriving
         self._inbox: queue.SimpleQueue[SharedSession] = queue.SimpleQueue()
@@ -150,9 +150,8 @@ class GroupCoordinator:
         with self._lock:
             part = self._steered(key)
             if part is None:
-                code, why = self.ended_keys.get(key, (c.SESSION_UNKNOWN, "it never started here (send the start "
-                                                                       "flag first)"))
-                responder.send_error(messages.no_session(key, why, code, step.pause))
+                responder.send_error(messages.no_session(key, self.ended_keys.get(key, messages.NEVER_STARTED),
+                                                         step.pause))
                 return
             stream: SteeredStream = part.owner.stream
             if step.pause:  # no news for the scheduler: it changes no block
@@ -165,7 +164,7 @@ class GroupCoordinator:
                 return
             sid = self.running[key]
             if step.end:  # no step may follow: the sequence's next request is told so
-                self._forget_key(key, sid, c.SESSION_UNKNOWN, "it was ended by its end flag; start a new one")
+                self._forget_key(key, sid, messages.ENDED_BY_FLAG)
             if step.controls is not None:
                 stream.add(responder)
             else:  # an end flag alone: the request is answered when the session closes
@@ -187,11 +186,11 @@ class GroupCoordinator:
         sid = self.running.get(key)
         return None if sid is None else self.local[sid]
 
-    def _forget_key(self, key: str, sid: str, code: str, why: str) -> None:
-        """Sequence `key` no longer steers session `sid` (under the lock); a late request is told `why`."""
+    def _forget_key(self, key: str, sid: str, ending: Refusal) -> None:
+        """Sequence `key` no longer steers session `sid` (under the lock); a late request is told `ending`."""
         if self.running.get(key) == sid:
             del self.running[key]
-        self.ended_keys[key] = (code, why)
+        self.ended_keys[key] = ending
         self.ended_keys.move_to_end(key)
         while len(self.ended_keys) > KEEP_ENDED:
             self.ended_keys.popitem(last=False)
@@ -260,7 +259,7 @@ class GroupCoordinator:
             with self._lock:
                 part = self.local.pop(shared.id, None)
                 if part is not None and part.steered_here:
-                    self._forget_key(part.owner.key, shared.id, reason.code, reason.sentence)
+                    self._forget_key(part.owner.key, shared.id, reason)
             if part is not None:
                 part.owner.stream.send_error(reason)
 
@@ -309,7 +308,7 @@ class GroupCoordinator:
         start = time.perf_counter()
         with self.cpu.run_block(len(plan.batch)):
             outputs = self.engine.run_block(sessions, plan.controls)
-        self.clock.observe(time.perf_counter() - start)
+        self.clocks.batch.observe(time.perf_counter() - start)
         finishing = {sid for sid, _ in plan.finishing}
         for sid, session, output in zip(plan.batch, sessions, outputs):
             owner = self.local[sid].owner
@@ -327,7 +326,7 @@ class GroupCoordinator:
         told = [(part.owner, places.get(sid, 0)) for sid, part in self._owned()]
         told = [(owner, place) for owner, place in told if place != (owner.place or 0)]
         if told:
-            waits = line_waits(self.scheduler, self.clock, self._opened_s(), now)
+            waits = line_waits(self.scheduler, self.clocks, self._opened_s(), now)
             for owner, place in told:
                 owner.place = place
                 owner.stream.send_place(place, waits[place - 1] if place else 0.0)  # before any block of its own
@@ -348,8 +347,8 @@ class GroupCoordinator:
         place behind the line's last (the plan carries none: no plan depends on a clock)."""
         if refusal.code != c.CAPACITY_EXHAUSTED:
             return refusal
-        wait = line_waits(self.scheduler, self.clock, self._opened_s(), time.monotonic(), extra=1)[-1]
-        return dataclasses.replace(refusal, retry_after_s=wait if wait > 0 else UNMEASURED_RETRY_S)
+        wait = line_waits(self.scheduler, self.clocks, self._opened_s(), time.monotonic(), extra=1)[-1]
+        return dataclasses.replace(refusal, retry_after_s=min(wait, MAX_RETRY_S) if wait > 0 else UNMEASURED_RETRY_S)
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""
@@ -385,12 +384,15 @@ class GroupCoordinator:
     def _end(self, sid: str, ending: Ending) -> None:
         """The scheduler ended a session: free its caches here; its owner answers what still waits (with the
         ending's error, or by closing the stream after its blocks)."""
+        told = self._with_retry(ending.told())  # the client's answer, and a late step's
         with self._lock:
             part = self.local.pop(sid, None)
             if part is not None and part.steered_here:
-                self._forget_key(part.owner.key, sid, ending.late_code, ending.why)
+                self._forget_key(part.owner.key, sid, told)
         if part is None:  # never opened here
             return
+        if part.opened_s is not None and part.engine is not None and not part.engine.num_blocks:
+            self.clocks.life.observe(time.monotonic() - part.opened_s)  # an open-ended session's life
         reason = ending.reason.value
         if part.owner is not None:
             if self.on_ended is not None:
@@ -398,7 +400,7 @@ class GroupCoordinator:
             if ending.error is None:
                 self.decoder.finish(part.owner.stream)  # after its last block: close what still waits
             else:
-                self.decoder.error(part.owner.stream, self._with_retry(ending.error))
+                self.decoder.error(part.owner.stream, told)
         if (session := part.engine) is not None:
             held = session.cache_bytes()
             self.engine.close_session(session)

@@ -12,17 +12,26 @@ from .sessions import SharedSession, State
 
 UNKNOWN_WAIT_S = -1.0  # no block measured yet since the model loaded
 UNMEASURED_RETRY_S = 5.0  # a full line's retry hint before any block was measured
+MAX_RETRY_S = 60.0  # a refused client is asked back at least this often: slots may free sooner than estimated
 
 
-class BlockClock:
-    """A moving average of one batch's wall time (its forwards and the group's exchanges)."""
+class Average:
+    """A moving average of measured seconds (a batch's wall time; an open-ended session's life)."""
 
     def __init__(self, weight: float = 0.3) -> None:
         self.weight = weight
-        self.batch_s: float | None = None
+        self.value: float | None = None
 
     def observe(self, seconds: float) -> None:
-        self.batch_s = seconds if self.batch_s is None else (1 - self.weight) * self.batch_s + self.weight * seconds
+        self.value = seconds if self.value is None else (1 - self.weight) * self.value + self.weight * seconds
+
+
+@dataclass
+class Clocks:
+    """What the line's estimates are made of, measured on this rank."""
+
+    batch: Average = field(default_factory=Average)  # one batch's wall time (its forwards, the exchanges)
+    life: Average = field(default_factory=Average)  # an open-ended steered session's life, from its opening
 
 
 def slot_waits(held_s: list[float], free: int, queued_s: list[float]) -> list[float]:
@@ -39,23 +48,25 @@ def slot_waits(held_s: list[float], free: int, queued_s: list[float]) -> list[fl
     return waits
 
 
-def line_waits(scheduler: Scheduler, clock: BlockClock, opened_s: dict[str, float], now: float,
+def line_waits(scheduler: Scheduler, clocks: Clocks, opened_s: dict[str, float], now: float,
                extra: int = 0) -> list[float]:
     """The estimated wait of each session in `scheduler`'s line, and of `extra` more behind it (a refused
     session's retry time); UNKNOWN_WAIT_S each until a batch was timed. `opened_s`: when each live session was
-    opened here (an open-ended session holds its slot until its lifetime limit)."""
+    opened here. A session with a set length holds its slot for its blocks left; an open-ended one for the
+    measured life of those that ended (before any: session_idle_timeout_s), less its age."""
     settings = scheduler.settings
     waiting = scheduler.waiting()
-    if clock.batch_s is None:
+    if clocks.batch.value is None:
         return [UNKNOWN_WAIT_S] * (len(waiting) + extra)
     live = [s for s in scheduler.table.values() if s.admitted]
     # A slot's session runs one block every round: each batch serves max_batch sessions of those that hold one.
-    round_s = clock.batch_s * max(1, math.ceil(len(live) / settings.max_batch))
+    round_s = clocks.batch.value * max(1, math.ceil(len(live) / settings.max_batch))
+    life_s = clocks.life.value if clocks.life.value is not None else settings.session_idle_timeout_s
 
     def hold_s(s: SharedSession, age_s: float) -> float:
         if s.num_blocks:
             return max(0, s.num_blocks - s.computed) * round_s
-        return max(0.0, settings.max_session_s - age_s)
+        return max(round_s, min(life_s, settings.max_session_s) - age_s)
 
     held = [hold_s(s, now - opened_s.get(s.id, now)) for s in live]
     queued = [hold_s(s, 0.0) for s in waiting] + [round_s] * extra

@@ -4,6 +4,8 @@ The exception itself goes to the server log (the callers log it); clients never 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..api import contract as c
 from ..api.refusal import Refusal
 
@@ -50,12 +52,17 @@ def queue_full(max_queue: int, max_sessions: int, retry_after_s: float) -> Refus
                    f"(max_queue={max_queue}, max_sessions={max_sessions}); retry after retry_after_s", retry_after_s)
 
 
+NEVER_STARTED = Refusal(c.SESSION_UNKNOWN, "it never started here (send the start flag first)")
+ENDED_BY_FLAG = Refusal(c.SESSION_UNKNOWN, "it was ended by its end flag; start a new one")
+
+
 def session_exists(key: str) -> Refusal:
     return Refusal(c.SESSION_EXISTS, f"session {key} is already running; send steps without the start flag, or end "
                    "it first")
 
 
-def no_session(key: str, why: str, code: str = c.SESSION_UNKNOWN, pause: bool = False) -> Refusal:
-    """A step of sequence `key` that no running session takes; `why`: how its last one ended, or that none began."""
+def no_session(key: str, ending: Refusal, pause: bool = False) -> Refusal:
+    """A step of sequence `key` that no running session takes; `ending`: how its last one ended (or that none
+    began), whose code and retry time it keeps."""
     prefix = f"request parameter '{c.PARAM_PAUSE}': " if pause else ""
-    return Refusal(code, f"{prefix}no running session {key}: {why}")
+    return dataclasses.replace(ending, sentence=f"{prefix}no running session {key}: {ending.sentence}")

@@ -47,17 +47,9 @@ class Ending:
     reason: EndReason
     error: Refusal | None = None  # what its client is told; None: its stream closes after its blocks
 
-    @property
-    def why(self) -> str:
-        """For a step that comes after the end."""
-        return self.error.sentence if self.error is not None else f"it {self.reason.value}"
-
-    @property
-    def late_code(self) -> str:
-        """The code of a step that comes after the end: the ending's own where it says more (an expiry, a group
-        failure), else that no session runs."""
-        return self.error.code if self.error is not None and self.reason is not EndReason.REJECTED \
-            else c.SESSION_UNKNOWN
+    def told(self) -> Refusal:
+        """What a step that comes after the end is told: the ending's own refusal, or that it ended."""
+        return self.error or Refusal(c.SESSION_UNKNOWN, f"it {self.reason.value}")
 
 
 @dataclass

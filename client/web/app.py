@@ -38,7 +38,7 @@ class Access:
     origins: frozenset[str]
     host_origin: bool = False
     token: str | None = None
-    max_pages: int = 4
+    max_pages: int = 16
 
     def refusal(self, request: web.Request) -> str | None:
         """Why this websocket request may not open a session (None: it may)."""

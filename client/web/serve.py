@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="also let pages from ORIGIN (e.g. https://example.org, or *) open sessions (repeatable)")
     p.add_argument("--token", help="pages must be opened with ?token=TOKEN to open sessions")
-    p.add_argument("--max-pages", type=int, default=4, help="pages playing at once (default: %(default)s)")
+    p.add_argument("--max-pages", type=int, default=16, help="pages playing at once (default: %(default)s)")
     return p.parse_args(argv)
 
 
