@@ -37,11 +37,14 @@ def description_of(parameters: dict[str, str], sp: int) -> ServerDescription:
 
 
 @contextlib.contextmanager
-def running_server(tmp: Path, checkpoint: str, sp: int = 1, **overrides: str) -> Iterator[TritonServer]:
+def running_server(tmp: Path, checkpoint: str, sp: int = 1, heal: bool = False,
+                   **overrides: str) -> Iterator[TritonServer]:
+    """heal: as the launcher runs it, reloading its model when the group fails (launch/heal.py)."""
     parameters = tiny_parameters(checkpoint, sp, **overrides)
     repo = write_model_repository(tmp / f"repo_sp{sp}", instances=sp, kind="KIND_CPU", parameters=parameters,
                                   description=description_of(parameters, sp))
-    server = TritonServer(repo, backends_dir=prepare_backends(), log_path=tmp / f"tritonserver_sp{sp}.log")
+    server = TritonServer(repo, backends_dir=prepare_backends(), log_path=tmp / f"tritonserver_sp{sp}.log",
+                          heal=heal)
     with server:
         server.wait_ready("lingbot_world", timeout=240)
         yield server

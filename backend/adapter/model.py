@@ -4,15 +4,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import socket
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..api.description import split_description
 from ..api.request import SessionRequest, StepRequest
+from ..parallel.host_claim import claim_for_this_host
 from ..serving.bootstrap import GroupMember, Hooks, Place
 from ..serving.config import split_parameters
+from ..serving.host_signals import HostSignals, StopWatch
 from ..serving.line import LineCounts
 from .metrics import StreamMetrics
 from .placement import instance_rank
@@ -44,6 +45,10 @@ class TritonPythonModel:
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
             on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, send_lock=TritonResponder.process_lock,
         ), description)
+        # The launcher's signals (serving/host_signals): a stop ends every session at once, so Triton's exit need
+        # not wait out its timeout for them; a failed group asks the launcher for a reload.
+        self.signals = HostSignals.from_environment()
+        self._stop_watch = StopWatch(self.signals, self.member.end_sessions) if self.signals else None
 
     def execute(self, requests: list) -> None:
         with TritonResponder.process_lock:  # no response is sent while the stub is in here (see responder)
@@ -63,13 +68,16 @@ class TritonPythonModel:
         return TritonResponder(sender, parsed.return_latents, self.metrics, steered, used)
 
     def finalize(self) -> None:
+        if self._stop_watch is not None:
+            self._stop_watch.close()
         self.member.stop()
 
     def _on_group_failure(self, exc: BaseException) -> None:
-        """The group failed: ask Triton to unload the model so that it reads not ready (the member then leaves
-        the group and releases the model at once, not in finalize: Triton 2.51 keeps a model loaded while a dead
-        stub's response factory lives, forever, so finalize may never run here, and a reload needs this rank's
-        rendezvous port and sockets back)."""
+        """The group failed: ask the launcher for a reload (it waits for the unload, see launch/heal.py) and
+        Triton to unload the model so that it reads not ready meanwhile (the member then leaves the group and
+        releases the model at once, not in finalize: Triton 2.51 keeps a model loaded while a dead stub's response
+        factory lives, forever, so finalize may never run here, and a reload needs this rank's rendezvous port and
+        sockets back)."""
         self._unload_claim = claim_for_this_host(f"lingbot-unload-{self.member.load_id}-{self.host_rank}")
         if self._unload_claim is None:  # another instance of this server asked: a second ask, landing after an
             # operator's prompt reload, would unload the new load
@@ -77,6 +85,8 @@ class TritonPythonModel:
                       self.rank, exc)
             return
         log.error("rank %d: sequence-parallel group failed (%r); unloading %s", self.rank, exc, self.model_name)
+        if self.signals is not None:
+            self.signals.ask_heal(f"rank {self.rank}: {exc!r}")
         try:
             pb_utils.unload_model(self.model_name)
         except Exception as unload_error:  # noqa: BLE001 - only explicit model control allows it
@@ -84,18 +94,6 @@ class TritonPythonModel:
                 "cannot unload %s (%s); without --model-control-mode=explicit the model keeps reading ready "
                 "and refuses every request until the server restarts", self.model_name, unload_error,
             )
-
-
-def claim_for_this_host(name: str) -> socket.socket | None:
-    """A claim that the first process of this host (network namespace) to ask holds until it exits: the name of
-    an abstract unix socket, which the kernel frees with its process (nothing to clean up). None: held already."""
-    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        claim.bind("\0" + name)
-    except OSError:
-        claim.close()
-        return None
-    return claim
 
 
 def _input(request: pb_utils.InferenceRequest, name: str) -> np.ndarray | None:

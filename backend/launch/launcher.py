@@ -211,6 +211,7 @@ def serve(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         log_path=args.log_file,
         die_with_parent=True,  # a launcher killed outright (mpirun's teardown) takes its server along
+        heal=True,  # a failed group's model is reloaded (launch/heal.py)
         extra_args=CPU_ONLY_ARGS if kind == "KIND_CPU" else (),
     )
     if args.admin_key_file:

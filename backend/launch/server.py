@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,14 +22,20 @@ from tritonclient.utils import InferenceServerException
 
 from ..parallel.secret import SECRET_VARIABLE
 from ..parallel.ports import free_port
+from ..serving.host_signals import HostSignals
+from .heal import Healer
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
 
 _PR_SET_PDEATHSIG = 1
 SHM_PREFIX = "lingbot_"
 SHM_DIR = Path("/dev/shm")
+# On SIGTERM tritonserver waits this long for what is in flight. The model ends every session first (the stop
+# signal, serving/host_signals), so only a sequence whose client left without its end flag is still counted: Triton
+# holds it until its end flag or max_sequence_idle, never sooner (docs/serving.md, "Stopping").
+EXIT_TIMEOUT_S = 3
 # After tritonserver's own exit timeout, what stop() waits before it kills the process group.
-KILL_GRACE_S = 2.0
+KILL_GRACE_S = 1.0
 
 log = logging.getLogger(__name__)
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
@@ -76,7 +83,8 @@ class TritonServer:
     Ports left as None are picked free; HTTP, gRPC and metrics bind `address` (loopback unless opened on
     purpose). `extra_args` go to tritonserver as they are. With `die_with_parent` the kernel sends the server
     SIGTERM when the process that started it dies (a launcher that mpirun kills). `admin_key` (the restricted
-    APIs' header value) and `group_secret` (the ranks' store keys) are fresh secrets unless given.
+    APIs' header value) and `group_secret` (the ranks' store keys) are fresh secrets unless given. With `heal` the
+    model (the repository's one) is reloaded whenever its group fails (launch/heal.py).
     Use as a context manager, or start()/stop().
     """
 
@@ -92,11 +100,12 @@ class TritonServer:
         admin_key: str | None = None,
         group_secret: str | None = None,
         log_verbose: int = 0,
-        exit_timeout_s: int = 5,
+        exit_timeout_s: int = EXIT_TIMEOUT_S,
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
         wheel: PytritonWheel | None = None,
         die_with_parent: bool = False,
+        heal: bool = False,
     ) -> None:
         self.wheel = wheel or find_pytriton_wheel()
         self.model_repository = Path(model_repository)
@@ -112,6 +121,11 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.die_with_parent = die_with_parent
+        self.signals = HostSignals(Path(tempfile.mkdtemp(prefix="lingbot-signals-")))  # mode 0700
+        self.healer: Healer | None = None
+        if heal:
+            (model,) = self.models()
+            self.healer = Healer(self.grpc_url, model, self.signals, self.admin_headers())
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -164,7 +178,8 @@ class TritonServer:
         # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),
         # and must embed this interpreter's own libpython: a different 3.11 patch release (the system
         # one) fails on the venv's stdlib extensions (`import ssl`: undefined symbol _PyModule_Add).
-        env = STUB_THREAD_ENVIRONMENT | dict(os.environ) | {SECRET_VARIABLE: self.group_secret}  # for the stubs
+        env = STUB_THREAD_ENVIRONMENT | dict(os.environ) | {SECRET_VARIABLE: self.group_secret} \
+            | self.signals.environment()  # for the stubs
         libs = [str(_libpython_dir() or ""), str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
@@ -183,6 +198,8 @@ class TritonServer:
                 start_new_session=True,
                 preexec_fn=_terminate_with_parent if self.die_with_parent else None,
             )
+        if self.healer is not None:
+            self.healer.start()
         return self
 
     @property
@@ -241,16 +258,21 @@ class TritonServer:
         raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_excerpt()}")
 
     def stop(self) -> int | None:
-        """SIGTERM the process group (server and stubs), SIGKILL if still up `KILL_GRACE_S` after tritonserver's
-        exit timeout, then remove the Python backend's shared-memory regions a killed process leaves.
+        """Ask the model to end every session (the stop signal), SIGTERM the process group (server and stubs),
+        SIGKILL if still up `KILL_GRACE_S` after tritonserver's exit timeout, then remove the Python backend's
+        shared-memory regions a killed process leaves and the signal directory.
 
         Triton 2.51 does not finish on SIGTERM while a sequence is left without its end flag or a killed stub's
         streams are open: it waits out its exit timeout and may hang past it. Returns the server's exit code
         (None if it was never started).
         """
         if self.process is None:
+            shutil.rmtree(self.signals.directory, ignore_errors=True)
             return None
+        if self.healer is not None:
+            self.healer.stop()
         if self.process.poll() is None:
+            self.signals.ask_stop()
             self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(self.exit_timeout_s + KILL_GRACE_S)
@@ -266,6 +288,7 @@ class TritonServer:
         if left:
             log.warning("removed %d shared-memory region(s) tritonserver left: %s", len(left),
                         " ".join(r.name for r in left))
+        shutil.rmtree(self.signals.directory, ignore_errors=True)
         return self.process.returncode
 
     def shm_regions(self) -> list[Path]:

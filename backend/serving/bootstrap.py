@@ -25,10 +25,12 @@ from ..engine.rollout import WorldModelEngine
 from ..engine.validation import checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
+from ..parallel.host_claim import claim_for_this_host
 from ..parallel.layout import RankLayout
 from ..parallel.mesh import Mesh
 from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
+from . import messages
 from .config import ServingConfig
 from .coordinator import GroupCoordinator
 from .described import check_description
@@ -99,23 +101,34 @@ class GroupMember:
             log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind.name)
             for line in describe_settings(spec):
                 log.info("setting %s", line)
-        secret = group_secret() if world > 1 else ""
-        groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port, "nccl" if on_gpu else "gloo",
-                            serving.init_timeout_s, serving.collective_timeout_s, secret, engine_config.split_decode)
-        self.load_id = groups.load_id
-        log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, place.device,
-                 engine_config.checkpoint, rss())
-        group = SequenceParallel(groups.data)
-        mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
-        self.engine: WorldModelEngine | None = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
-        self.settings_used = self.engine.settings_used  # sent with a session's first block on return_used
-        groups.all_arrived("loaded")  # every rank has loaded before the loop starts
-        doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret, serving.collective_timeout_s) \
-            if world > 1 else None
-        self.coordinator = GroupCoordinator(self.engine, serving, groups.control, on_failure=self._on_group_failure,
-                                            doorbell=doorbell, threads=threads, cpu=LoopCpu(hooks.on_loop_block),
-                                            on_prompts=hooks.on_prompts, on_ended=hooks.on_ended, on_line=hooks.on_line,
-                                            send_lock=hooks.send_lock)
+        # One member per rank of this group on this host: a load while this group serves (the operator's reload)
+        # is refused at once by every new instance alike, so none waits for a peer that cannot start.
+        self._claim = claim_for_this_host(f"lingbot-member-{serving.rendezvous_port}-{rank}")
+        if self._claim is None:
+            raise RuntimeError(messages.RELOAD_REFUSED.message)
+        try:
+            secret = group_secret() if world > 1 else ""
+            groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port,
+                                "nccl" if on_gpu else "gloo", serving.init_timeout_s, serving.collective_timeout_s,
+                                secret, engine_config.split_decode)
+            self.load_id = groups.load_id
+            log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, place.device,
+                     engine_config.checkpoint, rss())
+            group = SequenceParallel(groups.data)
+            mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
+            self.engine: WorldModelEngine | None = WorldModelEngine(spec, group, mesh=mesh,
+                                                                    decode_group=groups.decode)
+            self.settings_used = self.engine.settings_used  # sent with a session's first block on return_used
+            groups.all_arrived("loaded")  # every rank has loaded before the loop starts
+            doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret,
+                                     serving.collective_timeout_s) if world > 1 else None
+            self.coordinator = GroupCoordinator(
+                self.engine, serving, groups.control, on_failure=self._on_group_failure, doorbell=doorbell,
+                threads=threads, cpu=LoopCpu(hooks.on_loop_block), on_prompts=hooks.on_prompts,
+                on_ended=hooks.on_ended, on_line=hooks.on_line, send_lock=hooks.send_lock)
+        except BaseException:
+            self._claim.close()
+            raise
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 
@@ -132,6 +145,11 @@ class GroupMember:
             return
         self.coordinator.submit(parsed, responder_for(parsed))
 
+    def end_sessions(self) -> None:
+        """The server is stopping: every session ends now (SERVER_STOPPING); this rank's stop travels with its next
+        boundary's news, so the whole group stops with it. Triton's unload then finds nothing in flight."""
+        self.coordinator.stop()
+
     def stop(self) -> None:
         """The model is being unloaded: end every session, leave the group, release the model."""
         self._finalizing = True  # a loop failing now must not ask for an unload of a later load
@@ -141,6 +159,7 @@ class GroupMember:
 
     def _release(self) -> None:
         self.engine = None
+        self._claim.close()  # a later load of this rank may start
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -21,6 +21,10 @@ GROUP_FAILED = Refusal(
 MODEL_UNLOADING = Refusal(
     c.SERVER_STOPPING, "The model is being unloaded, so this stream was stopped. Retry once the model is loaded "
     "again.", UNLOAD_S)
+RELOAD_REFUSED = Refusal(
+    c.RELOAD_REFUSED, "This server's model instances are serving: a load now would start a second group on the same "
+    "rendezvous port beside the one that serves. Unload the model first (its sessions end), then load it; the "
+    "loaded version goes on serving meanwhile.")
 DECODE_FAILED = Refusal(
     c.DECODE_FAILED,
     "The server could not turn this block into video frames, so the stream stopped here. "
