@@ -79,15 +79,20 @@ def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monk
     def open_session(request, geometry, session_id=None, owner=0, **kwargs):
         if request.seed == 13:
             raise RuntimeError("CUDA out of memory (simulated)")
+        if request.seed == 14:
+            raise RuntimeError("a file went missing (simulated)")
         return real_open(request, geometry, session_id, owner, **kwargs)
 
     monkeypatch.setattr(coordinator.engine, "open_session", open_session)
-    bad, good = RecordingResponder(), RecordingResponder()
+    bad, broken, good = RecordingResponder(), RecordingResponder(), RecordingResponder()
     coordinator.submit(tiny_request(decode=False, num_frames=9, seed=13), bad)
+    coordinator.submit(tiny_request(decode=False, num_frames=9, seed=14), broken)
     coordinator.submit(tiny_request(decode=False, num_frames=9, seed=1), good)
-    wait([bad, good])
-    # A plain sentence on what to do; the exception text goes to the log only.
-    assert "no memory for this video" in bad.error and "CUDA" not in bad.error
+    wait([bad, broken, good])
+    # A code to act on and a plain sentence on what to do; the exception text goes to the log only.
+    assert bad.code == "OUT_OF_MEMORY" and "no memory for this video" in bad.error and "CUDA" not in bad.error
+    assert broken.code == "OPEN_FAILED" and "could not start this video" in broken.error
+    assert "missing" not in broken.error
     assert good.blocks == [0] and good.error is None
 
 
@@ -103,7 +108,8 @@ def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoor
     broken = RecordingResponder()
     coordinator.submit(tiny_request(decode=False, num_frames=129, seed=13), broken)
     wait([broken])
-    assert broken.blocks == [0] and "could not turn this block into video frames" in broken.error
+    assert broken.blocks == [0] and broken.code == "DECODE_FAILED"
+    assert "could not turn this block into video frames" in broken.error
     assert "decoder broke" not in broken.error
     wait_until(lambda: not coordinator.local, 30, "the broken session to free its slot")
     others = [RecordingResponder() for _ in range(2)]  # both slots are free again

@@ -50,8 +50,9 @@ def test_expect_settings_are_checked_before_any_work(engine) -> None:
     request = tiny_request(num_frames=9, expect_settings=engine.settings_used)
     engine.geometry_of(request)  # its own settings pass
     other = engine.settings_used.replace(f"timestep_shift={ours['timestep_shift']}", "timestep_shift=10.0")
-    with pytest.raises(InputError, match=rf"timestep_shift: expected 10.0, this server {ours['timestep_shift']}"):
+    with pytest.raises(InputError, match=rf"timestep_shift: expected 10.0, this server {ours['timestep_shift']}") as e:
         engine.geometry_of(dataclasses.replace(request, expect_settings=other))
+    assert e.value.code == "SETTINGS_MISMATCH"
     for bad, why in (("block_frames=3", "lacks"), ("nonsense", "not key=value"), ("tp_degree=2;" + SETTINGS, "unknown"),
                      ("x" * 600, "longer than")):
         with pytest.raises(InputError, match=why):

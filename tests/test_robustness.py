@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
 from backend.launch.procfs import cpu_seconds, status_kib
@@ -106,6 +107,27 @@ def test_a_dead_owner_on_either_rank_errors_the_streams_and_the_server_heals_its
             # The killed owner's gauge read 1 past its death; the reloaded model counts from zero.
             wait_until(lambda: metrics(server)["lingbot_world_streams_open"] == 0, 10, "no stream open")
         assert [h.healed for h in server.healer.heals] == [True, True]
+
+
+def test_a_reload_of_the_serving_model_is_refused_at_once_and_the_group_serves_throughout(sp2_server) -> None:
+    """The operator's load while the group serves: its new instances would need the ports the serving ones hold, so
+    the load is refused within seconds with the code, the old instances keep their stream and serve the next."""
+    server = sp2_server
+    threads, errors = stream_in_background(server.grpc_url, range(1), 60, num_frames=57)
+    before = metrics(server).get("lingbot_world_blocks_total", 0)
+    wait_until(lambda: metrics(server).get("lingbot_world_blocks_total", 0) > before, 60, "a block of the stream")
+    began = time.monotonic()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException, match=contract.RELOAD_REFUSED):
+            client.load_model(MODEL, headers=server.admin_headers())
+        refused_s = time.monotonic() - began
+        assert client.is_model_ready(MODEL)
+    print(f"reload refused after {refused_s:.1f} s")
+    assert refused_s < 30
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(stream(server.grpc_url, tiny_request(num_frames=21), timeout=60)) == 2
 
 
 @pytest.mark.parametrize("case", ["open_sessions", "dead_owner"])
