@@ -305,6 +305,7 @@ def test_cli_help_lists_the_commands_and_play_shows_its_defaults(capsys) -> None
         assert exit_.value.code == 0
     main_help, play_help = capsys.readouterr().out.split("usage: python -m client play", 1)
     assert "python -m client play" in main_help and "python -m client serve" in main_help
-    for default in ("default_height, else 480)", "default_width, else 832)", "(default: 42)", "(default: w*6)", "(default: out/play.mp4)",
+    for default in ("default_height, else 480)", "default_width, else 832)", "(default: 42)", "(default: w*6)",
+                    "(default: out/play.mp4)",
                     "(default: localhost:8001)", "(default: wait)", "(default: 1)", "(default: 600.0)"):
         assert default in play_help

@@ -28,7 +28,7 @@ def test_rings_wake_waiters_and_idle_waits_time_out_silently(capfd) -> None:
     assert 0.5 <= time.monotonic() - started < 5
 
     woke = []
-    waiter = threading.Thread(target=lambda: woke.append(second.wait(1, 10)))
+    waiter = threading.Thread(target=lambda bell=second: woke.append(bell.wait(1, 10)))
     waiter.start()
     first.ring()
     waiter.join(10)

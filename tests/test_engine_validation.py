@@ -69,9 +69,11 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         ({"default_height": 72}, 1, r"width x height = 64 x 72: each must be a positive multiple of the VAE x patch factor"),
         ({"dtype": "int8"}, 1, r"dtype='int8'"),
         ({"window_frames": 5, "sink_frames": 3}, 1,
-         r"window_frames=5 \(parameter\) must hold sink_frames=3 \(parameter\) plus one block of block_frames=3 \(sink_frames from 0 to "
+         r"window_frames=5 \(parameter\) must hold sink_frames=3 \(parameter\) plus one block of block_frames=3 "
+         r"\(sink_frames from 0 to "
          r"window_frames - block_frames = 2\)"),
-        ({"window_frames": 2, "sink_frames": 0}, 1, r"window_frames=2 \(parameter\) must hold sink_frames=0 \(parameter\) plus one block"),
+        ({"window_frames": 2, "sink_frames": 0}, 1,
+         r"window_frames=2 \(parameter\) must hold sink_frames=0 \(parameter\) plus one block"),
     ],
 )
 def test_config_errors_before_weights(

@@ -46,7 +46,8 @@ def test_a_second_server_on_one_host_gets_its_own_rendezvous(tmp_path: Path, tin
                        "--param", f"default_width={TINY_SIZE}"]
             launchers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for launcher, port in zip(launchers, http_ports):
-            wait_until(lambda: ready(port) or launcher.poll() is not None, 300, f"the server on {port} to be ready")
+            wait_until(lambda p=port, proc=launcher: ready(p) or proc.poll() is not None, 300,
+                       f"the server on {port} to be ready")
             assert launcher.poll() is None, launcher.stderr.read().decode()
         ports = {rendezvous_port(tmp_path / name) for name in ("first", "second")}
         assert len(ports) == 2

@@ -177,7 +177,8 @@ def test_thirty_sessions_keep_memory_bounded(sp1_server) -> None:
     # sessions); a leaked session would also leave its cache behind, which the log check catches exactly.
     assert growth_mib < 128
     log = Path(sp1_server.log_path).read_text()
-    ended = re.findall(r"session \S+ finished after 2 of 2 blocks; freed \d+ cache bytes \(left: (\d+)\); open sessions: (\d+)", log)
+    ended = re.findall(r"session \S+ finished after 2 of 2 blocks; freed \d+ cache bytes \(left: (\d+)\); "
+                       r"open sessions: (\d+)", log)
     assert len(ended) >= 35 and {left for left, _ in ended} == {"0"}
     assert ended[-1][1] == "0"
 

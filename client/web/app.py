@@ -3,7 +3,8 @@
 Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?},
 {"type": "keys", keys}, {"type": "event", prompt, recache} (a world event), {"type": "stop"}. Bridge -> page: {"type":
 "session", id, video, recording}, then per block a {"type": "block", ...} header followed by its frames as binary
-JPEG messages, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
+JPEG messages, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that does not fit
+the schema gets an error and the websocket closes.
 
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, while fewer than `max_pages` pages are open; videos are served by session id from this bridge's own table.
