@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -64,11 +65,26 @@ def store_client(host: str, port: int, secret: str, timeout_s: float) -> dist.St
     return dist.PrefixStore(f"lingbot/{secret}", client)
 
 
-def _all_arrived(store: dist.Store, world_size: int, key: str) -> None:
-    """Wait until every rank has called this with `key`, under the store's own (start-up) timeout."""
+FAILED_KEY = "start_failed"  # what a rank that could not start says (GroupHandles.fail_start)
+ARRIVAL_POLL_S = 0.05
+
+
+class PeerStartFailed(RuntimeError):
+    """Another rank of this load could not start, so this one stops waiting for it."""
+
+
+def _all_arrived(store: dist.Store, world_size: int, key: str, timeout_s: float) -> None:
+    """Wait until every rank has called this with `key`; a rank that says it failed to start ends the wait at
+    once for every other (none waits out the start-up timeout for a peer that will never come)."""
     if store.add(key, 1) == world_size:
         store.set(f"{key}/all", b"1")
-    store.wait([f"{key}/all"])
+    deadline = time.monotonic() + timeout_s
+    while not store.check([f"{key}/all"]):
+        if store.check([FAILED_KEY]):
+            raise PeerStartFailed(f"{store.get(FAILED_KEY).decode()}; this rank stops waiting for it at '{key}'")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank arrived at '{key}' within init_timeout_s={timeout_s:g}")
+        time.sleep(ARRIVAL_POLL_S)
 
 
 @dataclass(frozen=True)
@@ -83,11 +99,19 @@ class GroupHandles:
     decode: dist.ProcessGroup | None  # the split VAE decode's rows (parallel/rows): gloo, when the decode is split
     store: dist.Store | None = None  # the rendezvous store, hosted by rank 0 (keys prefixed with the secret)
     load_id: str = ""  # this join's name, the same on every rank (rank 0 draws it): tells one load from the next
+    world_size: int = 1
+    init_timeout_s: float = 0.0
 
     def all_arrived(self, key: str) -> None:
-        """A barrier under the long start-up timeout (the groups' own have the short one), e.g. after loading."""
+        """A barrier under the long start-up timeout (the groups' own have the short one), e.g. after loading;
+        it ends at once, raising PeerStartFailed, when another rank says it failed to start."""
         if self.store is not None:
-            _all_arrived(self.store, dist.get_world_size(), key)
+            _all_arrived(self.store, self.world_size, key, self.init_timeout_s)
+
+    def fail_start(self, rank: int, exc: BaseException) -> None:
+        """This rank cannot start: every rank waiting at a barrier stops now (their load fails with this one)."""
+        if self.store is not None and not isinstance(exc, PeerStartFailed):
+            self.store.set(FAILED_KEY, f"rank {rank} of this load failed to start ({type(exc).__name__}: {exc})")
 
 
 def join_group(
@@ -115,7 +139,7 @@ def join_group(
     store = store_client(host, port, secret, init_timeout_s)
     if rank == 0:
         store.set("load_id", secrets.token_hex(8))
-    _all_arrived(store, world_size, "joined")  # every rank is here: connecting needs no long timeout
+    _all_arrived(store, world_size, "joined", init_timeout_s)  # every rank is here: connecting needs no long timeout
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return GroupHandles(
@@ -124,6 +148,8 @@ def join_group(
         decode=dist.new_group(backend="gloo", timeout=timeout) if split_decode else None,
         store=store,
         load_id=store.get("load_id").decode(),
+        world_size=world_size,
+        init_timeout_s=init_timeout_s,
     )
 
 

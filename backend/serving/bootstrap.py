@@ -106,6 +106,7 @@ class GroupMember:
         self._claim = claim_for_this_host(f"lingbot-member-{serving.rendezvous_port}-{rank}")
         if self._claim is None:
             raise RuntimeError(messages.RELOAD_REFUSED.message)
+        groups = None
         try:
             secret = group_secret() if world > 1 else ""
             groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port,
@@ -126,7 +127,10 @@ class GroupMember:
                 self.engine, serving, groups.control, on_failure=self._on_group_failure, doorbell=doorbell,
                 threads=threads, cpu=LoopCpu(hooks.on_loop_block), on_prompts=hooks.on_prompts,
                 on_ended=hooks.on_ended, on_line=hooks.on_line, send_lock=hooks.send_lock)
-        except BaseException:
+        except BaseException as exc:
+            if groups is not None:
+                with contextlib.suppress(Exception):  # the store may be gone with rank 0
+                    groups.fail_start(rank, exc)
             self._claim.close()
             raise
         log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
