@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import re
 import statistics
@@ -47,7 +48,7 @@ from client.recording import Recording
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 CHANGE_KEYS = ("j", "w")  # each change presses one of these and releases the other; the session starts on W
-WARMUP_BLOCKS = 3  # blocks on W before the first change: the server's start-up and the first steps settle
+WARMUP_BLOCKS = 5  # blocks on W before the first change: the KV window fills and the condition encode settles
 BLOCK_LINE = re.compile(r"block (\d+): .*step latency (\d+) ms")
 BOUND_S = 120.0  # any one wait for the server, the bridge or the page
 
@@ -141,6 +142,7 @@ class Run:
     latencies: list[ChangeLatency]
     block_s: list[float]  # intervals between block arrivals after the warm-up
     queued: list[int]  # page: frames received and not yet drawn at each change
+    arrival_s: list[float]  # page: each change to its first block's header reaching the page (before the queue)
     note: str = ""
 
 
@@ -177,7 +179,7 @@ def run_play(url: str, lookahead: int, changes: int, size: int, out: Path) -> Ru
     # Cross-check: the stamped interval from block k - L - 1 to block k against play's own step latency of block k.
     drift = max(abs(at[k] - at[k - lookahead - 1] - step_latency[k]) for k in starts)
     arrivals = [s.t for s in shown[WARMUP_BLOCKS:]]
-    return Run("play", lookahead, latencies, list(np.diff(arrivals)), [],
+    return Run("play", lookahead, latencies, list(np.diff(arrivals)), [], [],
                f"stamped interval vs play's step latency: within {drift * 1000:.0f} ms")
 
 
@@ -261,8 +263,10 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
     presses = [k for k in final["keys"] if k["key"] in CHANGE_KEYS][1:]
     measured = measure([KeyChange(k["t"] / 1000, k["key"]) for k in presses], shown, used_keys(Recording.load(recording)))
     queued = [sum(b["frames"] for b in blocks if b["t"] <= k["t"]) - sum(t <= k["t"] for t in draws) for k in presses]
+    header = {b["index"]: b["t"] / 1000 for b in blocks}
+    arrived = [header[lat.first_block] - lat.change.t for lat in measured if lat.first_block is not None]
     arrivals = [b["t"] / 1000 for b in blocks[WARMUP_BLOCKS:]]
-    return Run("page", lookahead, measured, list(np.diff(arrivals)), queued)
+    return Run("page", lookahead, measured, list(np.diff(arrivals)), queued, arrived)
 
 
 def drawn_before(trace: dict, block: dict) -> int:
@@ -279,12 +283,15 @@ def table(runs: Sequence[Run]) -> str:
         later = [lat.blocks_later for lat in run.latencies]
         walls = [lat.wall_s for lat in run.latencies if lat.wall_s is not None]
         block = statistics.median(run.block_s)
+        wall = statistics.median(walls) if walls else None
         rows.append([run.path, str(run.lookahead), " ".join("-" if n is None else str(n) for n in later),
-                     f"{statistics.median(walls):.2f}" if walls else "-", f"{max(walls):.2f}" if walls else "-",
-                     f"{block:.2f}", f"{statistics.median(walls) / block:.1f}" if walls else "-",
+                     "-" if wall is None else f"{wall:.2f}", f"{max(walls):.2f}" if walls else "-",
+                     f"{statistics.median(run.arrival_s):.2f}" if run.arrival_s else "= wall",
+                     f"{block:.2f}", "-" if wall is None else f"{wall / block:.1f}",
                      " ".join(map(str, run.queued)) or "-"])
     return format_table(["path", "lookahead", "blocks later, each change", "wall p50 (s)", "wall max (s)",
-                         "block interval p50 (s)", "wall p50 / interval", "frames queued at change"], rows, left=2)
+                         "to arrival p50 (s)", "block interval p50 (s)", "wall p50 / interval",
+                         "frames queued at change"], rows, left=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="of the moments the page's keys are pressed")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
+    load_before = os.getloadavg()[0]
     runs: list[Run] = []
     with contextlib.ExitStack() as stack:
         url = args.url
@@ -325,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                     [[lat.shown_block, lat.first_block, None if lat.wall_s is None else round(lat.wall_s, 3)]
                      for lat in run.latencies]) + (f"; {run.note}" if run.note else ""), flush=True)
     print()
-    print(f"{MODEL_NAME} at {url}, {args.size}x{args.size}, {args.changes} key changes (W and J in turns) per row")
+    print(f"{MODEL_NAME} at {url}, {args.size}x{args.size}, {args.changes} key changes (W and J in turns) per row; "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
     print(table(runs))
     return 0
 
