@@ -266,7 +266,9 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
     header = {b["index"]: b["t"] / 1000 for b in blocks}
     arrived = [header[lat.first_block] - lat.change.t for lat in measured if lat.first_block is not None]
     arrivals = [b["t"] / 1000 for b in blocks[WARMUP_BLOCKS:]]
-    return Run("page", lookahead, measured, list(np.diff(arrivals)), queued, arrived)
+    drew = (len(draws) - 1) / (draws[-1] - draws[0]) * 1000
+    return Run("page", lookahead, measured, list(np.diff(arrivals)), queued, arrived,
+               f"the canvas drew {drew:.1f} frames/s (the page plays at most 16)")
 
 
 def drawn_before(trace: dict, block: dict) -> int:
