@@ -88,6 +88,7 @@ class KeyChange:
 class Shown:
     block: int
     t: float  # the block's first frame is on screen from here
+    arrived: float  # the block reached the client (play: t; the page: its header, before the frame queue)
 
 
 @dataclass(frozen=True)
@@ -103,14 +104,16 @@ class ChangeLatency:
 
 
 def measure(changes: Sequence[KeyChange], shown: Sequence[Shown], used: Mapping[int, str | None]) -> list[ChangeLatency]:
-    """Each change's latency: `shown` in display order, `used` the keys each block ran on (None: not keys)."""
+    """Each change's latency: `shown` in display order, `used` the keys each block ran on (None: not keys). A block
+    that had reached the client before the change cannot show it, however late it is drawn (a frame queue)."""
     out = []
     for change in changes:
         before = [s for s in shown if s.t <= change.t]
         if not before:
             raise ValueError(f"a key change at {change.t:.3f} s, before the first frame was shown")
         at = before[-1].block
-        first = next((s for s in shown if s.block > at and change.key in (used.get(s.block) or "")), None)
+        first = next((s for s in shown if s.block > at and s.arrived > change.t
+                      and change.key in (used.get(s.block) or "")), None)
         out.append(ChangeLatency(change, at, None if first is None else first.block,
                                  None if first is None else first.t - change.t))
     return out
@@ -146,11 +149,16 @@ class Run:
     note: str = ""
 
 
+def segment_blocks(lookahead: int) -> int:
+    """Blocks between changes: more than the L + 1 a change needs to reach the server's blocks."""
+    return lookahead + 3
+
+
 def segments(changes: int, lookahead: int) -> list[str]:
-    """Each block's keys: W for the warm-up, then W and J in turns, L + 3 blocks each (the change shows in time)."""
+    """Each block's keys: W for the warm-up, then J and W in turns, a segment each."""
     keys = ["w"] * WARMUP_BLOCKS
     for i in range(changes):
-        keys += [CHANGE_KEYS[i % 2]] * (lookahead + 3)
+        keys += [CHANGE_KEYS[i % 2]] * segment_blocks(lookahead)
     return keys
 
 
@@ -167,7 +175,7 @@ def run_play(url: str, lookahead: int, changes: int, size: int, out: Path) -> Ru
             stamp = time.perf_counter()
             lines.append(line)
             if match := BLOCK_LINE.match(line):
-                shown.append(Shown(int(match[1]), stamp))
+                shown.append(Shown(int(match[1]), stamp, stamp))
                 step_latency[int(match[1])] = int(match[2]) / 1000
     if proc.returncode != 0:
         raise SystemExit(f"error: play at lookahead {lookahead} exited {proc.returncode}:\n{''.join(lines[-20:])}")
@@ -198,7 +206,11 @@ def bridge(url: str, lookahead: int, log: Path) -> Iterator[str]:
         yield base
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a page still open holds its graceful stop
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def answers(url: str) -> bool:
@@ -225,30 +237,25 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
         page.fill("#width", str(size))
         page.fill("#height", str(size))
         page.click("#start")
+
         def trace() -> dict:
             return page.evaluate("() => window.__latency")
 
         def headers() -> list[dict]:
             return trace()["blocks"]
 
-        def drawn_on(key: str, since: int) -> bool:
-            """A block after the first `since` ran on `key` (as the bridge labels it) and its first frame is drawn."""
-            t = trace()
-            return any(key in (b["keys"] or "") and len(t["draws"]) > drawn_before(t, b) for b in t["blocks"][since:])
-
         poll(headers, "first block")
         page.keyboard.down("w")
         poll(lambda: len(headers()) >= WARMUP_BLOCKS, "warm-up blocks")
         held = "w"
-        for i in range(changes):
+        for i in range(changes):  # as play's script: a change every segment_blocks arrivals
             key, count = CHANGE_KEYS[i % 2], len(headers())
-            poll(lambda n=count: len(headers()) > n, "the next block")  # just arrived: press within the interval after
             arrivals = [b["t"] for b in headers()]
-            time.sleep(rng.uniform(0, statistics.median(np.diff(arrivals[1:]))) / 1000)
+            time.sleep(rng.uniform(0, statistics.median(np.diff(arrivals[1:]))) / 1000)  # within the interval
             page.keyboard.down(key)
             page.keyboard.up(held)
             held = key
-            poll(lambda k=key, n=count: drawn_on(k, n), f"a block on {key!r} drawn")  # then the next change
+            poll(lambda n=count: len(headers()) >= n + segment_blocks(lookahead), "the segment's blocks")
         page.click("#stop")
         poll(lambda: page.get_attribute("#status", "data-state") == "ended", "the session to end")
         poll(lambda: (t := trace()) and len(t["draws"]) >= sum(b["frames"] for b in t["blocks"]), "every frame drawn")
@@ -258,12 +265,12 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
         recording.write_bytes(urllib.request.urlopen(base + href, timeout=30).read())
         page.close()
     blocks, draws = final["blocks"], final["draws"]
-    shown = [Shown(b["index"], draws[drawn_before(final, b)] / 1000) for b in blocks]
+    shown = [Shown(b["index"], draws[drawn_before(final, b)] / 1000, b["t"] / 1000) for b in blocks]
     # keydowns of the change keys after the warm-up's W (a key held down repeats no keydown)
     presses = [k for k in final["keys"] if k["key"] in CHANGE_KEYS][1:]
     measured = measure([KeyChange(k["t"] / 1000, k["key"]) for k in presses], shown, used_keys(Recording.load(recording)))
     queued = [sum(b["frames"] for b in blocks if b["t"] <= k["t"]) - sum(t <= k["t"] for t in draws) for k in presses]
-    header = {b["index"]: b["t"] / 1000 for b in blocks}
+    header = {s.block: s.arrived for s in shown}
     arrived = [header[lat.first_block] - lat.change.t for lat in measured if lat.first_block is not None]
     arrivals = [b["t"] / 1000 for b in blocks[WARMUP_BLOCKS:]]
     drew = (len(draws) - 1) / (draws[-1] - draws[0]) * 1000
