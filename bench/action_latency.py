@@ -14,9 +14,9 @@ changed key; keys alternate between W and J, so every change presses a key the b
   step latency (its send to its block's arrival).
 * page: the bridge with `--lookahead L`, the page in Chromium with a trace script added before the page's own
   (no change to the page): the page's clock stamps each keydown, each block header and each frame drawn on the
-  canvas (the frames play from a queue at 16 fps, in order, so the n-th drawn frame is the n-th received). A key
-  is pressed at a random moment within a block interval after a block arrives; the block shown then is the one
-  whose frame was drawn last. The server's camera_used comes from the page session's recording.
+  canvas (the frames play from a queue at 16 fps, in order, so the n-th drawn frame is the n-th received). Every
+  L + 3 blocks a key is pressed at a random moment within a block interval after a block arrives; the block shown
+  then is the one whose frame was drawn last. The server's camera_used comes from the page session's recording.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from backend.launch.paths import REPO_ROOT
 from backend.parallel.ports import free_port
 from bench.common import PROMPT, TINY, add_checkpoint_args, ensure_checkpoint, format_table
 from client.recording import Recording
+from client.video import DEFAULT_FPS
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -258,7 +259,8 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
             poll(lambda n=count: len(headers()) >= n + segment_blocks(lookahead), "the segment's blocks")
         page.click("#stop")
         poll(lambda: page.get_attribute("#status", "data-state") == "ended", "the session to end")
-        poll(lambda: (t := trace()) and len(t["draws"]) >= sum(b["frames"] for b in t["blocks"]), "every frame drawn")
+        frames = sum(b["frames"] for b in trace()["blocks"])
+        poll(lambda: len(trace()["draws"]) >= frames, "every frame drawn", BOUND_S + frames / DEFAULT_FPS)
         final = trace()
         recording = out / f"page_l{lookahead}.npz"
         href = page.get_attribute("#download-recording", "href")
