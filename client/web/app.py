@@ -134,9 +134,9 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-def make_app(url: str, model: str, timeout: float, access: Access) -> web.Application:
+def make_app(url: str, model: str, timeout: float, access: Access, lookahead: int = 1) -> web.Application:
     app = web.Application()
-    app[SETTINGS] = {"url": url, "model": model, "timeout": timeout}
+    app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead}
     app[ACCESS], app[SESSIONS] = access, {}
     app[VIDEOS] = Path(tempfile.mkdtemp(prefix="lingbot-player-"))
     app.on_cleanup.append(lambda app: asyncio.to_thread(shutil.rmtree, app[VIDEOS], True))

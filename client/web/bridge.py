@@ -1,7 +1,8 @@
 """One page session: a steered session on Triton, stepped with the page's held keys, its blocks relayed as JPEG.
 
-Lookahead 1, like `python -m client play`: when a block arrives the next step is sent at once with the keys
-held at that moment, so the server always has the camera of the block after the one it is computing. A world
+Lookahead like `python -m client play` (`--lookahead`, 1 by default): the start is followed by `lookahead` steps,
+and when a block arrives the next step is sent at once with the keys held at that moment, so at lookahead 1 the
+server always has the camera of the block after the one it is computing. A world
 event (the page's new prompt) rides on the next step sent; each block's header names the prompt in force. The
 session is recorded as it plays (what the server ran, see client/recording.py), beside its MP4.
 """
@@ -64,8 +65,10 @@ class Player:
     uses too (serving files), and stall each other and the page itself.
     """
 
-    def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float) -> None:
+    def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float, lookahead: int = 1) -> None:
+        """lookahead: steps sent ahead of the block on screen (0: each step waits for the block before it)."""
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
+        self.lookahead = lookahead
         self.recording_path = recording_path(video_path)
         self.keys = ""
         self.pending: Controls | None = None  # a world event not sent yet (its prompt, its recache)
@@ -135,9 +138,10 @@ class Player:
 
         session.start(request)
         used = UsedSteps(Controls(keys=request.keys or ""), request.prompt)
-        step = self._next_step()
-        session.step(step)
-        used.sent(step)
+        for _ in range(self.lookahead):
+            step = self._next_step()
+            session.step(step)
+            used.sent(step)
         received, rate = 0, DeliveryRate()
         while (block := await on_thread(session.next_block, self.timeout)) is not None:
             latency = block.arrival_s - session.sent_s[received]

@@ -25,6 +25,13 @@ def access(args: argparse.Namespace) -> Access:
     return Access(frozenset(origins), host_origin=args.host in WILDCARDS, token=args.token, max_pages=args.max_pages)
 
 
+def lookahead(text: str) -> int:
+    steps = int(text)
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"--lookahead must be 0 or more, got {steps}")
+    return steps
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client serve", description=__doc__.split("\n\n")[0])
     add_server_args(p)
@@ -34,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="also let pages from ORIGIN (e.g. https://example.org, or *) open sessions (repeatable)")
     p.add_argument("--token", help="pages must be opened with ?token=TOKEN to open sessions")
+    p.add_argument("--lookahead", type=lookahead, default=1,
+                   help="steps sent ahead of the block on screen, as in `play` (default: %(default)s)")
     p.add_argument("--max-pages", type=int, default=16, help="pages playing at once (default: %(default)s)")
     return p.parse_args(argv)
 
@@ -41,5 +50,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     print(f"player for {args.url} on http://{args.host}:{args.port}/", flush=True)
-    web.run_app(make_app(args.url, args.model, args.timeout, access(args)), host=args.host, port=args.port, print=None)
+    app = make_app(args.url, args.model, args.timeout, access(args), args.lookahead)
+    web.run_app(app, host=args.host, port=args.port, print=None)
     return 0
