@@ -1,6 +1,7 @@
 """The browser player end to end: real headless Chromium, the bridge (`python -m client serve`), real tritonserver."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -10,10 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import imageio.v3 as iio
+import numpy as np
 import pytest
 
 from client.recording import Recording
 from client.replay import check_blocks, replay_whole
+from client.web.frames import encode_jpeg
 from factories import TINY_SIZE, sample_image
 from bridge_harness import running_bridge
 from polling import wait_until
@@ -26,6 +29,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "player.png"
 BLOCK_S = 60  # generous bound for one tiny block on a busy CPU
 FIRST_FRAMES, STEP_FRAMES = 9, 12
+PLAY_FPS = 16
+MAX_QUEUED = STEP_FRAMES + 4  # what the page may hold behind the stream: one block and a quarter second
 
 pytestmark = [pytest.mark.server, requires_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")]
 
@@ -258,3 +263,44 @@ def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_ord
     wait_until(lambda: status(line[3], "state") == "ended", BLOCK_S, "the last page to end")
     for page in pages:
         page.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_page_behind_the_stream_skips_its_oldest_frames(player_url, browser) -> None:
+    """A fake bridge on the page's websocket sends blocks 3x faster than the page plays them (16 fps): the frame
+    queue never holds more than MAX_QUEUED frames, the frames skipped to keep up are counted in the status, every
+    frame is drawn or skipped, and the page ends on the newest frame. Frame i is solid gray 2i, to tell them apart."""
+    page = browser.new_page()
+    page.add_init_script("window.__drawn = 0; const draw = CanvasRenderingContext2D.prototype.drawImage;"
+                         " CanvasRenderingContext2D.prototype.drawImage = function (...a) {"
+                         " window.__drawn += 1; return draw.apply(this, a); };")
+    sockets = []
+    page.route_web_socket(re.compile(r"/ws(\?|$)"), lambda ws: sockets.append(ws))  # never connects to the bridge
+    page.goto(player_url)
+    page.fill("#prompt", "a castle on a hill")
+    page.click("#start")
+    (ws,) = wait_until(lambda: sockets, 10, "the page's websocket")
+    blocks_sent = 10
+    counts = [FIRST_FRAMES] + [STEP_FRAMES] * (blocks_sent - 1)
+    jpegs = [encode_jpeg(np.full((TINY_SIZE, TINY_SIZE, 3), 2 * i, np.uint8)) for i in range(sum(counts))]
+    queued, skipped, sent = [], [], 0
+    for index, count in enumerate(counts):
+        ws.send(json.dumps({"type": "block", "index": index, "held": False, "frames": count, "keys": "w",
+                            "prompt": "a castle on a hill", "event": False, "step_latency_s": 0.25,
+                            "first_block_s": 0.25 if index == 0 else None, "realtime_factor": 3.0}))
+        for jpeg in jpegs[sent:sent + count]:
+            ws.send(jpeg)
+        sent += count
+        page.wait_for_timeout(1000 * count / (3 * PLAY_FPS))  # the fake stream's pace: 3x playback
+        queued.append(page.evaluate("() => queue.length"))
+        skipped.append(int(status(page, "skipped")))
+    assert max(queued) <= MAX_QUEUED, queued
+    ws.send(json.dumps({"type": "ended", "frames": sent, "recorded": False}))
+    wait_until(lambda: page.evaluate("() => window.__drawn") + int(status(page, "skipped")) == sent, 10,
+               "every frame drawn or skipped")
+    total = int(status(page, "skipped"))
+    assert 0 < skipped[len(skipped) // 2] < total, (skipped, total)  # it keeps skipping while it keeps falling behind
+    assert f"skipped {total} frames to keep up" in page.inner_text("#status")
+    newest = page.evaluate("() => document.getElementById('screen').getContext('2d').getImageData(8, 8, 1, 1).data[0]")
+    assert abs(newest - 2 * (sent - 1)) <= 1, (newest, sent)
+    page.close()

@@ -1,14 +1,18 @@
 // The browser player: one websocket per session; blocks arrive as a JSON header and their frames as JPEG
-// messages, which play at 16 fps from a queue; the keys held now are sent whenever they change.
+// messages, which play at 16 fps from a queue; the keys held now are sent whenever they change. The queue holds at
+// most one block's frames and SLACK_FRAMES more: when blocks come faster than they play, the oldest queued frames are
+// skipped (counted in the status), so what is on screen stays within about a block of the newest frame.
 "use strict";
 const FPS = 16;
+const SLACK_FRAMES = 4;  // queued beyond the newest block's frames before the oldest are skipped (a quarter second)
 const KEYS = "wasdijkl";
 const $ = (id) => document.getElementById(id);
 const screen = $("screen");
 const ctx = screen.getContext("2d");
 let ws = null;
 let held = new Set();
-let queue = [];        // decoding or decoded frames, oldest first: {bitmap}
+let queue = [];        // decoding or decoded frames, oldest first: {bitmap, skipped}
+let maxQueued = 0;     // the newest block's frames + SLACK_FRAMES
 let stats = null;
 let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
 
@@ -21,6 +25,7 @@ function show(state, extra = "") {
     s.dataset.keys = stats.keys.join(",");
     s.dataset.prompt = stats.prompt;
     s.dataset.events = stats.events;
+    s.dataset.skipped = stats.skipped;
   }
   const parts = [`state: ${state}`];
   if (state === "starting") {
@@ -34,6 +39,7 @@ function show(state, extra = "") {
       `real-time factor ${stats.rtf === null ? "n/a" : stats.rtf.toFixed(2) + "x"}`, `held blocks ${stats.held}`,
       `prompt "${stats.prompt}"`);
   }
+  if (stats && stats.skipped) parts.push(`skipped ${stats.skipped} frames to keep up`);
   s.textContent = parts.join(" · ") + extra;
 }
 
@@ -74,9 +80,10 @@ function readImage() {
 
 function onMessage(event) {
   if (event.data instanceof Blob) {
-    const slot = {bitmap: null};
+    const slot = {bitmap: null, skipped: false};
     queue.push(slot);
-    createImageBitmap(event.data).then((b) => { slot.bitmap = b; });
+    createImageBitmap(event.data).then((b) => { if (slot.skipped) b.close(); else slot.bitmap = b; });
+    if (queue.length > maxQueued) skipOldest(queue.length - maxQueued);
     return;
   }
   const msg = JSON.parse(event.data);
@@ -95,6 +102,7 @@ function onMessage(event) {
     stats.events += msg.event ? 1 : 0;
     stats.latency = msg.step_latency_s;
     stats.rtf = msg.realtime_factor;
+    maxQueued = msg.frames + SLACK_FRAMES;
     if (msg.first_block_s !== null) stats.first = msg.first_block_s;
     show(stats.stopping ? "stopping" : "playing");
   } else if (msg.type === "ended") {
@@ -109,6 +117,16 @@ function onMessage(event) {
     show(stats ? "failed" : "idle");
     finish();
   }
+}
+
+// Drop the `count` oldest queued frames: the page has fallen behind the stream.
+function skipOldest(count) {
+  for (const slot of queue.splice(0, count)) {
+    slot.skipped = true;
+    if (slot.bitmap) slot.bitmap.close();
+  }
+  stats.skipped += count;
+  show($("status").dataset.state);
 }
 
 function finish() {
@@ -131,7 +149,7 @@ async function start(event) {
   delete $("status").dataset.place;
   delete $("status").dataset.code;
   stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], prompt: "", events: 0,
-    stopping: false};
+    skipped: 0, stopping: false};
   const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...
   ws = socket;
   socket.binaryType = "blob";
