@@ -14,7 +14,8 @@ changed key; keys alternate between W and J, so every change presses a key the b
   step latency (its send to its block's arrival).
 * page: the bridge with `--lookahead L`, the page in Chromium with a trace script added before the page's own
   (no change to the page): the page's clock stamps each keydown, each block header and each frame drawn on the
-  canvas (the frames play from a queue at 16 fps, in order, so the n-th drawn frame is the n-th received). Every
+  canvas. The frames play from a queue at 16 fps, in order, skipping the oldest when the page falls behind (its
+  status counts them in data-skipped), so a draw shows frame (draws before it + frames skipped by then). Every
   L + 3 blocks a key is pressed at a random moment within a block interval after a block arrives; the block shown
   then is the one whose frame was drawn last. The server's camera_used comes from the page session's recording.
 """
@@ -57,10 +58,12 @@ BOUND_S = 120.0  # any one wait for the server, the bridge or the page
 TRACE_JS = """(() => {
   const trace = {keys: [], blocks: [], draws: []};
   window.__latency = trace;
-  document.addEventListener("keydown", (e) => trace.keys.push({key: e.key.toLowerCase(), t: performance.now()}), true);
+  const skipped = () => Number(document.getElementById("status").dataset.skipped || 0);
+  document.addEventListener("keydown", (e) => trace.keys.push({key: e.key.toLowerCase(), t: performance.now(),
+                                                               skipped: skipped()}), true);
   const draw = CanvasRenderingContext2D.prototype.drawImage;
   CanvasRenderingContext2D.prototype.drawImage = function (...args) {
-    trace.draws.push(performance.now());
+    trace.draws.push({t: performance.now(), frame: trace.draws.length + skipped()});
     return draw.apply(this, args);
   };
   window.WebSocket = class extends window.WebSocket {
@@ -145,7 +148,9 @@ class Run:
     lookahead: int
     latencies: list[ChangeLatency]
     block_s: list[float]  # intervals between block arrivals after the warm-up
-    queued: list[int]  # page: frames received and not yet drawn at each change
+    queued: list[int]  # page: frames received and neither drawn nor skipped at each change
+    skipped: int | None = None  # page: frames the page skipped to keep up, of `frames`
+    frames: int = 0
     arrival_s: list[float]  # page: each change to its first block's header reaching the page (before the queue)
     note: str = ""
 
@@ -260,29 +265,33 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
         page.click("#stop")
         poll(lambda: page.get_attribute("#status", "data-state") == "ended", "the session to end")
         frames = sum(b["frames"] for b in trace()["blocks"])
-        poll(lambda: len(trace()["draws"]) >= frames, "every frame drawn", BOUND_S + frames / DEFAULT_FPS)
+        poll(lambda: (draws := trace()["draws"]) and draws[-1]["frame"] >= frames - 1, "the last frame drawn",
+             BOUND_S + frames / DEFAULT_FPS)
         final = trace()
         recording = out / f"page_l{lookahead}.npz"
         href = page.get_attribute("#download-recording", "href")
         recording.write_bytes(urllib.request.urlopen(base + href, timeout=30).read())
         page.close()
     blocks, draws = final["blocks"], final["draws"]
-    shown = [Shown(b["index"], draws[drawn_before(final, b)] / 1000, b["t"] / 1000) for b in blocks]
+    shown = [Shown(b["index"], t / 1000, b["t"] / 1000) for b in blocks
+             if (t := first_draw(final, b)) is not None]
     # keydowns of the change keys after the warm-up's W (a key held down repeats no keydown)
     presses = [k for k in final["keys"] if k["key"] in CHANGE_KEYS][1:]
     measured = measure([KeyChange(k["t"] / 1000, k["key"]) for k in presses], shown, used_keys(Recording.load(recording)))
-    queued = [sum(b["frames"] for b in blocks if b["t"] <= k["t"]) - sum(t <= k["t"] for t in draws) for k in presses]
+    queued = [sum(b["frames"] for b in blocks if b["t"] <= k["t"]) - sum(d["t"] <= k["t"] for d in draws)
+              - k["skipped"] for k in presses]
     header = {s.block: s.arrived for s in shown}
     arrived = [header[lat.first_block] - lat.change.t for lat in measured if lat.first_block is not None]
     arrivals = [b["t"] / 1000 for b in blocks[WARMUP_BLOCKS:]]
-    drew = (len(draws) - 1) / (draws[-1] - draws[0]) * 1000
+    drew = (len(draws) - 1) / (draws[-1]["t"] - draws[0]["t"]) * 1000
     return Run("page", lookahead, measured, list(np.diff(arrivals)), queued, arrived,
-               f"the canvas drew {drew:.1f} frames/s (the page plays at most 16)")
+               f"the canvas drew {drew:.1f} frames/s (the page plays at most 16)", frames - len(draws), frames)
 
 
-def drawn_before(trace: dict, block: dict) -> int:
-    """Frames of the blocks before `block` (its first frame is the draw with this index)."""
-    return sum(b["frames"] for b in trace["blocks"] if b["index"] < block["index"])
+def first_draw(trace: dict, block: dict) -> float | None:
+    """When the first drawn frame of `block` was drawn (None: the page skipped all its frames)."""
+    first = sum(b["frames"] for b in trace["blocks"] if b["index"] < block["index"])
+    return next((d["t"] for d in trace["draws"] if first <= d["frame"] < first + block["frames"]), None)
 
 
 # ---------------------------------------------------------------- the table
@@ -299,10 +308,11 @@ def table(runs: Sequence[Run]) -> str:
                      "-" if wall is None else f"{wall:.2f}", f"{max(walls):.2f}" if walls else "-",
                      f"{statistics.median(run.arrival_s):.2f}" if run.arrival_s else "= wall",
                      f"{block:.2f}", "-" if wall is None else f"{wall / block:.1f}",
-                     " ".join(map(str, run.queued)) or "-"])
+                     " ".join(map(str, run.queued)) or "-",
+                     "-" if run.skipped is None else f"{run.skipped} of {run.frames}"])
     return format_table(["path", "lookahead", "blocks later, each change", "wall p50 (s)", "wall max (s)",
                          "to arrival p50 (s)", "block interval p50 (s)", "wall p50 / interval",
-                         "frames queued at change"], rows, left=2)
+                         "frames queued at change", "frames skipped"], rows, left=2)
 
 
 def main(argv: list[str] | None = None) -> int:
