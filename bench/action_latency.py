@@ -149,10 +149,10 @@ class Run:
     latencies: list[ChangeLatency]
     block_s: list[float]  # intervals between block arrivals after the warm-up
     queued: list[int]  # page: frames received and neither drawn nor skipped at each change
-    skipped: int | None = None  # page: frames the page skipped to keep up, of `frames`
-    frames: int = 0
     arrival_s: list[float]  # page: each change to its first block's header reaching the page (before the queue)
     note: str = ""
+    skipped: int | None = None  # page: frames the page skipped to keep up, of `frames`
+    frames: int = 0
 
 
 def segment_blocks(lookahead: int) -> int:
