@@ -15,7 +15,8 @@ changed key; keys alternate between W and J, so every change presses a key the b
 * page: the bridge with `--lookahead L`, the page in Chromium with a trace script added before the page's own
   (no change to the page): the page's clock stamps each keydown, each block header and each frame drawn on the
   canvas. The frames play from a queue at 16 fps, in order, skipping the oldest when the page falls behind (its
-  status counts them in data-skipped), so a draw shows frame (draws before it + frames skipped by then). Every
+  status counts them in data-skipped), so a draw shows frame (draws before it + frames skipped by then); at each
+  keydown it also reads the length of the page's queue. Every
   L + 3 blocks a key is pressed at a random moment within a block interval after a block arrives; the block shown
   then is the one whose frame was drawn last. The server's camera_used comes from the page session's recording.
 """
@@ -59,8 +60,9 @@ TRACE_JS = """(() => {
   const trace = {keys: [], blocks: [], draws: []};
   window.__latency = trace;
   const skipped = () => Number(document.getElementById("status").dataset.skipped || 0);
+  // at a keydown, also the page's own frame queue (its global `queue`: frames decoding or decoded, not yet drawn)
   document.addEventListener("keydown", (e) => trace.keys.push({key: e.key.toLowerCase(), t: performance.now(),
-                                                               skipped: skipped()}), true);
+                                                               queued: queue.length}), true);
   const draw = CanvasRenderingContext2D.prototype.drawImage;
   CanvasRenderingContext2D.prototype.drawImage = function (...args) {
     trace.draws.push({t: performance.now(), frame: trace.draws.length + skipped()});
@@ -148,7 +150,7 @@ class Run:
     lookahead: int
     latencies: list[ChangeLatency]
     block_s: list[float]  # intervals between block arrivals after the warm-up
-    queued: list[int]  # page: frames received and neither drawn nor skipped at each change
+    queued: list[int]  # page: frames in the page's queue at each change (received, neither drawn nor skipped)
     arrival_s: list[float]  # page: each change to its first block's header reaching the page (before the queue)
     note: str = ""
     skipped: int | None = None  # page: frames the page skipped to keep up, of `frames`
@@ -278,8 +280,7 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
     # keydowns of the change keys after the warm-up's W (a key held down repeats no keydown)
     presses = [k for k in final["keys"] if k["key"] in CHANGE_KEYS][1:]
     measured = measure([KeyChange(k["t"] / 1000, k["key"]) for k in presses], shown, used_keys(Recording.load(recording)))
-    queued = [sum(b["frames"] for b in blocks if b["t"] <= k["t"]) - sum(d["t"] <= k["t"] for d in draws)
-              - k["skipped"] for k in presses]
+    queued = [k["queued"] for k in presses]
     header = {s.block: s.arrived for s in shown}
     arrived = [header[lat.first_block] - lat.change.t for lat in measured if lat.first_block is not None]
     arrivals = [b["t"] / 1000 for b in blocks[WARMUP_BLOCKS:]]
