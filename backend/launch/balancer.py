@@ -11,9 +11,7 @@ still reaches one and waits in its line (or gets CAPACITY_EXHAUSTED with a retry
 """
 from __future__ import annotations
 
-import ctypes
 import shutil
-import signal
 import socket
 import subprocess
 from collections.abc import Sequence
@@ -21,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..api.contract import MODEL_NAME
+from .server import _terminate_with_parent
 
 HAPROXY = "/usr/sbin/haproxy"  # Debian's package
 STREAM_TIMEOUT = "1h"  # a stream may be quiet this long (a paused player renews its pause every 20 s)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -98,10 +96,6 @@ def check_config(path: Path) -> None:
     checked = subprocess.run([haproxy_binary(), "-c", "-q", "-f", str(path)], capture_output=True, text=True)
     if checked.returncode != 0:
         raise ValueError(f"haproxy refuses {path}:\n{checked.stderr.strip() or checked.stdout.strip()}")
-
-
-def _terminate_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start_haproxy(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
