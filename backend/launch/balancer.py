@@ -106,8 +106,9 @@ def start_haproxy(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
                                 preexec_fn=_terminate_with_parent)
 
 
-def server_states(stats_socket: Path) -> dict[str, str]:
-    """Each server line's status as HAProxy sees it now (UP, DOWN, DRAIN, MAINT, ...), from its stats socket."""
+def server_stats(stats_socket: Path) -> dict[str, dict[str, str]]:
+    """Each server line's row of HAProxy's `show stat` (status: UP, DOWN, DRAIN, ...; weight: its weight now),
+    from its stats socket."""
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(2.0)
         sock.connect(str(stats_socket))
@@ -115,8 +116,12 @@ def server_states(stats_socket: Path) -> dict[str, str]:
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
-    rows = b"".join(chunks).decode().splitlines()
-    header = rows[0].lstrip("# ").split(",")
-    name, status = header.index("svname"), header.index("status")
-    return {cells[name]: cells[status] for row in rows[1:] if (cells := row.split(",")) and len(cells) > status
-            and cells[name] not in ("FRONTEND", "BACKEND")}
+    header, *rows = b"".join(chunks).decode().splitlines()
+    names = header.lstrip("# ").split(",")
+    table = [dict(zip(names, row.split(","))) for row in rows if row]
+    return {r["svname"]: r for r in table if r.get("svname") not in (None, "FRONTEND", "BACKEND")}
+
+
+def server_states(stats_socket: Path) -> dict[str, str]:
+    """Each server line's status as HAProxy sees it now (UP, DOWN, DRAIN, MAINT, ...)."""
+    return {name: row["status"] for name, row in server_stats(stats_socket).items()}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..api.contract import MODEL_NAME
 from ..parallel.ports import free_port, port_in_use
-from .balancer import GroupAddress, check_config, render_haproxy, start_haproxy
+from .balancer import GroupAddress, check_config, render_haproxy, server_states, start_haproxy
 from .launcher import gpu_count, instance_count, parse_param
 from .one_world import check_one_world, read_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR
@@ -201,6 +201,21 @@ def wait_ready(groups: Sequence[SupervisedGroup], timeout_s: float, stop: thread
         stop.wait(0.25)
 
 
+def wait_balancing(haproxy: subprocess.Popen[bytes], stats_socket: Path, names: Sequence[str],
+                   stop: threading.Event, timeout_s: float = 30.0) -> None:
+    """Until haproxy has checked every group UP (two good checks each), so a client can connect now."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.wait(0.1):
+        if (rc := haproxy.poll()) is not None:
+            raise RuntimeError(f"haproxy exited with {rc} at start (log {stats_socket.parent / 'haproxy.log'})")
+        with contextlib.suppress(OSError):
+            if all(server_states(stats_socket).get(name) == "UP" for name in names):
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"haproxy did not see every group UP within {timeout_s:.0f} s "
+                               f"(log {stats_socket.parent / 'haproxy.log'})")
+
+
 def write_manifest(path: Path, args: argparse.Namespace, addresses: Sequence[GroupAddress],
                    groups: Sequence[SupervisedGroup], haproxy: subprocess.Popen[bytes]) -> None:
     local = {g.address.name: g for g in groups}
@@ -250,6 +265,7 @@ def serve(args: argparse.Namespace) -> int:
         check_config(config)
         haproxy = start_haproxy(config, args.out / "haproxy.log")
         stack.callback(_stop_haproxy, haproxy)
+        wait_balancing(haproxy, args.out / "haproxy.sock", [a.name for a in addresses], stop)
         write_manifest(args.out / "fleet.json", args, addresses, groups, haproxy)
         print(f"fleet ready: {len(addresses)} group(s) behind {args.address}:{args.grpc_port} (haproxy pid "
               f"{haproxy.pid}, {args.out / 'fleet.json'})", flush=True)
