@@ -27,6 +27,7 @@ LOAD_TIMEOUT_S = 600.0  # one load (a rendezvous and every rank's weights)
 # A stub found dead while the model still reads ready this long after is healed by unloading (a group whose survivors
 # saw it reads not ready 0.3-0.4 s after the kill and asks for its own heal: bench/README, kill matrix).
 DEAD_STUB_GRACE_S = 1.5
+ADOPT_EVERY_S = 1.0  # how often the stub watch asks whether a model it watches no stubs of reads ready
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Healer:
         self.url, self.model, self.signals, self.admin_headers = url, model, signals, admin_headers
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
         self.watch = None if stubs is None else StubWatch(stubs)
+        self._next_adopt_s = 0.0
         self.heals: list[Heal] = []  # every heal so far, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lingbot-healer", daemon=True)
@@ -94,10 +96,14 @@ class Healer:
                 why = self.signals.take_heal()
                 if why is not None:
                     self.heals.append(self._heal(why))
-                    if self.watch is not None:
-                        self.watch.stubs = {}  # the reload's stubs are adopted once it reads ready
                 elif self.watch is not None and (why := self._dead_stub(client)):
                     self.heals.append(self._heal(why, unload=True))
+                else:
+                    continue
+                if self.watch is not None:
+                    self.watch.stubs = {}  # the reload's stubs are adopted once it reads ready
+                if (late := self.signals.take_heal()) is not None:  # the same failure, told while it was healed
+                    log.info("%s: dropped a heal request made during the heal (%s)", self.model, late)
 
     def _ready(self, client: grpcclient.InferenceServerClient) -> bool:
         try:
@@ -109,8 +115,10 @@ class Healer:
         """Why to heal a model whose stub died with nobody to tell (it still reads ready), else None."""
         assert self.watch is not None
         if not self.watch.stubs:
-            if self._ready(client):
-                self.watch.adopt()
+            if time.monotonic() >= self._next_adopt_s:  # a model not loaded is asked about once a second
+                self._next_adopt_s = time.monotonic() + ADOPT_EVERY_S
+                if self._ready(client):
+                    self.watch.adopt()
             return None
         dead = self.watch.dead()
         if not dead or self._stop.wait(DEAD_STUB_GRACE_S) or self.signals.heal_path.exists():
