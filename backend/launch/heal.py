@@ -77,6 +77,7 @@ class Healer:
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
         self.watch = None if stubs is None else StubWatch(stubs)
         self._next_adopt_s = 0.0
+        self._dead: tuple[float, list[int]] | None = None  # when the watch saw stubs die, and their ranks
         self.heals: list[Heal] = []  # every heal so far, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lingbot-healer", daemon=True)
@@ -101,7 +102,7 @@ class Healer:
                 else:
                     continue
                 if self.watch is not None:
-                    self.watch.stubs = {}  # the reload's stubs are adopted once it reads ready
+                    self.watch.stubs, self._dead = {}, None  # the reload's stubs are adopted once it reads ready
                 if (late := self.signals.take_heal()) is not None:  # the same failure, told while it was healed
                     log.info("%s: dropped a heal request made during the heal (%s)", self.model, late)
 
@@ -112,17 +113,22 @@ class Healer:
             return False
 
     def _dead_stub(self, client: grpcclient.InferenceServerClient) -> str | None:
-        """Why to heal a model whose stub died with nobody to tell (it still reads ready), else None."""
+        """Why to heal a model whose stub died with nobody to tell: it still reads ready DEAD_STUB_GRACE_S after the
+        death was seen (a survivor's own request, read first by _run, wins meanwhile); else None."""
         assert self.watch is not None
-        if not self.watch.stubs:
-            if time.monotonic() >= self._next_adopt_s:  # a model not loaded is asked about once a second
+        if self._dead is None:
+            if self.watch.stubs:
+                if dead := self.watch.dead():
+                    self._dead = (time.monotonic(), dead)
+            elif time.monotonic() >= self._next_adopt_s:  # a model not loaded is asked about once a second
                 self._next_adopt_s = time.monotonic() + ADOPT_EVERY_S
                 if self._ready(client):
                     self.watch.adopt()
             return None
-        dead = self.watch.dead()
-        if not dead or self._stop.wait(DEAD_STUB_GRACE_S) or self.signals.heal_path.exists():
-            return None  # a survivor asks for the heal itself
+        seen_s, dead = self._dead
+        if time.monotonic() - seen_s < DEAD_STUB_GRACE_S:
+            return None
+        self._dead = None
         if not self._ready(client):
             return None  # unloaded by its group or its operator
         return f"the stub of rank {', '.join(map(str, dead))} died and the model still read ready"
