@@ -1,6 +1,6 @@
 """Many groups behind one address: what the balancer costs and what it buys (`python -m backend.launch.fleet`).
 
-    python -m bench.fleet [--steps 30] [--rounds 3] [--sessions 4]
+    python -m bench.fleet [--steps 60] [--rounds 3] [--sessions 4]
 
 One fleet of 2 SP1 groups on the tiny checkpoint (max_sessions = --sessions each), real HAProxy in front. Side by
 side, in one run:
@@ -34,7 +34,8 @@ from backend.api import contract
 from backend.api.request import Controls
 from backend.launch.balancer import server_states
 from backend.parallel.ports import free_port
-from bench.common import BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, server_parameters
+from bench.common import (BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, percentile,
+                          server_parameters)
 from client.steer import SteeredSession
 from client.stream import StreamRequest, request_inputs, run_sessions
 
@@ -148,14 +149,14 @@ def throughput(url: str, sessions: int) -> float:
     return sum(len(r.blocks) for r in results) / took
 
 
-def ms(values: list[float]) -> str:
-    return f"{1000 * statistics.median(values):.2f}"
+def ms(values: list[float], q: float) -> str:
+    return f"{1000 * percentile(values, q):.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60, help="steered steps each way")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=4, help="max_sessions of each group, and section 3's load")
     args = parser.parse_args()
@@ -167,16 +168,16 @@ def main() -> None:
         direct0, direct1 = (f"{g['host']}:{g['grpc_port']}" for g in fleet.groups)
         step_latencies(fleet.url, 3), step_latencies(direct0, 3)  # warm-up
         steps: dict[str, list[float]] = {"direct": [], "balancer": []}
-        for _ in range(3):
+        for _ in range(4):
             for name, url in (("direct", direct0), ("balancer", fleet.url)):
-                steps[name] += step_latencies(url, args.steps // 3)
+                steps[name] += step_latencies(url, args.steps // 4)
         trips = unary_round_trips({"direct": direct0, "balancer": fleet.url}, 200)
-        print(format_table(["", "direct to group 0", "through the balancer", "ratio"], [
-            ["steered step, median ms", ms(steps["direct"]), ms(steps["balancer"]),
-             f"{statistics.median(steps['balancer']) / statistics.median(steps['direct']):.3f}"],
-            ["unary round trip, median ms", ms(trips["direct"]), ms(trips["balancer"]),
-             f"{statistics.median(trips['balancer']) / statistics.median(trips['direct']):.3f}"],
-        ]))
+        rows = [[f"steered step, {label} ms", ms(steps["direct"], q), ms(steps["balancer"], q),
+                 f"{percentile(steps['balancer'], q) / percentile(steps['direct'], q):.3f}"]
+                for label, q in (("p10", 10), ("median", 50))]
+        rows.append(["unary round trip, median ms", ms(trips["direct"], 50), ms(trips["balancer"], 50),
+                     f"{percentile(trips['balancer'], 50) / percentile(trips['direct'], 50):.3f}"])
+        print(format_table(["", "direct to group 0", "through the balancer", "ratio"], rows))
 
         rows = []
         for _ in range(args.rounds):

@@ -28,8 +28,9 @@ from backend.api.request import SessionRequest, check_frame_counts, check_reques
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
-# A start refused with CAPACITY_EXHAUSTED (every slot and the line full) is sent again this many times, each after
-# the server's retry_after_s, on a new stream: behind a balancer it may reach another group (docs/scale-out.md).
+# How often the command-line clients send a start refused with CAPACITY_EXHAUSTED (every slot and the line full) again,
+# each after the server's retry_after_s, on a new stream: behind a balancer it may reach another group
+# (docs/scale-out.md). A StreamingSession does not retry unless asked: run_sessions reports what the server said.
 CAPACITY_RETRIES = 3
 
 
@@ -181,7 +182,7 @@ class StreamingSession:
     """
 
     def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False,
-                 on_place: Callable[[Place], None] | None = None, capacity_retries: int = CAPACITY_RETRIES) -> None:
+                 on_place: Callable[[Place], None] | None = None, capacity_retries: int = 0) -> None:
         """on_place: called with each place in line the server tells a waiting request (blocks only are yielded);
         capacity_retries: how often a request refused with CAPACITY_EXHAUSTED before its first block is sent again
         after the server's retry_after_s (within responses()' timeout)."""

@@ -19,6 +19,7 @@ from client.__main__ import main
 from backend.api.request import default_intrinsics
 from client.camera import camera_preset
 from client.stream import (
+    CAPACITY_RETRIES,
     StreamRequest,
     StreamCancelledError,
     StreamError,
@@ -329,7 +330,7 @@ def test_a_full_server_is_retried_after_its_retry_time_on_a_new_stream(fake) -> 
         yield from three_blocks_then_empty_final(request, context)
 
     fake.script = busy_once
-    with StreamingSession(url) as session:
+    with StreamingSession(url, capacity_retries=CAPACITY_RETRIES) as session:
         sent = session.send(_inputs(), request_id="busy")
         blocks = list(session.responses(timeout=20))
         waited = time.perf_counter() - sent
