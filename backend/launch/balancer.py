@@ -67,6 +67,8 @@ def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, chec
         f"    timeout server {STREAM_TIMEOUT}",
         "    retries 2",
         "    option redispatch",  # a group that refuses the connection: the stream goes to another
+        # A steered session is one long stream of small messages both ways: send each at once, not a full packet
+        "    option http-no-delay",
         "frontend lingbot",
         f"    bind {address}:{port} proto h2",
         "    default_backend groups",
