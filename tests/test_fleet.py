@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import imageio.v3 as iio
 import pytest
 
 from backend.api import contract
@@ -27,9 +28,9 @@ from backend.launch.procfs import tcp_sockets
 from backend.parallel.ports import free_port, port_in_use
 from client.steer import SteeredSession
 from client.stream import StreamError, StreamingSession, request_inputs
-from factories import tiny_request
+from factories import sample_image, tiny_request
 from polling import wait_until
-from system_tools import requires_tool
+from system_tools import require_tool, requires_tool
 from triton_harness import tiny_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,10 +160,15 @@ def is_loopback(address: str) -> bool:
 
 
 def children(pid: int) -> list[int]:
+    """A process's children, whichever of its threads started them."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in _read(task / "children").split()]
+
+
+def _read(path: Path) -> str:
     try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return path.read_text()
     except OSError:
-        return []
+        return ""
 
 
 def tritonserver_of(group: Group) -> int:
@@ -267,6 +273,32 @@ def test_play_and_replay_through_the_balancer(fleet, tmp_path: Path, capsys) -> 
     for how in ([], ["--steps"]):  # wherever each lands, the latents are the recording's, bit for bit
         assert replay([str(recording), "--url", fleet.url, "--timeout", "60", *how]) == 0
     assert capsys.readouterr().out.count("latents bit-identical to the recording: 3 of 3 blocks") == 2
+
+
+def test_the_page_plays_through_the_balancer(fleet, tmp_path: Path) -> None:
+    """The browser player (`python -m client serve --url BALANCER`) in headless Chromium: a world plays, then stops."""
+    from playwright.sync_api import sync_playwright
+
+    from bridge_harness import running_bridge
+    from test_web_player import CHROMIUM, CHROMIUM_ARGS
+
+    require_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")
+    image = tmp_path / "first.png"
+    iio.imwrite(image, sample_image())
+    with running_bridge(fleet.url, tmp_path / "bridge.log") as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page()
+        page.goto(base + "/")
+        page.select_option("#source", "upload")
+        page.set_input_files("#image", str(image))
+        page.fill("#prompt", "a castle on a hill")
+        page.fill("#width", "64")
+        page.fill("#height", "64")
+        page.click("#start")
+        wait_until(lambda: int(page.get_attribute("#status", "data-blocks")) >= 2, 60, "two blocks on the page")
+        page.click("#stop")
+        wait_until(lambda: page.get_attribute("#status", "data-state") == "ended", 60, "the session to end")
+        browser.close()
 
 
 def test_the_groups_serve_one_world_and_a_difference_is_refused_by_name(fleet) -> None:
