@@ -94,6 +94,7 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # a burst of connections waits to be accepted, not for SYN retries (the default is 5)
 
 
 class CapacityAgent:
