@@ -130,3 +130,21 @@ def test_the_stub_watch_names_a_stub_that_died_once() -> None:
     child.wait()
     assert not alive(child.pid) and watch.dead() == [0]
     assert watch.dead() == []  # told once; the next load's stubs are adopted anew
+
+
+def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:
+    """Not run on a GPU here: the launchers the fleet would start on an 8-GPU host's last four GPUs."""
+    from backend.launch.fleet import build_parser, local_groups
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    groups = local_groups(build_parser().parse_args(["--groups", "2", "--sp", "2", "--kind", "gpu", "--out",
+                                                     str(tmp_path), "--param", "dtype=bfloat16"]))
+    assert [g.env["CUDA_VISIBLE_DEVICES"] for g in groups] == ["4,5", "6,7"]
+    for g in groups:
+        command = " ".join(g.command)
+        assert "--sp 2 --kind gpu --address 127.0.0.1" in command and "--param dtype=bfloat16" in command
+        assert f"--agent-port {g.address.agent_port}" in command and "rendezvous_port=" in command
+    ports = [p for g in groups for p in (g.address.grpc_port, g.address.http_port, g.address.agent_port, g.metrics_port)]
+    assert len(set(ports)) == 8
+    with pytest.raises(ValueError, match="needs 6 GPUs; 4 are visible"):
+        local_groups(build_parser().parse_args(["--groups", "3", "--sp", "2", "--kind", "gpu"]))

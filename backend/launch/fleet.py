@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a group started elsewhere (python -m backend.launch --agent-port ...), repeatable")
     parser.add_argument("--sp", type=instance_count, default=1, help="model instances of each local group")
     parser.add_argument("--kind", choices=("cpu", "gpu", "auto"), default="auto",
-                        help="of each local group; gpu gives group i the GPUs i*sp .. i*sp+sp-1")
+                        help="of each local group; gpu gives group i the visible GPUs i*sp .. i*sp+sp-1")
     parser.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
                         help="a config.pbtxt parameter of every local group (repeatable)")
     parser.add_argument("--address", default=LOOPBACK,
@@ -156,13 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES where set, else every one `nvidia-smi -L` lists."""
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    return [str(d) for d in range(gpu_count())]
+
+
 def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
     """The launchers of `--groups`, each on free loopback ports."""
-    gpus = gpu_count() if args.kind in ("gpu", "auto") else 0
-    on_gpu = args.kind == "gpu" or (args.kind == "auto" and gpus > 0)
-    if on_gpu and gpus < args.groups * args.sp:
+    gpus = visible_gpus() if args.kind in ("gpu", "auto") else []
+    on_gpu = args.kind == "gpu" or (args.kind == "auto" and bool(gpus))
+    if on_gpu and len(gpus) < args.groups * args.sp:
         raise ValueError(f"--groups {args.groups} --sp {args.sp} needs {args.groups * args.sp} GPUs; "
-                         f"nvidia-smi -L lists {gpus}")
+                         f"{len(gpus)} are visible")
     backends = prepare_backends(DEFAULT_BACKENDS_DIR)  # once, before the launchers share it
     groups = []
     for i in range(args.groups):
@@ -177,7 +184,7 @@ def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
                    "--admin-key-file", str(out / "admin.key"), *(a for p in params for a in ("--param", p))]
         env = dict(os.environ)
         if on_gpu:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * args.sp, (i + 1) * args.sp))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * args.sp:(i + 1) * args.sp])
         groups.append(SupervisedGroup(GroupAddress(name, LOOPBACK, grpc, http, agent), metrics, command, env,
                                       out / "launcher.log"))
     return groups
