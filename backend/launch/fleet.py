@@ -54,6 +54,7 @@ class SupervisedGroup:
         self.address, self.metrics_port, self.command, self.env, self.log_path = (address, metrics_port, command, env,
                                                                                   log_path)
         self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
         self.started_s = 0.0
         self.restarts = 0  # in a row
         self.next_start_s: float | None = None  # a restart waiting out its backoff
@@ -64,6 +65,7 @@ class SupervisedGroup:
         with self.log_path.open("ab") as out:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True, preexec_fn=_terminate_with_parent)
+        self.starts += 1
         self.started_s = time.monotonic()
 
     def ready(self) -> bool:
@@ -170,6 +172,8 @@ def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
     if on_gpu and len(gpus) < args.groups * args.sp:
         raise ValueError(f"--groups {args.groups} --sp {args.sp} needs {args.groups * args.sp} GPUs; "
                          f"{len(gpus)} are visible")
+    if not args.groups:
+        return []  # a balancer of groups started elsewhere needs no tritonserver here
     backends = prepare_backends(DEFAULT_BACKENDS_DIR)  # once, before the launchers share it
     groups = []
     for i in range(args.groups):
@@ -233,7 +237,8 @@ def write_manifest(path: Path, args: argparse.Namespace, addresses: Sequence[Gro
         if (g := local.get(a.name)) is not None and g.process is not None:
             entry |= {"metrics_port": g.metrics_port, "launcher_pid": g.process.pid, "log": str(g.log_path)}
         entries.append(entry)
-    manifest = {"grpc_url": f"{args.address}:{args.grpc_port}", "haproxy_pid": haproxy.pid,
+    host = LOOPBACK if args.address in ("0.0.0.0", "::", "") else args.address  # where a client here connects
+    manifest = {"grpc_url": f"{host}:{args.grpc_port}", "haproxy_pid": haproxy.pid,
                 "stats_socket": str(args.out / "haproxy.sock"), "groups": entries}
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -276,12 +281,16 @@ def serve(args: argparse.Namespace) -> int:
         write_manifest(args.out / "fleet.json", args, addresses, groups, haproxy)
         print(f"fleet ready: {len(addresses)} group(s) behind {args.address}:{args.grpc_port} (haproxy pid "
               f"{haproxy.pid}, {args.out / 'fleet.json'})", flush=True)
+        starts = sum(g.starts for g in groups)
         while not stop.wait(SUPERVISE_S):
             if (rc := haproxy.poll()) is not None:
                 raise RuntimeError(f"haproxy exited with {rc} (log {args.out / 'haproxy.log'})")
             now = time.monotonic()
             for g in groups:
                 g.supervise(now)
+            if (started := sum(g.starts for g in groups)) != starts:  # a restarted launcher has a new pid
+                starts = started
+                write_manifest(args.out / "fleet.json", args, addresses, groups, haproxy)
         print("SIGTERM: stopping the balancer and every group", flush=True)
     return 143
 
