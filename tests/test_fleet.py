@@ -44,6 +44,7 @@ pytestmark = [pytest.mark.server, requires_tool(Path(HAPROXY).is_file(), f"HAPro
 class Group:
     name: str
     grpc_url: str
+    http_port: int
     metrics_port: int
     agent_port: int
     launcher_pid: int
@@ -87,8 +88,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Ite
         wait_until(lambda: "fleet ready" in log.read_text() or process.poll() is not None, 120, "the fleet")
         assert process.poll() is None, log.read_text()
         manifest = json.loads((out / "build" / "fleet.json").read_text())
-        groups = [Group(g["name"], f"{g['host']}:{g['grpc_port']}", g["metrics_port"], g["agent_port"],
-                        g["launcher_pid"]) for g in manifest["groups"]]
+        groups = [Group(g["name"], f"{g['host']}:{g['grpc_port']}", g["http_port"], g["metrics_port"],
+                        g["agent_port"], g["launcher_pid"]) for g in manifest["groups"]]
         fleet = Fleet(process, manifest["grpc_url"], Path(manifest["stats_socket"]), groups, log)
         fleet.settle(30)
         print(f"fleet of 2 SP1 groups ready after {time.monotonic() - began:.1f} s")
@@ -334,6 +335,28 @@ def test_the_agent_and_balancer_listen_on_loopback_only_and_garbage_leaves_them_
         sock.close()
     assert all(s == "UP" for s in fleet.states().values())
     assert one_session(fleet.url).error is None
+
+
+def test_groups_started_elsewhere_are_balanced_by_their_addresses(fleet, tmp_path: Path) -> None:
+    """The many-hosts recipe on loopback: a second balancer over the same two groups given as HOST:GRPC:HTTP:AGENT
+    checks one world, serves, and stops at once (it started no group)."""
+    port = free_port()
+    log = tmp_path / "remote.log"
+    addresses = [f"{g.grpc_url}:{g.http_port}:{g.agent_port}" for g in fleet.groups]
+    with log.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--grpc-port", str(port),
+                                    "--check-interval", str(CHECK_S), "--out", str(tmp_path / "build"),
+                                    *(a for g in addresses for a in ("--group", g))],
+                                   cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "fleet ready: 2 group(s)" in log.read_text() or process.poll() is not None, 30,
+                   "the balancer of remote groups")
+        assert process.poll() is None, log.read_text()
+        served = one_session(f"127.0.0.1:{port}")
+        assert served.error is None and served.blocks == 1, served
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 143
 
 
 def test_sigterm_stops_the_balancer_and_every_group(fleet) -> None:
