@@ -25,7 +25,8 @@ from backend.api.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
 from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
-from client.stream import StreamError, StreamingSession, add_server_args, build_inputs, fill_size, show_place
+from client.stream import (CAPACITY_RETRIES, StreamError, StreamingSession, add_server_args, build_inputs, fill_size,
+                           show_place)
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
 
 EXIT_STREAM_ERROR = 1
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     progress: Progress | None = None
     print(f"request {request_id}: {args.num_frames} frames at {args.height}x{args.width} from {args.url}")
     try:
-        with StreamingSession(args.url, model_name=args.model, on_place=print_place) as session, \
+        with StreamingSession(args.url, model_name=args.model, on_place=print_place,
+                              capacity_retries=CAPACITY_RETRIES) as session, \
                 (writer or contextlib.nullcontext()):
             progress = Progress(sys.stdout, session.send(inputs, request_id=request_id, parameters=parameters))
             for block in session.responses(args.timeout):

@@ -23,7 +23,7 @@ from backend.api.provenance import latents_sha256
 from backend.api.request import Controls, SessionRequest
 from client.recording import Recording, RecordingError
 from client.steer import SteeredSession
-from client.stream import StreamError, StreamingSession, add_server_args, request_inputs, show_place
+from client.stream import CAPACITY_RETRIES, StreamError, StreamingSession, add_server_args, request_inputs, show_place
 from client.video import DEFAULT_FPS, Mp4Writer
 
 
@@ -57,7 +57,8 @@ def whole_request(recording: Recording, decode: bool) -> SessionRequest:
 
 def replay_whole(recording: Recording, url: str, model: str, decode: bool, timeout: float) -> list[BlockResponse]:
     request = whole_request(recording, decode)
-    with StreamingSession(url, model_name=model, on_place=lambda p: print(show_place(p), flush=True)) as session:
+    with StreamingSession(url, model_name=model, on_place=lambda p: print(show_place(p), flush=True),
+                          capacity_retries=CAPACITY_RETRIES) as session:
         session.send(request_inputs(request), request_id="replay", parameters=request_parameters(request))
         return list(session.responses(timeout))
 

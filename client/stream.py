@@ -28,6 +28,10 @@ from backend.api.request import SessionRequest, check_frame_counts, check_reques
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
+# How often the command-line clients send a start refused with CAPACITY_EXHAUSTED (every slot and the line full) again,
+# each after the server's retry_after_s, on a new stream: behind a balancer it may reach another group
+# (docs/scale-out.md). A StreamingSession does not retry unless asked: run_sessions reports what the server said.
+CAPACITY_RETRIES = 3
 
 
 class StreamError(RuntimeError):
@@ -178,11 +182,15 @@ class StreamingSession:
     """
 
     def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False,
-                 on_place: Callable[[Place], None] | None = None) -> None:
-        """on_place: called with each place in line the server tells a waiting request (blocks only are yielded)."""
+                 on_place: Callable[[Place], None] | None = None, capacity_retries: int = 0) -> None:
+        """on_place: called with each place in line the server tells a waiting request (blocks only are yielded);
+        capacity_retries: how often a request refused with CAPACITY_EXHAUSTED before its first block is sent again
+        after the server's retry_after_s (within responses()' timeout)."""
         self.url = url
         self.model_name = model_name
         self.on_place = on_place
+        self.capacity_retries = capacity_retries
+        self._sent: tuple[list[grpcclient.InferInput], str, dict | None] | None = None  # to send again on a retry
         self.request_id = ""
         self.sent_s: float | None = None  # time.perf_counter() when the request was enqueued
         self._client = grpcclient.InferenceServerClient(url=url, verbose=verbose)
@@ -219,6 +227,7 @@ class StreamingSession:
                 error = None
             raise StreamError(self._describe(error or exc)) from exc
         self._queue = responses
+        self._sent = (inputs, request_id, parameters)
         self.sent_s = time.perf_counter()
         return self.sent_s
 
@@ -227,7 +236,7 @@ class StreamingSession:
         if self._queue is None or self.sent_s is None:
             raise StreamError("no request in flight; call send() first")
         deadline = None if timeout is None else self.sent_s + timeout
-        finished = False
+        finished, retries, blocks = False, self.capacity_retries, 0
         try:
             while not finished:
                 wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
@@ -241,17 +250,45 @@ class StreamingSession:
                     raise StreamCancelledError(f"request {self.request_id!r} cancelled by the client")
                 result, error, arrival_s = item
                 if error is not None:
-                    raise StreamError(self._describe(error), model_error(error))
+                    refused = StreamError(self._describe(error), model_error(error))
+                    if blocks or not retries or not self._send_again(refused, deadline):
+                        raise refused
+                    retries -= 1
+                    continue
                 block, finished = parse_response(result, arrival_s)
                 if isinstance(block, Place):
                     if self.on_place is not None:
                         self.on_place(block)
                 elif block is not None:
+                    blocks += 1
                     yield block
         finally:
             self._queue = None
             # After the final response the server has nothing left to send; otherwise cancel.
             self._client.stop_stream(cancel_requests=not finished)
+
+    def _send_again(self, refused: StreamError, deadline: float | None) -> bool:
+        """After a CAPACITY_EXHAUSTED refusal: wait its retry_after_s (a cancel() ends the wait), then send the
+        request again on a new stream; False for another refusal or when the deadline comes first."""
+        if refused.code != contract.CAPACITY_EXHAUSTED or refused.refusal is None or self._sent is None:
+            return False
+        wait = refused.refusal.retry_after_s or 1.0
+        if deadline is not None and time.perf_counter() + wait >= deadline:
+            return False
+        assert self._queue is not None
+        until = time.perf_counter() + wait
+        while (left := until - time.perf_counter()) > 0:
+            try:
+                if self._queue.get(timeout=left) is _CANCELLED:
+                    raise StreamCancelledError(f"request {self.request_id!r} cancelled by the client")
+            except queue.Empty:
+                break
+        self._client.stop_stream(cancel_requests=True)
+        self._queue, sent_s = None, self.sent_s
+        inputs, request_id, parameters = self._sent
+        self.send(inputs, request_id=request_id, parameters=parameters)
+        self.sent_s = sent_s  # the time to first block counts from the first send
+        return True
 
     def _describe(self, error: InferenceServerException) -> str:
         """The failure with its context (model, request or URL)."""

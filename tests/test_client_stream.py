@@ -19,6 +19,7 @@ from client.__main__ import main
 from backend.api.request import default_intrinsics
 from client.camera import camera_preset
 from client.stream import (
+    CAPACITY_RETRIES,
     StreamRequest,
     StreamCancelledError,
     StreamError,
@@ -309,3 +310,38 @@ def test_cli_help_lists_the_commands_and_play_shows_its_defaults(capsys) -> None
                     "(default: out/play.mp4)",
                     "(default: localhost:8001)", "(default: wait)", "(default: 1)", "(default: 600.0)"):
         assert default in play_help
+
+
+BUSY = "[CAPACITY_EXHAUSTED retry_after_s=1] server busy: 1 sessions already wait for a slot"
+
+
+def test_a_full_server_is_retried_after_its_retry_time_on_a_new_stream(fake) -> None:
+    """Every slot and the line full: the request is sent again after retry_after_s, on a new stream (behind a
+    balancer it may reach another group), and its blocks arrive; the time to first block counts from the first
+    send. Refused every time, it gives up after its bounded retries with the code."""
+    fake, url = fake
+    refusals = [1]
+
+    def busy_once(request, context):
+        if refusals[0]:
+            refusals[0] -= 1
+            yield service_pb2.ModelStreamInferResponse(error_message=BUSY)
+            return
+        yield from three_blocks_then_empty_final(request, context)
+
+    fake.script = busy_once
+    with StreamingSession(url, capacity_retries=CAPACITY_RETRIES) as session:
+        sent = session.send(_inputs(), request_id="busy")
+        blocks = list(session.responses(timeout=20))
+        waited = time.perf_counter() - sent
+    assert [b.block_index for b in blocks] == [0, 1, 2] and len(fake.requests) == 2
+    assert 1.0 <= waited < 5 and session.sent_s == sent
+    assert fake.requests[0].parameters["sequence_id"] != fake.requests[1].parameters["sequence_id"]
+
+    fake.requests.clear()
+    fake.script = lambda request, context: iter([service_pb2.ModelStreamInferResponse(error_message=BUSY)])
+    with StreamingSession(url, capacity_retries=1) as session:
+        session.send(_inputs())
+        with pytest.raises(StreamError) as info:
+            list(session.responses(timeout=20))
+    assert info.value.code == contract.CAPACITY_EXHAUSTED and len(fake.requests) == 2

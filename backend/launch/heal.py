@@ -1,12 +1,18 @@
 """The launcher's healer: when a model instance says its group failed (serving/host_signals), wait for the model's
 unload, then load it again with the admin key, a bounded number of times with backoff. Clients meanwhile read the
-model not ready and get GROUP_FAILED with a retry time; the restricted APIs stay closed to them."""
+model not ready and get GROUP_FAILED with a retry time; the restricted APIs stay closed to them.
+
+A stub that dies with no peer left to say so (an SP1 group, or the last instance of a host) is seen by the stub
+watch: Triton 2.51 neither restarts it nor marks the model not ready (every request then fails with "Stub process
+... is not healthy"), so the healer unloads the model itself, then loads it as above."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -18,6 +24,10 @@ FIRST_BACKOFF_S = 1.0
 UNLOAD_WAIT_S = 30.0  # the failed model's unload (it reads not ready within a second: bench/README, kill matrix)
 POLL_S = 0.2  # how often the healer looks for a request, and for the unload
 LOAD_TIMEOUT_S = 600.0  # one load (a rendezvous and every rank's weights)
+# A stub found dead while the model still reads ready this long after is healed by unloading (a group whose survivors
+# saw it reads not ready 0.3-0.4 s after the kill and asks for its own heal: bench/README, kill matrix).
+DEAD_STUB_GRACE_S = 1.5
+ADOPT_EVERY_S = 1.0  # how often the stub watch asks whether a model it watches no stubs of reads ready
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +40,44 @@ class Heal:
     healed: bool
 
 
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class StubWatch:
+    """The loaded model's stub processes: `adopt` them while the model reads ready, `dead()` names the ranks whose
+    stub has died since (then the watch waits for the next load)."""
+
+    def __init__(self, find: Callable[[], dict[int, int]]) -> None:
+        self.find = find  # rank -> pid of the server's stubs now (TritonServer.stub_pids)
+        self.stubs: dict[int, int] = {}
+
+    def adopt(self) -> None:
+        self.stubs = self.find()
+
+    def dead(self) -> list[int]:
+        dead = [rank for rank, pid in self.stubs.items() if not alive(pid)]
+        if dead:
+            self.stubs = {}
+        return dead
+
+
 class Healer:
-    """Heals the model of the server at `url` on its instances' requests; `start()`, then `stop()`."""
+    """Heals the model of the server at `url` on its instances' requests, and when one of its stubs (`stubs`: a
+    rank -> pid finder) dies while it reads ready; `start()`, then `stop()`."""
 
     def __init__(self, url: str, model: str, signals: HostSignals, admin_headers: dict[str, str],
-                 attempts: int = ATTEMPTS, first_backoff_s: float = FIRST_BACKOFF_S) -> None:
+                 attempts: int = ATTEMPTS, first_backoff_s: float = FIRST_BACKOFF_S,
+                 stubs: Callable[[], dict[int, int]] | None = None) -> None:
         self.url, self.model, self.signals, self.admin_headers = url, model, signals, admin_headers
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
+        self.watch = None if stubs is None else StubWatch(stubs)
+        self._next_adopt_s = 0.0
+        self._dead: tuple[float, list[int]] | None = None  # when the watch saw stubs die, and their ranks
         self.heals: list[Heal] = []  # every heal so far, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lingbot-healer", daemon=True)
@@ -51,15 +92,56 @@ class Healer:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            why = self.signals.take_heal()
-            if why is not None:
-                self.heals.append(self._heal(why))
+        with grpcclient.InferenceServerClient(self.url) as client:
+            while not self._stop.wait(POLL_S):
+                why = self.signals.take_heal()
+                if why is not None:
+                    self.heals.append(self._heal(why))
+                elif self.watch is not None and (why := self._dead_stub(client)):
+                    self.heals.append(self._heal(why, unload=True))
+                else:
+                    continue
+                if self.watch is not None:
+                    self.watch.stubs, self._dead = {}, None  # the reload's stubs are adopted once it reads ready
+                if (late := self.signals.take_heal()) is not None:  # the same failure, told while it was healed
+                    log.info("%s: dropped a heal request made during the heal (%s)", self.model, late)
 
-    def _heal(self, why: str) -> Heal:
+    def _ready(self, client: grpcclient.InferenceServerClient) -> bool:
+        try:
+            return bool(client.is_model_ready(self.model))
+        except InferenceServerException:
+            return False
+
+    def _dead_stub(self, client: grpcclient.InferenceServerClient) -> str | None:
+        """Why to heal a model whose stub died with nobody to tell: it still reads ready DEAD_STUB_GRACE_S after the
+        death was seen (a survivor's own request, read first by _run, wins meanwhile); else None."""
+        assert self.watch is not None
+        if self._dead is None:
+            if self.watch.stubs:
+                if dead := self.watch.dead():
+                    self._dead = (time.monotonic(), dead)
+            elif time.monotonic() >= self._next_adopt_s:  # a model not loaded is asked about once a second
+                self._next_adopt_s = time.monotonic() + ADOPT_EVERY_S
+                if self._ready(client):
+                    self.watch.adopt()
+            return None
+        seen_s, dead = self._dead
+        if time.monotonic() - seen_s < DEAD_STUB_GRACE_S:
+            return None
+        self._dead = None
+        if not self._ready(client):
+            return None  # unloaded by its group or its operator
+        return f"the stub of rank {', '.join(map(str, dead))} died and the model still read ready"
+
+    def _heal(self, why: str, unload: bool = False) -> Heal:
         began = time.monotonic()
         log.warning("%s: its group failed (%s); reloading it", self.model, why)
         with grpcclient.InferenceServerClient(self.url) as client:
+            if unload:
+                try:
+                    client.unload_model(self.model, headers=self.admin_headers)
+                except InferenceServerException as exc:
+                    log.warning("%s: unloading it failed: %s", self.model, exc.message())
             self._wait_unloaded(client)
             backoff = self.first_backoff_s
             for attempt in range(1, self.attempts + 1):

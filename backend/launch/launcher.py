@@ -12,6 +12,7 @@ server among all hosts' servers), `perf_analyzer`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -26,6 +27,7 @@ from ..parallel.ports import free_port, port_in_use
 from ..engine.validation import checked_spec
 from ..serving.config import ServingConfig, split_parameters
 from ..serving.described import describe
+from .agent import CapacityAgent, GroupProbe
 from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
 from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
@@ -112,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument(
+        "--agent-port",
+        type=int,
+        help="serve HAProxy's agent-check here (on --address): the group's free session slots as a weight, drain "
+        "when full, down when not ready (backend/launch/agent.py; the fleet's balancer reads it)",
+    )
     parser.add_argument("--repository-out", type=Path, default=DEFAULT_REPOSITORY_DIR)
     parser.add_argument("--backends-out", type=Path, default=DEFAULT_BACKENDS_DIR)
     parser.add_argument("--log-file", type=Path, default=BUILD_DIR / "tritonserver.log")
@@ -217,7 +225,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.admin_key_file:
         write_admin_key(args.admin_key_file, server.admin_key)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
-    with server:
+    with server, contextlib.ExitStack() as stack:
+        if args.agent_port is not None:  # where a balancer reads the group's capacity (launch/fleet.py)
+            probe = GroupProbe(server.host, server.http_port, server.metrics_port)
+            stack.callback(CapacityAgent(probe, args.agent_port, args.address).start().stop)
         print(f"tritonserver pid {server.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)
         if kind == "KIND_CPU":
             print(f"(without a GPU its log starts with {' and '.join(CPU_START_LINES)}: harmless)", flush=True)

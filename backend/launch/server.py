@@ -84,7 +84,7 @@ class TritonServer:
     purpose). `extra_args` go to tritonserver as they are. With `die_with_parent` the kernel sends the server
     SIGTERM when the process that started it dies (a launcher that mpirun kills). `admin_key` (the restricted
     APIs' header value) and `group_secret` (the ranks' store keys) are fresh secrets unless given. With `heal` the
-    model (the repository's one) is reloaded whenever its group fails (launch/heal.py).
+    model (the repository's one) is reloaded whenever its group fails or one of its stubs dies (launch/heal.py).
     Use as a context manager, or start()/stop().
     """
 
@@ -125,7 +125,7 @@ class TritonServer:
         self.healer: Healer | None = None
         if heal:
             (model,) = self.models()
-            self.healer = Healer(self.grpc_url, model, self.signals, self.admin_headers())
+            self.healer = Healer(self.grpc_url, model, self.signals, self.admin_headers(), stubs=self.stub_pids)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -1,0 +1,129 @@
+"""HAProxy in front of several groups: its configuration, and the haproxy process (launch/fleet.py runs both).
+
+A session is one gRPC stream, so one HTTP/2 stream: HAProxy (`mode http`, `proto h2` on both sides) balances
+streams, not connections, and a stream stays on the group it started on. `balance leastconn` counts each group's
+open streams; each group's agent (launch/agent.py) scales its weight by its free slots and drains it when every
+slot is held; its HTTP readiness is the health check. A group that fails a check leaves the rotation at once (one
+check interval) and its streams are cut (`on-marked-down shutdown-sessions`), so none of its clients waits on a
+stream nobody answers; it returns after two good checks. Every group is listed twice: the second line is a backup
+without the agent, used only while every first line is drained or down, so a session that meets every group full
+still reaches one and waits in its line (or gets CAPACITY_EXHAUSTED with a retry time when that line is full).
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..api.contract import MODEL_NAME
+from .server import _terminate_with_parent
+
+HAPROXY = "/usr/sbin/haproxy"  # Debian's package
+STREAM_TIMEOUT = "1h"  # a stream may be quiet this long (a paused player renews its pause every 20 s)
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where the balancer reaches one group: its server's gRPC and HTTP ports and its agent's port."""
+
+    name: str
+    host: str
+    grpc_port: int
+    http_port: int
+    agent_port: int
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> GroupAddress:
+        """HOST:GRPC:HTTP:AGENT (a group started elsewhere, e.g. on its own host)."""
+        host, *ports = text.rsplit(":", 3)
+        if len(ports) != 3 or not host or not all(p.isdigit() for p in ports):
+            raise ValueError(f"--group {text!r}: expected HOST:GRPC_PORT:HTTP_PORT:AGENT_PORT")
+        grpc, http, agent = map(int, ports)
+        return cls(name, host, grpc, http, agent)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+
+def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, check_interval_s: float,
+                   stats_socket: Path, model: str = MODEL_NAME) -> str:
+    """The haproxy.cfg of a balancer on `address:port` in front of `groups`."""
+    inter = f"{round(check_interval_s * 1000)}ms"
+    checked = f"proto h2 check check-proto h1 inter {inter} fall 1 rise 2 on-marked-down shutdown-sessions"
+    lines = [
+        "# Written by python -m backend.launch.fleet (backend/launch/balancer.py); rewritten at every start.",
+        "global",
+        f"    stats socket {stats_socket} mode 600 level user",
+        "    log stderr format short local0 notice",
+        "defaults",
+        "    mode http",
+        "    log global",
+        "    timeout connect 2s",
+        f"    timeout client {STREAM_TIMEOUT}",
+        f"    timeout server {STREAM_TIMEOUT}",
+        "    retries 2",
+        "    option redispatch",  # a group that refuses the connection: the stream goes to another
+        # A steered session is one long stream of small messages both ways: send each at once, not a full packet
+        "    option http-no-delay",
+        "frontend lingbot",
+        f"    bind {address}:{port} proto h2",
+        "    default_backend groups",
+        "backend groups",
+        "    balance leastconn",
+        "    option allbackups",
+        f"    option httpchk GET /v2/models/{model}/ready",
+        "    http-check expect status 200",
+    ]
+    for g in groups:
+        lines.append(f"    server {g.name} {g.grpc_url} {checked} port {g.http_port} weight 100 "
+                     f"agent-check agent-addr {g.host} agent-port {g.agent_port} agent-inter {inter}")
+    for g in groups:
+        lines.append(f"    server {g.name}-line {g.grpc_url} {checked} port {g.http_port} backup")
+    return "\n".join(lines) + "\n"
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or (HAPROXY if Path(HAPROXY).is_file() else None)
+    if found is None:
+        raise FileNotFoundError("haproxy is not installed: apt-get install haproxy (Debian's package)")
+    return found
+
+
+def check_config(path: Path) -> None:
+    """haproxy's own check of a configuration; ValueError with its words."""
+    checked = subprocess.run([haproxy_binary(), "-c", "-q", "-f", str(path)], capture_output=True, text=True)
+    if checked.returncode != 0:
+        raise ValueError(f"haproxy refuses {path}:\n{checked.stderr.strip() or checked.stdout.strip()}")
+
+
+def start_haproxy(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """haproxy in the foreground (-db), logging to `log_path`, ended by the kernel if this process dies."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen([haproxy_binary(), "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_terminate_with_parent)
+
+
+def server_stats(stats_socket: Path) -> dict[str, dict[str, str]]:
+    """Each server line's row of HAProxy's `show stat` (status: UP, DOWN, DRAIN, ...; weight: its weight now),
+    from its stats socket."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(2.0)
+        sock.connect(str(stats_socket))
+        sock.sendall(b"show stat\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    header, *rows = b"".join(chunks).decode().splitlines()
+    names = header.lstrip("# ").split(",")
+    table = [dict(zip(names, row.split(","))) for row in rows if row]
+    return {r["svname"]: r for r in table if r.get("svname") not in (None, "FRONTEND", "BACKEND")}
+
+
+def server_states(stats_socket: Path) -> dict[str, str]:
+    """Each server line's status as HAProxy sees it now (UP, DOWN, DRAIN, MAINT, ...)."""
+    return {name: row["status"] for name, row in server_stats(stats_socket).items()}

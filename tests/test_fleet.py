@@ -1,0 +1,374 @@
+"""Many groups behind one address: `python -m backend.launch.fleet` with real HAProxy and two real SP1
+tritonservers on loopback (2 slots and a line of 1 each), one fleet for the whole module; its last test stops it."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import imageio.v3 as iio
+import pytest
+
+from backend.api import contract
+from backend.launch.balancer import HAPROXY, server_states, server_stats
+from backend.launch.one_world import check_one_world, read_parameters
+from backend.launch.procfs import tcp_sockets
+from backend.parallel.ports import free_port, port_in_use
+from client.steer import SteeredSession
+from client.stream import StreamError, StreamingSession, request_inputs
+from factories import sample_image, tiny_request
+from polling import wait_until
+from system_tools import require_tool, requires_tool
+from triton_harness import tiny_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_S = 0.5  # the balancer's check interval here
+LONG = 57  # frames of a session that is still running while the test looks (5 tiny blocks)
+
+pytestmark = [pytest.mark.server, requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")]
+
+
+@dataclass
+class Group:
+    name: str
+    grpc_url: str
+    http_port: int
+    metrics_port: int
+    agent_port: int
+    launcher_pid: int
+
+
+@dataclass
+class Fleet:
+    process: subprocess.Popen[bytes]
+    url: str
+    stats_socket: Path
+    groups: list[Group]
+    log: Path
+
+    def states(self) -> dict[str, str]:
+        return server_states(self.stats_socket)
+
+    def state(self, group: Group) -> str:
+        return self.states()[group.name]
+
+    def settle(self, timeout: float = 10) -> None:
+        """Until every server line reads UP, each group's at its full weight (its agent saw no slot held)."""
+        wait_until(lambda: all(r["status"] == "UP" and (r["svname"].endswith("-line") or r["weight"] == "100")
+                               for r in server_stats(self.stats_socket).values()), timeout, "every group idle")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Iterator[Fleet]:
+    out = tmp_path_factory.mktemp("fleet")
+    parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1")
+    parameters.pop("rendezvous_port")  # the fleet gives each group its own
+    port = free_port()
+    log = out / "fleet.log"
+    began = time.monotonic()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.launch.fleet", "--groups", "2", "--sp", "1", "--kind", "cpu",
+             "--grpc-port", str(port), "--check-interval", str(CHECK_S), "--out", str(out / "build"),
+             *(a for k, v in parameters.items() for a in ("--param", f"{k}={v}"))],
+            cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "fleet ready" in log.read_text() or process.poll() is not None, 120, "the fleet")
+        assert process.poll() is None, log.read_text()
+        manifest = json.loads((out / "build" / "fleet.json").read_text())
+        groups = [Group(g["name"], f"{g['host']}:{g['grpc_port']}", g["http_port"], g["metrics_port"],
+                        g["agent_port"], g["launcher_pid"]) for g in manifest["groups"]]
+        fleet = Fleet(process, manifest["grpc_url"], Path(manifest["stats_socket"]), groups, log)
+        fleet.settle(30)
+        print(f"fleet of 2 SP1 groups ready after {time.monotonic() - began:.1f} s")
+        yield fleet
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(30)
+
+
+def gauge(group: Group, name: str) -> float:
+    """A metric of a group's server (summed over its label sets)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{group.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def blocks_sent(fleet: Fleet) -> list[float]:
+    return [gauge(g, "lingbot_world_blocks_total") for g in fleet.groups]
+
+
+@dataclass
+class Outcome:
+    blocks: int = 0
+    error: str | None = None
+    places: list[int] = dataclasses.field(default_factory=list)
+    ended_s: float | None = None
+
+
+def start_sessions(url: str, count: int, frames: int = LONG, timeout: float = 60,
+                   seed: int = 0) -> tuple[list[threading.Thread], list[Outcome]]:
+    """`count` whole trajectories on their own threads; each Outcome fills in as it ends."""
+    outcomes = [Outcome() for _ in range(count)]
+
+    def run(outcome: Outcome, seed: int) -> None:
+        request = tiny_request(num_frames=frames, seed=seed, decode=False)
+        try:
+            with StreamingSession(url, on_place=lambda p: outcome.places.append(p.position)) as session:
+                session.send(request_inputs(request), parameters={contract.PARAM_DECODE: False})
+                for _ in session.responses(timeout):
+                    outcome.blocks += 1
+        except StreamError as exc:
+            outcome.error = str(exc)
+        outcome.ended_s = time.monotonic()
+
+    threads = [threading.Thread(target=run, args=(o, seed + i), daemon=True) for i, o in enumerate(outcomes)]
+    for t in threads:
+        t.start()
+    return threads, outcomes
+
+
+def join(threads: list[threading.Thread], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a session hangs"
+
+
+def one_session(url: str) -> Outcome:
+    threads, (outcome,) = start_sessions(url, 1, frames=9)
+    join(threads)
+    return outcome
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def children(pid: int) -> list[int]:
+    """A process's children, whichever of its threads started them."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in _read(task / "children").split()]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def tritonserver_of(group: Group) -> int:
+    (server,) = children(group.launcher_pid)
+    return server
+
+
+@contextlib.contextmanager
+def holding(url: str, count: int) -> Iterator[list[SteeredSession]]:
+    """`count` steered sessions that each take a slot (one block, then a paused player) until the block ends."""
+    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+    with contextlib.ExitStack() as stack:
+        sessions = [stack.enter_context(SteeredSession(url)) for _ in range(count)]
+        for session in sessions:
+            session.start(request)
+        for session in sessions:
+            assert session.next_block(60) is not None
+        yield sessions
+        for session in sessions:
+            session.end()
+        for session in sessions:
+            session.next_block(60)
+
+
+def free_slots(fleet: Fleet) -> list[float]:
+    return [gauge(g, "lingbot_world_free_slots") for g in fleet.groups]
+
+
+def test_sessions_land_evenly_one_more_waits_in_line_and_a_full_group_spills_to_the_one_with_room(fleet) -> None:
+    # Four players through the balancer: two on each group (leastconn over open streams).
+    with holding(fleet.url, 4):
+        assert free_slots(fleet) == [0, 0]
+        # Every slot held: both groups drain, so a fifth reaches one through its backup line and waits in its line.
+        wait_until(lambda: all(fleet.state(g).startswith("DRAIN") for g in fleet.groups), 5, "both groups drained")
+        more, (fifth,) = start_sessions(fleet.url, 1, frames=9)
+        wait_until(lambda: fifth.places, 30, "the fifth session told its place in line")
+    join(more)
+    assert fifth.error is None and fifth.blocks == 1 and fifth.places[0] == 1, fifth
+    fleet.settle()
+
+    # Group 0 full with clients of its own (not through the balancer): new sessions go to group 1.
+    group0, group1 = fleet.groups
+    with holding(group0.grpc_url, 2):
+        wait_until(lambda: fleet.state(group0).startswith("DRAIN"), 5, "group 0 drained by its agent")
+        began = gauge(group1, "lingbot_world_sessions_ended_total")
+        spilled, outcomes = start_sessions(fleet.url, 2, frames=9, seed=20)
+        join(spilled)
+    assert all(o.error is None and not o.places for o in outcomes), outcomes  # neither waited for a slot
+    assert gauge(group1, "lingbot_world_sessions_ended_total") - began == 2
+
+
+def leave_and_return(fleet: Fleet, victim: Group, pid: int, what: str) -> None:
+    """Kill `pid` (of `victim`) while each group serves one stream: the victim's stream ends with an error (none
+    hangs), the other's completes, the victim leaves the rotation and new sessions go to the other group, and the
+    victim comes back and takes sessions again."""
+    fleet.settle()
+    before = blocks_sent(fleet)
+    threads, outcomes = start_sessions(fleet.url, 2, frames=129, timeout=120)
+    wait_until(lambda: all(n > b for n, b in zip(blocks_sent(fleet), before)), 30, "a block from each group")
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: not fleet.state(victim).startswith(("UP", "DRAIN")), 5, f"{victim.name} out of rotation")
+    left_s = time.monotonic() - killed
+    if what.endswith("tritonserver"):  # its health check fails at the next check (a stub's death waits 1.5 s more)
+        assert left_s < 2 * CHECK_S + 0.5, left_s
+    served = one_session(fleet.url)  # while the victim is out: the other group serves it
+    assert served.error is None and served.blocks == 1, served
+    join(threads, 120)
+    failed = [o for o in outcomes if o.error is not None]
+    assert len(failed) == 1 and failed[0].ended_s - killed < 5, outcomes
+    assert [o.blocks for o in outcomes if o.error is None] == [11]  # 129 frames: 9, then 10 x 12
+    wait_until(lambda: fleet.state(victim) == "UP", 60, f"{victim.name} back in rotation")
+    back_s = time.monotonic() - killed
+    fleet.settle(30)
+    before = gauge(victim, "lingbot_world_blocks_total")
+    threads, outcomes = start_sessions(fleet.url, 2, frames=9)
+    join(threads)
+    assert all(o.error is None for o in outcomes) and gauge(victim, "lingbot_world_blocks_total") > before
+    print(f"{what} killed: out of rotation after {left_s:.1f} s, its stream ended after "
+          f"{failed[0].ended_s - killed:.1f} s ({failed[0].error[:80]}...), back after {back_s:.1f} s")
+
+
+def test_a_group_whose_stub_is_killed_leaves_the_rotation_and_heals_back(fleet) -> None:
+    victim = fleet.groups[0]
+    (stub,) = children(tritonserver_of(victim))
+    leave_and_return(fleet, victim, stub, "group 0's stub")
+
+
+def test_a_group_whose_tritonserver_dies_is_restarted_and_returns(fleet) -> None:
+    victim = fleet.groups[1]
+    leave_and_return(fleet, victim, tritonserver_of(victim), "group 1's tritonserver")
+    assert re.search(r"group1: its launcher exited with \d+; restarting it in 1 s", fleet.log.read_text())
+
+
+def test_play_and_replay_through_the_balancer(fleet, tmp_path: Path, capsys) -> None:
+    from client.play import main as play
+    from client.replay import main as replay
+
+    recording = tmp_path / "world.npz"
+    assert play(["--url", fleet.url, "--prompt", "a castle", "--keys", "w*2,d", "--height", "64", "--width", "64",
+                 "--out", str(tmp_path / "play.mp4"), "--record", str(recording), "--timeout", "60"]) == 0
+    for how in ([], ["--steps"]):  # wherever each lands, the latents are the recording's, bit for bit
+        assert replay([str(recording), "--url", fleet.url, "--timeout", "60", *how]) == 0
+    assert capsys.readouterr().out.count("latents bit-identical to the recording: 3 of 3 blocks") == 2
+
+
+def test_the_page_plays_through_the_balancer(fleet, tmp_path: Path) -> None:
+    """The browser player (`python -m client serve --url BALANCER`) in headless Chromium: a world plays, then stops."""
+    from playwright.sync_api import sync_playwright
+
+    from bridge_harness import running_bridge
+    from test_web_player import CHROMIUM, CHROMIUM_ARGS
+
+    require_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")
+    image = tmp_path / "first.png"
+    iio.imwrite(image, sample_image())
+    with running_bridge(fleet.url, tmp_path / "bridge.log") as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page()
+        page.goto(base + "/")
+        page.select_option("#source", "upload")
+        page.set_input_files("#image", str(image))
+        page.fill("#prompt", "a castle on a hill")
+        page.fill("#width", "64")
+        page.fill("#height", "64")
+        page.click("#start")
+        wait_until(lambda: int(page.get_attribute("#status", "data-blocks")) >= 2, 60, "two blocks on the page")
+        page.click("#stop")
+        wait_until(lambda: page.get_attribute("#status", "data-state") == "ended", 60, "the session to end")
+        browser.close()
+
+
+def test_the_groups_serve_one_world_and_a_difference_is_refused_by_name(fleet) -> None:
+    configs = {g.name: read_parameters(g.grpc_url) for g in fleet.groups}
+    check_one_world(configs)  # the fleet's own groups: one world
+    shift = re.search(r"timestep_shift=([^;]+)", configs["group1"]["described_settings_used"]).group(1)
+    other = dict(configs["group1"], max_sessions="4")
+    other["described_settings_used"] = other["described_settings_used"].replace(f"timestep_shift={shift}",
+                                                                                "timestep_shift=1.5")
+    with pytest.raises(ValueError, match=rf"described_settings_used\.timestep_shift: '1\.5' on group1, '{shift}' "
+                                         r"on group0.*max_sessions: '4' on group1, '2' on group0"):
+        check_one_world({"group0": configs["group0"], "group1": other})
+
+
+def test_the_agent_and_balancer_listen_on_loopback_only_and_garbage_leaves_them_serving(fleet) -> None:
+    pids = [fleet.process.pid] + children(fleet.process.pid)
+    pids += [c for p in list(pids) for c in children(p)]
+    listening = {(s.address, s.port) for s in tcp_sockets(pids) if s.listening}
+    balancer_port = int(fleet.url.rsplit(":", 1)[1])
+    for group in fleet.groups:
+        assert ("127.0.0.1", group.agent_port) in listening
+    assert ("127.0.0.1", balancer_port) in listening
+    assert all(is_loopback(address) for address, _ in listening), listening
+    group = fleet.groups[0]
+    idle = [socket.create_connection(("127.0.0.1", group.agent_port)) for _ in range(20)]  # never read
+    for port in (group.agent_port, group.agent_port, balancer_port):
+        for junk in (b"\x00\xff" * 50_000, b"GET / HTTP/1.1\r\n\r\n", b"down\n" * 1000, os.urandom(4096)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, contextlib.suppress(OSError):
+                sock.sendall(junk)  # the agent closes after its line: a large write may meet the reset
+    with socket.create_connection(("127.0.0.1", group.agent_port), timeout=5) as sock:
+        assert re.fullmatch(rb"ready up \d+%\n", sock.makefile("rb").readline())
+    for sock in idle:
+        sock.close()
+    assert all(s == "UP" for s in fleet.states().values())
+    assert one_session(fleet.url).error is None
+
+
+def test_groups_started_elsewhere_are_balanced_by_their_addresses(fleet, tmp_path: Path) -> None:
+    """The many-hosts recipe on loopback: a second balancer over the same two groups given as HOST:GRPC:HTTP:AGENT
+    checks one world, serves, and stops at once (it started no group)."""
+    port = free_port()
+    log = tmp_path / "remote.log"
+    addresses = [f"{g.grpc_url}:{g.http_port}:{g.agent_port}" for g in fleet.groups]
+    with log.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--grpc-port", str(port),
+                                    "--check-interval", str(CHECK_S), "--out", str(tmp_path / "build"),
+                                    *(a for g in addresses for a in ("--group", g))],
+                                   cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "fleet ready: 2 group(s)" in log.read_text() or process.poll() is not None, 30,
+                   "the balancer of remote groups")
+        assert process.poll() is None, log.read_text()
+        served = one_session(f"127.0.0.1:{port}")
+        assert served.error is None and served.blocks == 1, served
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 143
+
+
+def test_sigterm_stops_the_balancer_and_every_group(fleet) -> None:
+    """Last: the fleet ends on SIGTERM within 10 s, with haproxy, every launcher and tritonserver, and its ports."""
+    family = [fleet.process.pid] + children(fleet.process.pid)
+    family += [c for p in list(family) for c in children(p)]
+    assert len(family) >= 1 + 1 + 2 + 2  # fleet, haproxy, two launchers, two tritonservers
+    began = time.monotonic()
+    fleet.process.send_signal(signal.SIGTERM)
+    assert fleet.process.wait(15) == 143
+    took = time.monotonic() - began
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
+                               for p in family), 5, "every process of the fleet gone")
+    print(f"fleet stopped {took:.1f} s after SIGTERM")
+    assert took < 10 and not port_in_use(int(fleet.url.rsplit(":", 1)[1]))

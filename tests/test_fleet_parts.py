@@ -1,0 +1,150 @@
+"""The fleet's parts without a server: the agent's protocol, the balancer's configuration (checked by haproxy
+itself), the command line's refusals, the stub watch."""
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
+from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
+from backend.launch.fleet import main
+from backend.launch.heal import StubWatch, alive
+from system_tools import requires_tool
+
+needs_haproxy = requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")
+
+
+@pytest.mark.parametrize("state, line", [
+    (GroupState(True, 2, 4), "ready up 50%\n"),
+    (GroupState(True, 4, 4), "ready up 100%\n"),
+    (GroupState(True, 1, 200), "ready up 1%\n"),  # room for one: never weight 0, which would drain it
+    (GroupState(True, 0, 4), "drain\n"),
+    (GroupState(False), "down\n"),
+    (GroupState(True, None, 4), "down\n"),  # the model has not published its slots: not a group to send to
+])
+def test_the_agent_replies_free_slots_as_a_weight_drain_when_full_down_when_not_ready(state, line) -> None:
+    assert agent_reply(state) == line
+
+
+def test_free_slots_are_rank_0s_gauge_of_the_model() -> None:
+    page = "\n".join([
+        "# HELP lingbot_world_free_slots the group's free session slots",
+        'lingbot_world_free_slots{model="other",rank="0"} 9',
+        'lingbot_world_free_slots{model="lingbot_world",rank="1"} 7',
+        'lingbot_world_free_slots{model="lingbot_world",rank="0"} 3',
+    ])
+    assert free_slots_of(page) == 3 and free_slots_of("nv_inference_count 1") is None
+
+
+class CountingProbe:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state(self) -> GroupState:
+        self.calls += 1
+        return GroupState(True, 1, 2)
+
+
+def test_the_agent_answers_each_connection_once_reads_nothing_and_probes_at_most_4_times_a_second() -> None:
+    probe = CountingProbe()
+    agent = CapacityAgent(probe, 0).start()  # type: ignore[arg-type]
+    try:
+        silent = [socket.create_connection(("127.0.0.1", agent.port), timeout=5) for _ in range(10)]
+
+        def ask() -> bytes:
+            with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+                try:
+                    sock.sendall(b"\x00garbage\n" * 1000)
+                except OSError:
+                    pass  # it may have answered and closed already
+                return sock.makefile("rb").read()
+
+        replies: list[bytes] = []
+        threads = [threading.Thread(target=lambda: replies.append(ask())) for _ in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert replies == [b"ready up 50%\n"] * 20
+        assert all(s.makefile("rb").read() == b"ready up 50%\n" for s in silent)  # answered though they sent nothing
+        assert probe.calls <= 3  # 30 connections within well under a second share the probes
+        for s in silent:
+            s.close()
+    finally:
+        agent.stop()
+    with pytest.raises(ValueError, match=r"agent port 127.0.0.1:\d+ cannot be bound"):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            CapacityAgent(probe, taken.getsockname()[1])  # type: ignore[arg-type]
+
+
+@needs_haproxy
+def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
+    groups = [GroupAddress("group0", "127.0.0.1", 9001, 9000, 9003), GroupAddress.parse("10.0.0.2:8001:8000:8003",
+                                                                                         "remote0")]
+    text = render_haproxy(groups, "127.0.0.1", 8001, 1.0, tmp_path / "haproxy.sock")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(text)
+    check_config(config)
+    assert "bind 127.0.0.1:8001 proto h2" in text and "balance leastconn" in text
+    assert re.search(r"server remote0 10\.0\.0\.2:8001 proto h2 check .*port 8000 .*agent-check agent-addr 10\.0\.0\.2 "
+                     r"agent-port 8003 agent-inter 1000ms", text)
+    assert re.search(r"server remote0-line 10\.0\.0\.2:8001 .* backup", text)
+    config.write_text(text.replace("balance leastconn", "balance nonsense"))
+    with pytest.raises(ValueError, match="haproxy refuses"):
+        check_config(config)
+
+
+def test_a_group_address_is_host_and_three_ports() -> None:
+    assert GroupAddress.parse("h:1:2:3", "g").grpc_url == "h:1"
+    for bad in ("h:1:2", "h:1:2:x", ":1:2:3"):
+        with pytest.raises(ValueError, match="HOST:GRPC_PORT:HTTP_PORT:AGENT_PORT"):
+            GroupAddress.parse(bad, "g")
+
+
+@needs_haproxy
+def test_the_command_line_needs_groups_and_renders_for_groups_started_elsewhere(tmp_path: Path, capsys) -> None:
+    assert main(["--out", str(tmp_path)]) == 1
+    assert "give --groups N" in capsys.readouterr().err
+    assert main(["--groups", "1", "--render-only", "--out", str(tmp_path)]) == 1
+    assert "--render-only balances groups started elsewhere" in capsys.readouterr().err
+    assert main(["--render-only", "--group", "10.0.0.2:8001:8000:8003", "--address", "0.0.0.0",
+                 "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "haproxy.cfg")
+    assert "bind 0.0.0.0:8001 proto h2" in (tmp_path / "haproxy.cfg").read_text()
+
+
+def test_the_stub_watch_names_a_stub_that_died_once() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = StubWatch(lambda: {0: child.pid})
+    watch.adopt()
+    assert alive(child.pid) and watch.dead() == []
+    child.kill()
+    child.wait()
+    assert not alive(child.pid) and watch.dead() == [0]
+    assert watch.dead() == []  # told once; the next load's stubs are adopted anew
+
+
+def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:
+    """Not run on a GPU here: the launchers the fleet would start on an 8-GPU host's last four GPUs."""
+    from backend.launch.fleet import build_parser, local_groups
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    groups = local_groups(build_parser().parse_args(["--groups", "2", "--sp", "2", "--kind", "gpu", "--out",
+                                                     str(tmp_path), "--param", "dtype=bfloat16"]))
+    assert [g.env["CUDA_VISIBLE_DEVICES"] for g in groups] == ["4,5", "6,7"]
+    for g in groups:
+        command = " ".join(g.command)
+        assert "--sp 2 --kind gpu --address 127.0.0.1" in command and "--param dtype=bfloat16" in command
+        assert f"--agent-port {g.address.agent_port}" in command and "rendezvous_port=" in command
+    ports = [p for g in groups for p in (g.address.grpc_port, g.address.http_port, g.address.agent_port, g.metrics_port)]
+    assert len(set(ports)) == 8
+    with pytest.raises(ValueError, match="needs 6 GPUs; 4 are visible"):
+        local_groups(build_parser().parse_args(["--groups", "3", "--sp", "2", "--kind", "gpu"]))
