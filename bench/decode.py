@@ -6,7 +6,10 @@ Ways to decode the same session's blocks of random latents with the same random-
   split SPn             SPn processes, each with its share, decoding its band of rows (split_decode=true).
 Each block's frames are compared with the whole decode's (max difference in gray levels).
 --default-kernels adds the whole decodes on torch's default CPU kernels (the path before backend/model/cpu_decoder),
-and the largest float difference of a whole-clip decode against the fast path's.
+and the largest float difference of a whole-clip decode against the fast path's. --decoder tiny adds the tiny
+decoder (decoder=tiny: TAEHV for Wan 2.1, random weights in taew2_1.pth's layout) on the same threads, decoding
+16-channel latents of the same size; it is another model, so its frames are not compared. --profile prints where
+a block's whole decode spends its time (torch.profiler, self CPU time per op), on each path the run times.
 """
 from __future__ import annotations
 
@@ -20,15 +23,18 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from backend.model.tiny_checkpoint import PRESETS, vae_arguments
+from backend.model.tiny_vae import LATENT_CHANNELS, StreamingTinyDecoder, load_tiny_decoder
+from backend.model.tiny_vae_weights import write_weights
 from backend.model.vae import StreamingVae
 from backend.parallel.local import run_group
 from backend.parallel.group import GroupHandles
 from backend.serving.threads import instance_cores
-from bench.common import format_table, use_stub_thread_environment
+from bench.common import BUILD_DIR, format_table, use_stub_thread_environment
 
 # The tiny presets' decoders, and the published Wan 2.1 VAE that LingBot-World v2 decodes with (diffusers' defaults).
 ARCHITECTURES = {**{name: vae_arguments(preset) for name, preset in PRESETS.items()}, "wan": {}}
 LATENT_FRAMES = 3  # one AR block
+TINY_WEIGHTS = BUILD_DIR / "tiny_decoder" / "taew2_1_random.pth"
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class Job:
     split: bool = False
     fast_cpu: bool = True  # False: torch's default kernels
     whole_clip: bool = False  # also decode the blocks as one clip (float frames to compare)
+    tiny_decoder: str = ""  # the tiny decoder's weights: it decodes in the VAE's place
 
 
 @dataclass
@@ -57,13 +64,53 @@ def latent_blocks(z: int, job: Job) -> list[torch.Tensor]:
 
 def decode_blocks(groups: GroupHandles, job: Job) -> Run:
     """Rank 0's times and frames of `job.blocks` blocks of one session, and its float whole-clip decode."""
+    cpu = torch.device("cpu")
+    if job.tiny_decoder:
+        streaming = StreamingTinyDecoder(load_tiny_decoder(job.tiny_decoder, cpu), cpu)
+        blocks = latent_blocks(LATENT_CHANNELS, job)
+        return Run(*timed(streaming, blocks), None)
     torch.manual_seed(0)
     arguments = ARCHITECTURES[job.architecture]
     z = arguments.get("z_dim", 16)
     vae = AutoencoderKLWan(**arguments, latents_mean=[0.0] * z, latents_std=[1.0] * z).eval()
-    streaming = StreamingVae(vae, torch.device("cpu"), groups.decode if job.split else None, fast_cpu=job.fast_cpu)
-    state = streaming.new_decode_state()
+    streaming = StreamingVae(vae, cpu, groups.decode if job.split else None, fast_cpu=job.fast_cpu)
     blocks = latent_blocks(z, job)
+    times, frames = timed(streaming, blocks)
+    clip = None
+    if job.whole_clip:
+        with torch.no_grad():
+            clip = vae.decode(torch.cat(blocks, dim=2)).sample.numpy()  # numpy: a tensor would leave by fd
+    return Run(times, frames, clip)
+
+
+def profile_block(groups: GroupHandles, job: Job, rows: int = 6) -> list[tuple[str, float, float]]:
+    """The ops taking the most self CPU time in one block's whole decode (after a first, untimed one):
+    (op, ms, share of the block)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cpu = torch.device("cpu")
+    if job.tiny_decoder:
+        streaming, z = StreamingTinyDecoder(load_tiny_decoder(job.tiny_decoder, cpu), cpu), LATENT_CHANNELS
+    else:
+        torch.manual_seed(0)
+        arguments = ARCHITECTURES[job.architecture]
+        z = arguments.get("z_dim", 16)
+        vae = AutoencoderKLWan(**arguments, latents_mean=[0.0] * z, latents_std=[1.0] * z).eval()
+        streaming = StreamingVae(vae, cpu, fast_cpu=job.fast_cpu)
+    first, second = latent_blocks(z, replace(job, blocks=2))
+    state = streaming.new_decode_state()
+    streaming.decode_block(first, state)
+    with profile(activities=[ProfilerActivity.CPU]) as recorded:
+        streaming.decode_block(second, state)
+    events = sorted(recorded.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [(e.key, e.self_cpu_time_total / 1000, e.self_cpu_time_total / total) for e in events[:rows]]
+
+
+def timed(streaming: StreamingVae | StreamingTinyDecoder, blocks: list[torch.Tensor]
+          ) -> tuple[list[float], list[np.ndarray]]:
+    """One session's blocks decoded in order: ms per block, and the frames that came back here."""
+    state = streaming.new_decode_state()
     times, frames = [], []
     for block in blocks:
         start = time.perf_counter()
@@ -71,11 +118,7 @@ def decode_blocks(groups: GroupHandles, job: Job) -> Run:
         times.append((time.perf_counter() - start) * 1000)
         if out is not None:
             frames.append(out)
-    clip = None
-    if job.whole_clip:
-        with torch.no_grad():
-            clip = vae.decode(torch.cat(blocks, dim=2)).sample.numpy()  # numpy: a tensor would leave by fd
-    return Run(times, frames, clip)
+    return times, frames
 
 
 def main() -> None:
@@ -89,6 +132,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3, help="AR blocks of 3 latent frames; the first is not timed")
     parser.add_argument("--default-kernels", action="store_true",
                         help="also decode whole frames on torch's default CPU kernels (before cpu_decoder)")
+    parser.add_argument("--decoder", choices=("vae", "tiny"), default="vae",
+                        help="tiny: also time the tiny decoder (random weights in taew2_1.pth's layout, written to "
+                             f"{TINY_WEIGHTS.relative_to(BUILD_DIR.parent)}) on the same threads")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the ops a block's whole decode spends its time in, on a rank's share")
     args = parser.parse_args()
     use_stub_thread_environment()
     all_cores, share = instance_cores(1), instance_cores(args.sp)
@@ -103,6 +151,11 @@ def main() -> None:
         ways += [(f"{whole_all}, default kernels", 1, replace(job, fast_cpu=False), all_cores),
                  (f"{whole_share}, default kernels", 1, replace(plain, fast_cpu=False), share)]
     ways.append((f"split SP{args.sp}, {share} each", args.sp, replace(plain, split=True), share))
+    tiny_names = []
+    if args.decoder == "tiny":
+        tiny = replace(plain, tiny_decoder=str(write_weights(TINY_WEIGHTS)))
+        tiny_names = [f"tiny, {all_cores} threads", f"tiny, {share} thread{'s' * (share > 1)}"]
+        ways += [(tiny_names[0], 1, tiny, all_cores), (tiny_names[1], 1, tiny, share)]
     for name, ranks, way, threads in ways:
         runs[name] = run_group(ranks, decode_blocks, (way,), threads=threads)[0]
     names = list(runs)
@@ -113,6 +166,8 @@ def main() -> None:
         return statistics.mean(runs[name].times_ms[1:] or runs[name].times_ms)
 
     def gray_diff(name: str) -> str:
+        if name in tiny_names:
+            return "-"  # another model
         return str(max(int(np.abs(a.astype(np.int16) - b).max()) for a, b in zip(runs[name].frames, reference)))
 
     rows = [
@@ -124,6 +179,16 @@ def main() -> None:
     ]
     print()
     print(format_table(["per block"] + names, rows))
+    for tiny_name, vae_name in zip(tiny_names, (whole_all, whole_share)):
+        print(f"\n{tiny_name}: {ms(tiny_name):.0f} ms a block against the VAE's {ms(vae_name):.0f} ms on the same "
+              f"threads: {ms(tiny_name) / ms(vae_name):.2f} of its time")
+    if args.profile:
+        for name, _, way, threads in ways:
+            if way.split or threads != share:
+                continue
+            print(f"\nwhere one block's time goes, {name} (self CPU time, torch.profiler):\n")
+            top = run_group(1, profile_block, (way,), threads=threads)[0]
+            print(format_table(["op", "ms", "share"], [[op, f"{t:.0f}", f"{p:.0%}"] for op, t, p in top]))
     if args.default_kernels:
         fast, slow = runs[whole_all].clip, runs[f"{whole_all}, default kernels"].clip
         changed = np.mean([np.mean(a != b) for a, b in zip(runs[f"{whole_all}, default kernels"].frames, reference)])
