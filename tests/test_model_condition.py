@@ -29,7 +29,6 @@ def image() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def whole(vae: AutoencoderKLWan, image: torch.Tensor) -> torch.Tensor:
     """The reference: encode [image, zeros...] at once, normalised distribution mean."""
-    StreamingConditionEncoder(vae)  # first: on CPU it switches the encoder's kernels (cpu_vae), for both encodes
     video = torch.cat([image[:, None], torch.zeros(3, 4 * (LATENT_FRAMES - 1), 24, 32)], dim=1)[None]
     with torch.no_grad():
         mean = vae.encode(video).latent_dist.mode()

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_vae
-
 MASK_CHANNELS = 4
 
 
@@ -48,14 +46,10 @@ class ConditionState:
 
 
 class StreamingConditionEncoder:
-    def __init__(self, vae: torch.nn.Module, max_probe_chunks: int = 64, fast_cpu: bool = True) -> None:
+    def __init__(self, vae: torch.nn.Module, max_probe_chunks: int = 64) -> None:
         """max_probe_chunks: zero chunks after which the fixed-point check stops (a tiny random VAE reaches it
-        after about 22, the Wan 2.1 architecture with random weights after about 30); encoding goes on.
-        fast_cpu: a float32 encode on CPU takes cpu_vae's path (False keeps torch's default kernels)."""
+        after about 22, the Wan 2.1 architecture with random weights after about 30); encoding goes on."""
         self.vae = vae
-        if fast_cpu and cpu_vae.applies(vae.encoder, next(vae.parameters()).device):
-            for part in (vae.encoder, vae.quant_conv):
-                cpu_vae.use_fast_cpu_path(part)
         self.max_probe_chunks = max_probe_chunks
         z = vae.config.z_dim
         param = next(vae.parameters())
