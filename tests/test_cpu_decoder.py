@@ -10,6 +10,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from backend.model.vae import StreamingVae
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CPU = torch.device("cpu")
 Z = 4
 BLOCKS = 2  # the first block (9 frames) and a streamed one (12 frames) that reads the causal cache

@@ -20,6 +20,8 @@ from backend.model.tiny_vae_weights import published_layout, write_weights
 from backend.model.vae import StreamingVae
 from factories import sample_image, tiny_config, tiny_request
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CPU = torch.device("cpu")
 
 # Shapes of taew2_1.pth as taehv.py's TAEHV(latent_channels=16, patch_size=1) names them: first and last layers,
