@@ -1,4 +1,4 @@
-"""The Wan VAE decoder's float32 CPU fast path: the same decode, about 4-5x faster (bench/README section 16).
+"""The Wan VAE decoder's float32 CPU fast path: the same decode, about 5x faster (bench/README section 16).
 
 torch sends a float32 Conv3d to its slow unfold-and-GEMM kernel (`slow_conv3d_forward`) whenever
 N * C * T * H < 20480, a threshold written for 4D images that a batch-1 video block never reaches: at the demo's
