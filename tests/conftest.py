@@ -39,6 +39,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"tests on a real server without the `server` marker: {unmarked}")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module: on the shared 2-core machine a 2-thread team stalls whenever another process
+    runs (one member preempted, the other spinning at its barrier), up to 10x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random tiny checkpoint in the diffusers directory format, written once per test run."""

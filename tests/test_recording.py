@@ -53,6 +53,9 @@ def test_expect_settings_are_checked_before_any_work(engine) -> None:
     with pytest.raises(InputError, match=rf"timestep_shift: expected 10.0, this server {ours['timestep_shift']}") as e:
         engine.geometry_of(dataclasses.replace(request, expect_settings=other))
     assert e.value.code == "SETTINGS_MISMATCH"
+    engine.geometry_of(dataclasses.replace(request, expect_settings=SETTINGS))  # from before `decoder`: the VAE's
+    with pytest.raises(InputError, match="decoder: expected tiny, this server vae"):  # frames of another decoder
+        engine.geometry_of(dataclasses.replace(request, expect_settings=SETTINGS + ";decoder=tiny"))
     for bad, why in (("block_frames=3", "lacks"), ("nonsense", "not key=value"), ("tp_degree=2;" + SETTINGS, "unknown"),
                      ("x" * 600, "longer than")):
         with pytest.raises(InputError, match=why):

@@ -1,6 +1,7 @@
 """What a block was made from, as the server reports it (request parameter `return_used`) and a recording keeps.
 
-`settings_used`: the server settings that change the latents, as `key=value` pairs joined by ";" in name order.
+`settings_used`: the server settings that change the latents or the frames (`decoder`), as `key=value` pairs
+joined by ";" in name order.
 A replay sends them back as `expect_settings`, and a server whose own differ refuses the request before any
 work, naming each difference. `latents_sha256`: the SHA-256 of a block's float32 latents in C order, which the
 server computes on the owner and a client can check against the latents it received.
@@ -13,9 +14,12 @@ import numpy as np
 
 from .errors import InputError
 
-# The engine settings a block's latents depend on (besides the request's own inputs). tp_degree, compile and the
-# attention kernel change the last bits too; they are not refused but show as hash mismatches (docs/replay.md).
-RESULT_SETTINGS = ("block_frames", "denoise_steps", "dtype", "sink_frames", "timestep_shift", "window_frames")
+# The engine settings a block's latents or frames depend on (besides the request's own inputs). tp_degree, compile
+# and the attention kernel change the last bits too; they are not refused but show as hash mismatches (docs/replay.md).
+RESULT_SETTINGS = ("block_frames", "decoder", "denoise_steps", "dtype", "sink_frames", "timestep_shift",
+                   "window_frames")
+# Settings added after recordings were first written, with the value every server before them ran.
+EARLIER_VALUES = {"decoder": "vae"}
 MAX_SETTINGS_BYTES = 512
 
 
@@ -33,7 +37,8 @@ def format_settings(values: dict[str, object]) -> str:
 
 
 def parse_settings(text: str, name: str = "expect_settings") -> dict[str, str]:
-    """The pairs of a `format_settings` text; InputError names a malformed, unknown, repeated or missing key."""
+    """The pairs of a `format_settings` text (in RESULT_SETTINGS order; a setting of EARLIER_VALUES it lacks takes
+    its earlier value); InputError names a malformed, unknown, repeated or missing key."""
     if len(text.encode("utf-8")) > MAX_SETTINGS_BYTES:
         raise InputError(f"{name} is longer than {MAX_SETTINGS_BYTES} bytes")
     pairs: dict[str, str] = {}
@@ -46,9 +51,11 @@ def parse_settings(text: str, name: str = "expect_settings") -> dict[str, str]:
         if key in pairs:
             raise InputError(f"{name}: {key!r} given twice")
         pairs[key] = value
+    for key, value in EARLIER_VALUES.items():
+        pairs.setdefault(key, value)  # a text from before the setting existed
     if missing := [k for k in RESULT_SETTINGS if k not in pairs]:
         raise InputError(f"{name} lacks {missing}")
-    return pairs
+    return {key: pairs[key] for key in RESULT_SETTINGS}
 
 
 def setting_differences(expected: dict[str, str], actual: dict[str, str]) -> list[str]:

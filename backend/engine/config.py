@@ -8,6 +8,7 @@ from ..api.settings import runtime_field
 SUPPORTED_SP_MODES = ("ulysses",)
 KNOWN_UNSUPPORTED_SP_MODES = ("ring", "all_gather", "a2a_permute", "hybrid")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
+DECODERS = ("vae", "tiny")  # the Wan VAE; the TAEHV tiny decoder for Wan 2.1 (backend/model/tiny_vae)
 # The settings a checkpoint decides unless a parameter does, each with the EngineConfig value that leaves it to the
 # checkpoint (its files, else its layout's source defaults); validation.resolve_settings reads this table.
 CHECKPOINT_SETTINGS = {"block_frames": 0, "timestep_shift": 0.0, "window_frames": 0, "sink_frames": -1}
@@ -34,5 +35,8 @@ class EngineConfig:
     default_height: int = 480  # the resolution checked at start-up; requests may ask for others
     default_width: int = 832  # with default_height
     decode_frames: bool = True  # decode each block to RGB with the VAE (requests may opt out)
+    decoder: str = "vae"  # what decodes frames: vae (the Wan VAE), tiny (TAEHV's for Wan 2.1, from tiny_decoder_path)
+    # tiny is an opt-in fast path: another model, its frames not the VAE's; recorded in settings_used
+    tiny_decoder_path: str = ""  # the TAEHV weights for Wan 2.1 (taew2_1.pth or .safetensors) that decoder=tiny reads
     split_decode: bool = True  # SP ranks share each block's decode, a band of image rows each (else the owner's)
     compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical

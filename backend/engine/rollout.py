@@ -31,6 +31,7 @@ from ..model.kv_cache import SelfAttentionCache, TextCache
 from ..model.rope import rope_tables
 from ..model.tensor_slices import TensorPart
 from ..model.schedule import dmd_schedule, flow_to_x0, renoise
+from ..model.tiny_vae import StreamingTinyDecoder
 from ..model.transformer import ForwardContext, LingBotTransformer
 from ..model.vae import StreamingVae
 from ..parallel.mesh import Mesh
@@ -80,7 +81,13 @@ class WorldModelEngine:
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
                                      (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
-        self.vae = StreamingVae(parts.vae, self.device, decode_group)
+        # The block decoder: the Wan VAE's, or the tiny decoder's (decoder=tiny), which decodes on the owner alone.
+        self.vae: StreamingVae | StreamingTinyDecoder
+        if parts.tiny_decoder is not None:
+            self.vae = StreamingTinyDecoder(parts.tiny_decoder, self.device)
+            parts.vae.decoder = parts.vae.post_quant_conv = None  # never runs
+        else:
+            self.vae = StreamingVae(parts.vae, self.device, decode_group)
         # The first-frame condition is encoded on ENCODER_RANK and broadcast, like the prompt.
         self.conditions = StreamingConditionEncoder(parts.vae) if self.sp.rank == ENCODER_RANK else None
         if self.conditions is None:

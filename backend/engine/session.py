@@ -9,6 +9,7 @@ import torch
 from ..api.request import SessionRequest
 from ..model.condition import ConditionState
 from ..model.kv_cache import SelfAttentionCache, TextCache
+from ..model.tiny_vae import TinyDecodeState
 from ..model.vae import DecodeState
 from .camera_track import CameraTrack
 from .geometry import VideoGeometry
@@ -46,7 +47,7 @@ class Session:
     prompt: str  # the prompt in force (the request's, until a world event changes it)
     text: TextCache  # its cross-attention K/V (this rank's head shard)
     cache: SelfAttentionCache
-    decode_state: DecodeState | None
+    decode_state: DecodeState | TinyDecodeState | None  # the VAE's feature cache or the tiny decoder's memory
     split_decode: bool  # every rank decodes a band of its blocks' rows (else its owner decodes them alone)
     owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
     block_index: int = 0

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..api.errors import ConfigError
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
 from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
 from ..model.layouts import resolve_layout
-from .config import ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES, EngineConfig
+from ..model import tiny_vae
+from .config import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES,
+                     EngineConfig)
 from .geometry import VideoGeometry
 
 GLOBAL_WINDOW = -1  # window_frames: every frame of a session stays in its KV cache (the reference's -1)
@@ -129,4 +132,23 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
             f"transformer in/out channels {t.in_dim}/{t.out_dim} do not fit VAE z_dim={vae.z_dim}: expected "
             f"{expected_in} (noise + mask + condition latents) / {vae.z_dim}"
         )
+    validate_decoder(config, ckpt)
     VideoGeometry.build(config, ckpt, config.default_height, config.default_width, None)
+
+
+def validate_decoder(config: EngineConfig, ckpt: CheckpointConfigs) -> None:
+    """decoder=tiny: a weights file, and a VAE whose latents the tiny decoder reads (Wan 2.1's)."""
+    if config.decoder not in DECODERS:
+        raise ConfigError(f"decoder={config.decoder!r}; supported: {list(DECODERS)}")
+    if config.decoder != "tiny":
+        return
+    if not config.tiny_decoder_path:
+        raise ConfigError("decoder=tiny needs tiny_decoder_path: the TAEHV weights for Wan 2.1 (taew2_1.pth)")
+    if not Path(config.tiny_decoder_path).is_file():
+        raise ConfigError(f"tiny_decoder_path={config.tiny_decoder_path!r} is not a file")
+    vae = ckpt.vae
+    wanted = (tiny_vae.LATENT_CHANNELS, tiny_vae.SPATIAL_FACTOR, tiny_vae.TIME_FACTOR)
+    if (vae.z_dim, vae.spatial_factor, vae.temporal_factor) != wanted:
+        raise ConfigError(
+            f"decoder=tiny decodes Wan 2.1 latents (z_dim {wanted[0]}, {wanted[1]}x space, {wanted[2]}x time); this "
+            f"checkpoint's VAE has z_dim {vae.z_dim}, {vae.spatial_factor}x space, {vae.temporal_factor}x time")

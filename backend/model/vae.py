@@ -11,6 +11,7 @@ import torch.distributed as dist
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
 from ..parallel.rows import RowBands
+from . import cpu_decoder
 from .split_decoder import SplitDecoder
 
 
@@ -23,9 +24,14 @@ class DecodeState:
 
 
 class StreamingVae:
-    def __init__(self, vae: torch.nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-        """group: the ranks that share each block's decode (see RowBands); None decodes whole frames."""
+    def __init__(self, vae: torch.nn.Module, device: torch.device, group: dist.ProcessGroup | None = None,
+                 fast_cpu: bool = True) -> None:
+        """group: the ranks that share each block's decode (see RowBands); None decodes whole frames.
+        fast_cpu: a float32 decode on CPU takes cpu_decoder's path (False keeps torch's default kernels)."""
         self.vae = vae
+        if fast_cpu and cpu_decoder.applies(vae.decoder, device):
+            for part in (vae.post_quant_conv, vae.decoder):
+                cpu_decoder.use_fast_cpu_path(part)
         self.device = device
         self.group = group
         self.split = SplitDecoder(vae.decoder) if group is not None else None

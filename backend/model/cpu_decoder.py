@@ -1,0 +1,59 @@
+"""The Wan VAE decoder's float32 CPU fast path: the same decode, about 5x faster (bench/README section 16).
+
+torch sends a float32 Conv3d to its slow unfold-and-GEMM kernel (`slow_conv3d_forward`) whenever
+N * C * T * H < 20480, a threshold written for 4D images that a batch-1 video block never reaches: at the demo's
+128x128 the decoder spent ~84 % of a block there. Here every 3D convolution calls oneDNN directly on activations
+and weights in `channels_last_3d` (channels innermost: oneDNN's own layout, so it reorders nothing), and every
+RMS norm takes its norm as the square root of a sum of squares, a plain reduction over the innermost axis, in
+place of `linalg_vector_norm`, which strides across the channels (~8 %). Both compute the same sums in another
+order: frames agree with torch's default path to float32 rounding (tests/test_cpu_decoder.py).
+
+The activations stay channels-last from the first convolution on (elementwise ops, padding, concatenation,
+the feature cache's clones and nearest upsampling all keep the layout), so the split decoder's bands and halos
+run on the same path. The encoder (the first-frame condition, inside each DiT block until its fixed point) keeps
+torch's kernels: its output is the DiT's input, and other bits there would change every latent, so recordings
+made before would no longer replay bit for bit (tests/test_replay.py).
+"""
+from __future__ import annotations
+
+import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm
+
+CHANNELS_LAST = torch.channels_last_3d
+NORM_EPS = 1e-12  # F.normalize's
+
+
+def applies(decoder: torch.nn.Module, device: torch.device) -> bool:
+    """Only float32 on CPU needs it: torch already routes bfloat16 CPU convolutions to oneDNN."""
+    dtype = next(decoder.parameters()).dtype
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def use_fast_cpu_path(decoder: torch.nn.Module) -> None:
+    """Switch the decoder's 3D convolutions and RMS norms to the fast path, in place (once is enough)."""
+    for module in decoder.modules():
+        if isinstance(module, WanCausalConv3d):
+            _onednn_conv(module)
+        elif isinstance(module, WanRMS_norm):
+            module.forward = _sum_of_squares_norm(module)
+
+
+def _onednn_conv(conv: WanCausalConv3d) -> None:
+    conv.weight.data = conv.weight.data.contiguous(memory_format=CHANNELS_LAST)
+    padding, stride, dilation, groups = list(conv.padding), list(conv.stride), list(conv.dilation), conv.groups
+
+    def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous(memory_format=CHANNELS_LAST)
+        return torch.mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)
+
+    conv._conv_forward = conv_forward  # what nn.Conv3d.forward calls, on the whole-frame and band paths alike
+
+
+def _sum_of_squares_norm(norm: WanRMS_norm):
+    axis = 1 if norm.channel_first else -1
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        length = x.square().sum(axis, keepdim=True).sqrt().clamp_min(NORM_EPS)
+        return (x / length) * norm.scale * norm.gamma + norm.bias
+
+    return forward
