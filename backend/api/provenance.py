@@ -15,7 +15,11 @@ from .errors import InputError
 
 # The engine settings a block's latents depend on (besides the request's own inputs). tp_degree, compile and the
 # attention kernel change the last bits too; they are not refused but show as hash mismatches (docs/replay.md).
-RESULT_SETTINGS = ("block_frames", "denoise_steps", "dtype", "sink_frames", "timestep_shift", "window_frames")
+RESULT_SETTINGS = ("block_frames", "denoise_steps", "dtype", "kv_reuse", "sink_frames", "timestep_shift",
+                   "window_frames")
+# Settings added after recordings were first made, each with the value every earlier server ran: a text that lacks
+# one (an older recording) was made with it.
+ADDED_SETTINGS = {"kv_reuse": "False"}
 MAX_SETTINGS_BYTES = 512
 
 
@@ -33,7 +37,8 @@ def format_settings(values: dict[str, object]) -> str:
 
 
 def parse_settings(text: str, name: str = "expect_settings") -> dict[str, str]:
-    """The pairs of a `format_settings` text; InputError names a malformed, unknown, repeated or missing key."""
+    """The pairs of a `format_settings` text (an ADDED_SETTINGS key it lacks takes its earlier value); InputError
+    names a malformed, unknown, repeated or missing key."""
     if len(text.encode("utf-8")) > MAX_SETTINGS_BYTES:
         raise InputError(f"{name} is longer than {MAX_SETTINGS_BYTES} bytes")
     pairs: dict[str, str] = {}
@@ -46,6 +51,8 @@ def parse_settings(text: str, name: str = "expect_settings") -> dict[str, str]:
         if key in pairs:
             raise InputError(f"{name}: {key!r} given twice")
         pairs[key] = value
+    for key, value in ADDED_SETTINGS.items():
+        pairs.setdefault(key, value)
     if missing := [k for k in RESULT_SETTINGS if k not in pairs]:
         raise InputError(f"{name} lacks {missing}")
     return pairs
