@@ -73,9 +73,8 @@ class WorldModelEngine:
         self.transformer: LingBotTransformer = parts.transformer
         log.info("rank %d: transformer weights %d bytes on this rank (tp_degree=%d, tp rank %d)", self.sp.rank,
                  self.transformer.weight_bytes(), self.mesh.tp.degree, self.mesh.tp.rank)
-        if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
-            for block in self.transformer.blocks:
-                block.compile(dynamic=True)
+        if config.compile:
+            self.transformer.compile_blocks()
         tcfg = self.ckpt.transformer
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
