@@ -134,6 +134,8 @@ def measure(preset: str, w: Workload, paths: tuple[FastPath, ...]) -> list[PathR
                 run.dit_ms.append(sum(forwards))
                 run.forwards.append(len(forwards))
                 kept.append(out.latents.numpy())
+            print(f"block {sessions[0].block_index - 1}: DiT ms " + ", ".join(f"{r.dit_ms[-1]:.0f}" for r in runs),
+                  flush=True)
     for engine, session, run, kept in zip(engines, sessions, runs, latents):
         engine.close_session(session)
         run.latents = np.concatenate(kept, axis=2)
