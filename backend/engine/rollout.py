@@ -197,10 +197,10 @@ class WorldModelEngine:
         From the session's kept records (open_session's keep_commits), oldest first: the cache's committed
         length goes back to 0 (its buffers stay), then each block runs the forward that wrote its K/V again (the
         commit forward at t = 0, or under kv_reuse its last DMD step; its latents, timestep, RoPE positions, mask,
-        condition and camera) between `make_room` and `commit`. Only the frames still
-        cached are replayed, so after evictions each block's K/V attends to the replayed history, not to the
-        evicted frames it once saw. Refused (InputError) under global attention, where the replay would grow
-        with the session, and for a session opened without keep_commits.
+        condition and camera) between `make_room` and `commit`. Only the frames still cached are replayed, so
+        after evictions each block's K/V attends to the replayed history, not to the evicted frames it once saw.
+        Refused (InputError) under global attention, where the replay would grow with the session, and for a
+        session opened without keep_commits.
         """
         if self.window_frames == GLOBAL_WINDOW:
             raise InputError(GLOBAL_RECACHE)
