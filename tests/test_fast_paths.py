@@ -104,3 +104,19 @@ def test_a_recache_under_kv_reuse_replays_each_block_s_last_step(reuse: WorldMod
     assert np.array_equal(plain.latents[2], recached.latents[2])
     with pytest.raises(ValueError, match="kv_reuse runs none"):
         event_rollout(reuse, request, blocks=1, at=1, teacher=plain.latents[:1])
+
+
+def test_the_fast_path_table_s_14b_block_costs() -> None:
+    """bench.fastpaths' 14B columns: a full-window block of 4,680 tokens, 5 forwards on the exact path."""
+    from backend.engine.config import EngineConfig
+    from backend.model.config import TransformerConfig
+    from bench.fastpaths import EXACT, PATHS, full_window_cost
+
+    cfg, base = TransformerConfig.lingbot_14b(), EngineConfig(checkpoint="(none)")
+    costs = {p.name: full_window_cost(cfg, p.config(base)) for p in PATHS}
+    exact, reuse = costs[EXACT.name], costs["kv_reuse"]
+    assert (exact.forwards, reuse.forwards) == (5, 4)
+    assert exact.flop / 1e12 == pytest.approx(1307, abs=2) and reuse.flop == pytest.approx(exact.flop * 4 / 5)
+    assert exact.cache_bytes == reuse.cache_bytes == 40 * 2 * 18 * 1560 * 5120 * 2  # 23 GB at SP1 in bf16
+    assert costs["window 9, sink 3"].cache_bytes * 2 == exact.cache_bytes
+    assert reuse.kv_read_bytes == 4 * exact.cache_bytes
