@@ -13,15 +13,21 @@ from backend.api.request import SessionRequest
 
 
 def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest) -> dict:
-    """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block exchange bytes, the
-    final cache shards and this rank's weight and cache bytes."""
+    """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block forwards and exchange
+    bytes, the final cache shards and this rank's weight and cache bytes."""
     sp = SequenceParallel(groups.data)
     engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    calls: list[int] = []  # one entry per transformer forward
+    engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
     with engine.session(request) as session:
-        outputs = [out for out, _ in engine.blocks(session, decode=False)]
+        outputs, forwards = [], []
+        for out, _ in engine.blocks(session, decode=False):
+            outputs.append(out)
+            forwards.append(len(calls) - sum(forwards))
         n = session.cache.length
         return {
             "latents": np.concatenate([out.latents.numpy() for out in outputs], axis=2),
+            "forwards": forwards,  # transformer forwards per block
             "a2a_bytes": [out.all_to_all_bytes for out in outputs],
             "all_reduce_bytes": [out.all_reduce_bytes for out in outputs],
             "all_gather_bytes": [out.all_gather_bytes for out in outputs],

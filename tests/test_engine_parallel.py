@@ -73,6 +73,29 @@ def test_all_to_all_bytes_do_not_grow_with_history(rollouts: dict[int, list[dict
     assert per_block[0] == expected
 
 
+def test_kv_reuse_runs_4_forwards_a_block_and_sp2_matches_sp1_bit_for_bit(
+        tiny_checkpoint: str, rollouts: dict[int, list[dict]]) -> None:
+    """kv_reuse keeps the K/V of each block's last DMD step (each rank its head shard) instead of running the
+    commit forward: 4 forwards a block on every rank, SP2 == SP1, and only the blocks after the first (the first
+    has no history) differ from the exact path."""
+    config = tiny_config(tiny_checkpoint, decode_frames=False, kv_reuse=True)
+    reuse = {sp: run_group(sp, rollout, (dataclasses.replace(config, sp_degree=sp), tiny_request())) for sp in (1, 2)}
+    single, exact = reuse[1][0], rollouts[1][0]
+    assert exact["forwards"] == [5] * 5 and single["forwards"] == [4] * 5
+    block_tokens, dim, layers = 48, 64, 2
+    for rank, result in enumerate(reuse[2]):
+        assert result["forwards"] == [4] * 5
+        assert result["a2a_bytes"] == [4 * layers * 6 * (block_tokens // 2) * dim * 4 // 2] * 5
+        assert np.array_equal(result["latents"], single["latents"]), f"SP2 rank {rank} differs from SP1"
+        for kind in ("self_k", "self_v"):
+            for shard, full in zip(result[kind], single[kind]):
+                assert np.array_equal(shard, full[:, :, rank * 2 : (rank + 1) * 2])
+    assert np.array_equal(single["latents"][:, :, :3], exact["latents"][:, :, :3])
+    distance = np.abs(single["latents"][:, :, 3:] - exact["latents"][:, :, 3:])
+    print(f"kv_reuse vs exact, blocks 1-4: max abs diff {distance.max():.3g}, mean {distance.mean():.3g}")
+    assert distance.max() > 1e-3
+
+
 def test_float32_gemm_bits_depend_on_neither_rows_nor_threads() -> None:
     """What SP1 == SPn rests on (MKL's strict reproducibility mode, set in backend/__init__.py): without it, on
     AVX-512 this camera-sized Linear gives other bits for an SP4 rank's 12 of 48 rows, and at 1 vs 2 threads."""

@@ -16,10 +16,11 @@ from .errors import InputError
 
 # The engine settings a block's latents or frames depend on (besides the request's own inputs). tp_degree, compile
 # and the attention kernel change the last bits too; they are not refused but show as hash mismatches (docs/replay.md).
-RESULT_SETTINGS = ("block_frames", "decoder", "denoise_steps", "dtype", "sink_frames", "timestep_shift",
+RESULT_SETTINGS = ("block_frames", "decoder", "denoise_steps", "dtype", "kv_reuse", "sink_frames", "timestep_shift",
                    "window_frames")
-# Settings added after recordings were first written, with the value every server before them ran.
-EARLIER_VALUES = {"decoder": "vae"}
+# Settings added after recordings were first made, each with the value every earlier server ran: a text that lacks
+# one (an older recording) was made with it.
+ADDED_SETTINGS = {"decoder": "vae", "kv_reuse": "False"}
 MAX_SETTINGS_BYTES = 512
 
 
@@ -37,8 +38,8 @@ def format_settings(values: dict[str, object]) -> str:
 
 
 def parse_settings(text: str, name: str = "expect_settings") -> dict[str, str]:
-    """The pairs of a `format_settings` text (in RESULT_SETTINGS order; a setting of EARLIER_VALUES it lacks takes
-    its earlier value); InputError names a malformed, unknown, repeated or missing key."""
+    """The pairs of a `format_settings` text (in RESULT_SETTINGS order; an ADDED_SETTINGS key it lacks takes its
+    earlier value); InputError names a malformed, unknown, repeated or missing key."""
     if len(text.encode("utf-8")) > MAX_SETTINGS_BYTES:
         raise InputError(f"{name} is longer than {MAX_SETTINGS_BYTES} bytes")
     pairs: dict[str, str] = {}
@@ -51,7 +52,7 @@ def parse_settings(text: str, name: str = "expect_settings") -> dict[str, str]:
         if key in pairs:
             raise InputError(f"{name}: {key!r} given twice")
         pairs[key] = value
-    for key, value in EARLIER_VALUES.items():
+    for key, value in ADDED_SETTINGS.items():
         pairs.setdefault(key, value)  # a text from before the setting existed
     if missing := [k for k in RESULT_SETTINGS if k not in pairs]:
         raise InputError(f"{name} lacks {missing}")

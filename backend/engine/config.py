@@ -28,7 +28,7 @@ class EngineConfig:
     # block_frames, timestep_shift, window_frames, sink_frames: left at their CHECKPOINT_SETTINGS "unset" value, they
     # come from the checkpoint (its files, else its layout's source defaults); resolved once, with provenance.
     block_frames: int = 0  # latent frames per AR block; 0: the checkpoint's
-    denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward)
+    denoise_steps: int = 4  # DMD steps per block (plus one clean-KV commit forward, unless kv_reuse)
     timestep_shift: float = 0.0  # flow-matching shift; 0: the checkpoint's
     window_frames: int = 0  # latent frames a block attends to, itself included; -1: global; 0: the checkpoint's
     sink_frames: int = -1  # first latent frames never evicted from the KV cache; -1: the checkpoint's
@@ -40,3 +40,10 @@ class EngineConfig:
     tiny_decoder_path: str = ""  # the TAEHV weights for Wan 2.1 (taew2_1.pth or .safetensors) that decoder=tiny reads
     split_decode: bool = True  # SP ranks share each block's decode, a band of image rows each (else the owner's)
     compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical
+    kv_reuse: bool = False  # a fast path: a block's history is the K/V its last DMD step wrote (its noisy input at
+    # that step's timestep) instead of a clean-KV commit forward's: 4 forwards a block, not 5; other latents
+
+    @property
+    def forwards_per_block(self) -> int:
+        """Transformer forwards of one block: the DMD steps, plus the commit forward unless kv_reuse."""
+        return self.denoise_steps + (0 if self.kv_reuse else 1)

@@ -74,9 +74,8 @@ class WorldModelEngine:
         self.transformer: LingBotTransformer = parts.transformer
         log.info("rank %d: transformer weights %d bytes on this rank (tp_degree=%d, tp rank %d)", self.sp.rank,
                  self.transformer.weight_bytes(), self.mesh.tp.degree, self.mesh.tp.rank)
-        if config.compile:  # compiled on first use; cache lengths vary, so shapes are dynamic
-            for block in self.transformer.blocks:
-                block.compile(dynamic=True)
+        if config.compile:
+            self.transformer.compile_blocks()
         tcfg = self.ckpt.transformer
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
@@ -203,11 +202,12 @@ class WorldModelEngine:
         right after `set_prompt`, before the next block; a collective, every rank alike).
 
         From the session's kept records (open_session's keep_commits), oldest first: the cache's committed
-        length goes back to 0 (its buffers stay), then each block runs run_block's commit forward again (t = 0,
-        its RoPE positions, mask, condition and camera) between `make_room` and `commit`. Only the frames still
-        cached are replayed, so after evictions each block's K/V attends to the replayed history, not to the
-        evicted frames it once saw. Refused (InputError) under global attention, where the replay would grow
-        with the session, and for a session opened without keep_commits.
+        length goes back to 0 (its buffers stay), then each block runs the forward that wrote its K/V again (the
+        commit forward at t = 0, or under kv_reuse its last DMD step; its latents, timestep, RoPE positions, mask,
+        condition and camera) between `make_room` and `commit`. Only the frames still cached are replayed, so
+        after evictions each block's K/V attends to the replayed history, not to the evicted frames it once saw.
+        Refused (InputError) under global attention, where the replay would grow with the session, and for a
+        session opened without keep_commits.
         """
         if self.window_frames == GLOBAL_WINDOW:
             raise InputError(GLOBAL_RECACHE)
@@ -240,15 +240,18 @@ class WorldModelEngine:
         self, sessions: list[Session], controls: dict[str, BlockControls] | None = None,
         teacher: dict[str, torch.Tensor] | None = None,
     ) -> list[BlockOutput]:
-        """Denoise the next block of each session (batched: same block shape), then commit its clean K/V.
+        """Denoise the next block of each session (batched: same block shape), then commit its clean K/V (under
+        kv_reuse: keep the K/V its last DMD step wrote, no commit forward).
 
         controls: the camera of every steered session in the batch (a whole trajectory knows its own).
         teacher: per session id, the clean latents [1, z, block_frames, h, w] its commit takes in place of its
-        own, which its output then carries (a teacher-forced run, for tests and benchmarks).
+        own, which its output then carries (a teacher-forced run, for tests and benchmarks; not under kv_reuse).
         """
         geometry = sessions[0].geometry
         if any(s.geometry.block_shape != geometry.block_shape or s.done for s in sessions):
             raise ValueError("run_block: sessions must share one block shape and have blocks left")
+        if teacher and self.config.kv_reuse:
+            raise ValueError("run_block: a teacher replaces the commit forward's latents; kv_reuse runs none")
         start = time.perf_counter()
         self.mesh.sp.stats.reset()
         self.mesh.tp.stats.reset()
@@ -272,15 +275,20 @@ class WorldModelEngine:
 
         schedule = self.schedule
         x = noise()
-        clean = x
+        clean, t = x, 0.0
         for k, (t, sigma) in enumerate(zip(schedule.timesteps, schedule.sigmas)):
             timesteps = torch.full((len(sessions), bf), t, device=self.device)
             clean = flow_to_x0(x, self._predict(x, condition, camera, timesteps, geometry, ctx), sigma)
             if k < len(schedule.renoise_sigmas):
                 x = renoise(clean, noise(), schedule.renoise_sigmas[k])
-        if teacher:
-            clean = torch.cat([teacher.get(s.id, clean[i : i + 1]).to(self.device) for i, s in enumerate(sessions)])
-        self._commit_forward(clean, condition, camera, geometry, ctx)
+        if self.config.kv_reuse:  # the last step's forward has written the block's K/V: they are its history
+            committed, commit_t = x, float(t)
+        else:
+            if teacher:
+                clean = torch.cat([teacher.get(s.id, clean[i : i + 1]).to(self.device)
+                                   for i, s in enumerate(sessions)])
+            committed, commit_t = clean, 0.0
+            self._commit_forward(committed, condition, camera, geometry, ctx, commit_t)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
@@ -288,7 +296,7 @@ class WorldModelEngine:
         for i, (s, step) in enumerate(zip(sessions, steps)):
             s.cache.commit()
             if s.commits is not None:
-                s.keep_commit(CommitRecord(starts[i], clean[i : i + 1].clone(), poses[i],
+                s.keep_commit(CommitRecord(starts[i], committed[i : i + 1].clone(), commit_t, poses[i],
                                            condition_latents[i : i + 1].clone()))
             s.block_index += 1
             outputs.append(
@@ -380,19 +388,21 @@ class WorldModelEngine:
         return torch.stack([camera_features(p, s.camera.intrinsics, g.height, g.width, fold)
                             for s, p in zip(sessions, poses)]).to(self.device)
 
-    def _commit_forward(self, clean: torch.Tensor, condition: torch.Tensor, camera: torch.Tensor, g: VideoGeometry,
-                        ctx: ForwardContext) -> None:
-        """The clean-KV commit: one forward at t = 0 on the blocks' clean latents writes their keys/values into
-        the caches' slot after the history (`commit` then keeps them)."""
-        timesteps = torch.zeros((clean.shape[0], g.block_frames), device=self.device)
-        self._predict(clean, condition, camera, timesteps, g, ctx)
+    def _commit_forward(self, latents: torch.Tensor, condition: torch.Tensor, camera: torch.Tensor, g: VideoGeometry,
+                        ctx: ForwardContext, t: float) -> None:
+        """One forward at timestep t on the blocks' latents writes their keys/values into the caches' slot after
+        the history (`commit` then keeps them): the clean-KV commit (t = 0 on the clean latents), or a kept
+        record's forward again."""
+        timesteps = torch.full((latents.shape[0], g.block_frames), t, device=self.device)
+        self._predict(latents, condition, camera, timesteps, g, ctx)
 
     def _recommit(self, session: Session, record: CommitRecord) -> None:
-        """The commit forward of one kept block again, under the session's text K/V in force."""
+        """The forward that wrote one kept block's K/V again, under the session's text K/V in force."""
         g, starts = session.geometry, [record.first_frame]
         condition = self._with_masks(record.condition, starts, g)
         camera = self._camera([session], [record.poses], g)
-        self._commit_forward(record.clean, condition, camera, g, self._context([session], starts, g))
+        self._commit_forward(record.latents, condition, camera, g, self._context([session], starts, g),
+                             record.timestep)
 
     def _context(self, sessions: list[Session], starts: list[int], g: VideoGeometry) -> ForwardContext:
         head_dim = self.ckpt.transformer.head_dim

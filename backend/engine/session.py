@@ -17,22 +17,24 @@ from .geometry import VideoGeometry
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """What one committed block was made of: enough to run its commit forward again (engine.recache).
+    """What one committed block was made of: enough to run the forward that wrote its K/V again (engine.recache).
 
     At the 14B geometry (480x832, z 16, 3-frame blocks: latents 16 x 3 x 60 x 104) one record is 2,396,352 B:
-    the clean latents and the condition latents 1,198,080 B each in float32, the poses 192 B
+    its latents and the condition latents 1,198,080 B each in float32, the poses 192 B
     (model/memory.commit_record_bytes). A window of 18 frames with a 6-frame sink holds the tokens of at most 6
     blocks, so a session keeps at most 6 records between blocks: 14,378,112 B (13.7 MiB) on every rank, beside
     its 23 GB self-attention window at SP1.
     """
 
     first_frame: int  # its first latent frame (its RoPE positions and condition mask)
-    clean: torch.Tensor  # [1, z, block_frames, h, w] float32: the latents its commit forward took
+    latents: torch.Tensor  # [1, z, block_frames, h, w] float32: what that forward took (the clean latents; under
+    # kv_reuse the last DMD step's noisy input)
+    timestep: float  # that forward's timestep: 0 for the commit forward, under kv_reuse the last step's
     poses: torch.Tensor  # [block_frames, 4, 4] float32: its model poses (CameraTrack.next_block)
     condition: torch.Tensor  # [1, z, block_frames, h, w] float32: its condition latents (broadcast, no mask)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.clean, self.poses, self.condition))
+        return sum(t.numel() * t.element_size() for t in (self.latents, self.poses, self.condition))
 
 
 @dataclass

@@ -55,6 +55,6 @@ def text_cache_bytes(cfg: TransformerConfig, ranks: int, itemsize: int) -> int:
 
 
 def commit_record_bytes(z_dim: int, block_frames: int, latent_height: int, latent_width: int) -> int:
-    """One committed block's record kept for a recache (engine/session.CommitRecord), on every rank: its clean
-    and condition latents [z, block_frames, h, w] and its poses [block_frames, 4, 4], all float32."""
+    """One committed block's record kept for a recache (engine/session.CommitRecord), on every rank: its
+    forward's latents and condition latents [z, block_frames, h, w] and its poses [block_frames, 4, 4], all float32."""
     return (2 * z_dim * latent_height * latent_width + 16) * block_frames * 4

@@ -281,6 +281,12 @@ class LingBotTransformer(nn.Module):
         self.blocks = nn.ModuleList([CausalBlock(cfg, tp_degree) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
 
+    def compile_blocks(self) -> None:
+        """torch.compile each block, compiled on first use (a LayerContext makes one graph serve every layer);
+        cache lengths vary, so shapes are dynamic."""
+        for block in self.blocks:
+            block.compile(dynamic=True)
+
     def weight_bytes(self) -> int:
         """Bytes of the parameters this rank holds."""
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
