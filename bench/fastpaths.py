@@ -1,7 +1,7 @@
 """Fast paths against the exact path, in one table: forwards and FLOP per block at the 14B geometry, CPU DiT time
 and the latents' distance from the exact path.
 
-    python -m bench.fastpaths [--preset mid] [--blocks 8] [--height 64 --width 64] [--decoder wan]
+    python -m bench.fastpaths [--preset mid] [--blocks 8] [--height 64 --width 64]
 
 Each row is one fast path (a setting, off by default: EngineConfig.kv_reuse, window_frames / sink_frames): the
 exact path (window 18, sink 6, the commit forward), kv_reuse, smaller windows and sinks, kv_reuse with the
@@ -17,9 +17,8 @@ smallest window.
   blocks; the ratio is against the exact path's. Distance: the latents of all the blocks against the exact path's
   (same seed, camera, prompt states), max and mean abs difference.
 
-`--decoder` picks the VAE decoder the rows are decoded with: `wan` (the published one; decoding is outside the DiT
-time and the distance, so it changes no figure here). The tiny decoder's row (its decode time and pixel distance
-against the Wan decoder's) is built in branch `decoder`; it is a choice here so that its row lands in this table.
+The decoder's fast path (`decoder=tiny`) changes none of these figures (the DiT and its latents are the same): its
+decode time against the Wan VAE's is `python -m bench.decode --decoder tiny` (bench/README section 16).
 """
 from __future__ import annotations
 
@@ -45,7 +44,6 @@ from bench.timing import Clock, ForwardTimer
 BLOCK_FRAMES = 3
 TOKENS_PER_FRAME_14B = 30 * 52  # 480x832: 60x104 latents, 2x2 patches
 BF16_BYTES = 2
-DECODERS = ("wan", "tiny")  # tiny: branch `decoder`
 CPU = Workload(height=64, width=64, blocks=8, dtype="float32", window_frames=GPU.window_frames,
                sink_frames=GPU.sink_frames)
 
@@ -180,19 +178,14 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=CPU.blocks, help="blocks of each CPU session")
     parser.add_argument("--height", type=int, default=CPU.height)
     parser.add_argument("--width", type=int, default=CPU.width)
-    parser.add_argument("--decoder", choices=DECODERS, default="wan",
-                        help="the VAE decoder of the rows; tiny: its row comes from branch `decoder`")
     args = parser.parse_args()
-    if args.decoder != "wan":
-        raise SystemExit(f"error: --decoder {args.decoder}: the tiny decoder's row is built in branch `decoder`, "
-                         "not in this one")
     w = dataclasses.replace(CPU, blocks=args.blocks, height=args.height, width=args.width)
     begin = time.perf_counter()
     runs = measure(args.preset, w, PATHS)
     print(f"CPU: {args.preset} preset (random weights), {w.height}x{w.width}, {w.dtype}, {w.blocks} blocks of "
           f"{BLOCK_FRAMES} latent frames, SP1, {torch.get_num_threads()} torch threads, the paths taking turns "
           f"block by block ({time.perf_counter() - begin:.0f} s); exact latents' mean abs "
-          f"{np.abs(runs[0].latents).mean():.3g}. 14B: one full-window block at 480x832, decoder {args.decoder}.")
+          f"{np.abs(runs[0].latents).mean():.3g}. 14B: one full-window block at 480x832.")
     print(table(PATHS, base_config(w), runs))
 
 
