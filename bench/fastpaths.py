@@ -15,8 +15,8 @@ smallest window.
   one throw-away block each, then one `--blocks` session each, the paths taking turns block by block so that the
   machine's load falls alike on all of them. DiT time: the transformer's forwards (hooks), summed over the
   blocks; the ratio is against the exact path's, beside the median of the per-block ratios (a block that the
-  machine's load hits moves the sums, less so the median). Distance: the latents of all the blocks against the exact path's
-  (same seed, camera, prompt states), max and mean abs difference.
+  machine's load hits moves the sums, less so the median). Distance: the latents of all the blocks against the
+  exact path's (same seed, camera, prompt states), max and mean abs difference.
 
 `--decoder` picks the VAE decoder the rows are decoded with: `wan` (the published one; decoding is outside the DiT
 time and the distance, so it changes no figure here). The tiny decoder's row (its decode time and pixel distance
