@@ -183,9 +183,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=CPU.blocks, help="blocks of each CPU session")
     parser.add_argument("--height", type=int, default=CPU.height)
     parser.add_argument("--width", type=int, default=CPU.width)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's); on a shared machine 1 "
+                        "keeps a busy core from stalling every matrix product")
     parser.add_argument("--decoder", choices=DECODERS, default="wan",
                         help="the VAE decoder of the rows; tiny: its row comes from branch `decoder`")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.decoder != "wan":
         raise SystemExit(f"error: --decoder {args.decoder}: the tiny decoder's row is built in branch `decoder`, "
                          "not in this one")
