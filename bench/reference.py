@@ -254,8 +254,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled side")
     parser.add_argument("--repeats", type=int, default=3, help="calls of each forward per side; the least time counts")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's); on a shared machine 1 "
+                        "keeps a busy core from stalling every matrix product")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.blocks <= STEADY_FROM:
         raise SystemExit(f"error: --blocks must be more than {STEADY_FROM} (blocks 0 and 1 are left out of the ratios)")
 

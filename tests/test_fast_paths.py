@@ -53,8 +53,8 @@ def test_kv_reuse_runs_4_forwards_a_block_where_the_exact_path_runs_5(
         engine: WorldModelEngine, reuse: WorldModelEngine) -> None:
     exact, exact_forwards = rollout(engine, num_frames=21)
     fast, fast_forwards = rollout(reuse, num_frames=21)
-    assert exact_forwards == [5] * 2 and engine.config.forwards_per_block == 5
-    assert fast_forwards == [4] * 2 and reuse.config.forwards_per_block == 4
+    assert exact_forwards == [5, 5] and engine.config.forwards_per_block == 5
+    assert fast_forwards == [4, 4] and reuse.config.forwards_per_block == 4
     assert np.array_equal(fast[:, :, :3], exact[:, :, :3])  # the first block has no history to differ in
     assert np.abs(fast[:, :, 3:] - exact[:, :, 3:]).max() > 1e-3
 
