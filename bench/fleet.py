@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
@@ -36,6 +36,7 @@ from backend.launch.balancer import server_states
 from backend.parallel.ports import free_port
 from bench.common import (BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, percentile,
                           server_parameters)
+from bench.timing import wait_for
 from client.steer import SteeredSession
 from client.stream import StreamRequest, request_inputs, run_sessions
 
@@ -51,14 +52,6 @@ class Fleet:
     def state(self, name: str) -> str:
         return server_states(self.stats_socket)[name]
 
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.05) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"no {what} within {timeout:g} s")
-        time.sleep(every)
-    return time.monotonic() - start
 
 
 @contextlib.contextmanager

@@ -27,19 +27,11 @@ from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from bench.common import BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, server_parameters
 from bench.streaming import stream_request
+from bench.timing import wait_for
 from client.stream import StreamingSession
 
 COLLECTIVE_TIMEOUT_S = 5.0
 
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.1) -> float:
-    """Seconds until `condition()` holds; raises naming `what` after `timeout`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"no {what} within {timeout:g} s")
-        time.sleep(every)
-    return time.monotonic() - start
 
 
 def metric(server: TritonServer, name: str, rank: int | None = None) -> float:

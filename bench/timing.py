@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import torch
@@ -51,3 +52,13 @@ class ForwardTimer:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.05) -> float:
+    """Seconds until `condition()` holds, polled every `every` s; raises naming `what` after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"no {what} within {timeout:g} s")
+        time.sleep(every)
+    return time.monotonic() - start
