@@ -245,9 +245,13 @@ def leave_and_return(fleet: Fleet, victim: Group, pid: int, what: str) -> None:
     back_s = time.monotonic() - killed
     fleet.settle(30)
     before = gauge(victim, "lingbot_world_blocks_total")
-    threads, outcomes = start_sessions(fleet.url, 2, frames=9)
-    join(threads)
-    assert all(o.error is None for o in outcomes) and gauge(victim, "lingbot_world_blocks_total") > before
+    for _ in range(3):  # pairs at once until the victim serves one (leastconn ties may pick the other group first)
+        threads, outcomes = start_sessions(fleet.url, 2, frames=9)
+        join(threads)
+        assert all(o.error is None for o in outcomes), outcomes
+        if gauge(victim, "lingbot_world_blocks_total") > before:
+            break
+    assert gauge(victim, "lingbot_world_blocks_total") > before, f"{victim.name} took no session after it returned"
     print(f"{what} killed: out of rotation after {left_s:.1f} s, its stream ended after "
           f"{failed[0].ended_s - killed:.1f} s ({failed[0].error[:80]}...), back after {back_s:.1f} s")
 
