@@ -22,7 +22,8 @@ The reference is imported from `--reference` at run time; nothing of it is in th
   routed to torch SDPA in the inputs' dtype (the project's `sdpa_attention`), so both sides run the same kernel.
   The reference's own SDPA fallback would cast float32 to bfloat16 first.
 Weights: `WanModelFast`'s state dict has the project's names one for one (the project loads the published
-checkpoint under its own names); the reference's model takes the project's tensors themselves (strict, assign).
+checkpoint under its own names); the reference's model, built on the meta device, takes the project's tensors
+themselves (strict, assign).
 """
 from __future__ import annotations
 
@@ -108,11 +109,18 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len
 
 def reference_model(model_fast: types.ModuleType, cfg: TransformerConfig, g: Geometry,
                     ours: LingBotTransformer) -> torch.nn.Module:
-    model = model_fast.WanModelFast(
-        model_type="i2v", patch_size=cfg.patch_size, text_len=cfg.text_len, in_dim=cfg.in_dim, dim=cfg.dim,
-        ffn_dim=cfg.ffn_dim, freq_dim=cfg.freq_dim, text_dim=cfg.text_dim, out_dim=cfg.out_dim,
-        num_heads=cfg.num_heads, num_layers=cfg.num_layers, local_attn_size=g.window_frames,
-        sink_size=g.sink_frames, qk_norm=cfg.qk_norm, cross_attn_norm=cfg.cross_attn_norm, eps=cfg.eps)
+    """`WanModelFast` of `cfg` on the project's tensors, built on the meta device (no weights of its own). Its RoPE
+    table (a plain attribute its __init__ computes) comes from a one-head model of the same head_dim on CPU."""
+    arguments = dict(model_type="i2v", patch_size=cfg.patch_size, text_len=cfg.text_len, in_dim=cfg.in_dim,
+                     dim=cfg.dim, ffn_dim=cfg.ffn_dim, freq_dim=cfg.freq_dim, text_dim=cfg.text_dim,
+                     out_dim=cfg.out_dim, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                     local_attn_size=g.window_frames, sink_size=g.sink_frames, qk_norm=cfg.qk_norm,
+                     cross_attn_norm=cfg.cross_attn_norm, eps=cfg.eps)
+    with torch.device("meta"):
+        model = model_fast.WanModelFast(**arguments)
+    one_head = arguments | dict(dim=cfg.head_dim, ffn_dim=cfg.head_dim, num_heads=1, num_layers=1, text_dim=8,
+                                freq_dim=8, text_len=1)
+    model.freqs = model_fast.WanModelFast(**one_head).freqs
     model.load_state_dict(ours.state_dict(), strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
