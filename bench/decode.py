@@ -5,7 +5,7 @@ Ways to decode the same session's blocks of random latents with the same random-
   whole, a rank's share one process with one SPn rank's share of the cores (an SPn owner with split_decode=false);
   split SPn             SPn processes, each with its share, decoding its band of rows (split_decode=true).
 Each block's frames are compared with the whole decode's (max difference in gray levels).
---default-kernels adds the whole decodes on torch's default CPU kernels (the path before backend/model/cpu_decoder),
+--default-kernels adds the whole decodes on torch's default CPU kernels (the path before backend/model/cpu_vae),
 and the largest float difference of a whole-clip decode against the fast path's. --decoder tiny adds the tiny
 decoder (decoder=tiny: TAEHV for Wan 2.1, random weights in taew2_1.pth's layout) on the same threads, decoding
 16-channel latents of the same size; it is another model, so its frames are not compared. --profile prints where
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=416)
     parser.add_argument("--blocks", type=int, default=3, help="AR blocks of 3 latent frames; the first is not timed")
     parser.add_argument("--default-kernels", action="store_true",
-                        help="also decode whole frames on torch's default CPU kernels (before cpu_decoder)")
+                        help="also decode whole frames on torch's default CPU kernels (before cpu_vae)")
     parser.add_argument("--decoder", choices=("vae", "tiny"), default="vae",
                         help="tiny: also time the tiny decoder (random weights in taew2_1.pth's layout, written to "
                              f"{TINY_WEIGHTS.relative_to(BUILD_DIR.parent)}) on the same threads")

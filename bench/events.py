@@ -51,7 +51,7 @@ def rebuild_rows(cfg: TransformerConfig, degrees: list[int]) -> list[list[str]]:
     embed = cfg.text_len * (cfg.text_dim * d + d * d)  # text_embedding's two layers
     tokens = GPU.height // 16 * GPU.width // 16 * 3  # a block of 3 latent frames at 480x832
     keys = block_keys(GPU.window_frames, 3, GPU.window_frames, tokens // 3)
-    block = forward_flops(cfg, tokens, keys).total * (DENOISE_STEPS + 1)
+    block = forward_flops(cfg, tokens, keys).block(DENOISE_STEPS + 1)
     for sp in degrees:
         built = 2.0 * (macs + embed)  # every rank projects all heads, then keeps its shard (norm_k spans them)
         sharded = 2.0 * (macs / sp + embed)  # were k and v projected per head shard

@@ -90,7 +90,7 @@ def full_window_cost(cfg: TransformerConfig, config: EngineConfig) -> BlockCost:
     forwards = config.forwards_per_block
     return BlockCost(
         forwards=forwards,
-        flop=forwards * forward_flops(cfg, tokens, keys).total,
+        flop=forward_flops(cfg, tokens, keys).block(forwards),
         cache_bytes=self_cache_bytes(cfg, config.window_frames * TOKENS_PER_FRAME_14B, 1, BF16_BYTES),
         kv_read_bytes=forwards * self_cache_bytes(cfg, keys, 1, BF16_BYTES),
     )

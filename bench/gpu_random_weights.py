@@ -49,7 +49,8 @@ from bench.timing import Clock, ForwardTimer
 # The published reference on one H200, SP1, 480x832, 81 frames, bf16, torch.compile on.
 REFERENCE = {"block_ms": 2397.0, "request_s": 17.7, "peak_allocated_gib": 69.3}
 BF16_MATMUL_TFLOPS = 790.0  # a bf16 matrix product on an H200 (bench/README has the measurement)
-# Its full-window block: 5 forwards of 4,680 tokens (3 x 30 x 52) over 18 x 1,560 keys, about 1,307 TFLOP.
+# Its full-window block: 5 forwards of 4,680 tokens (3 x 30 x 52) over 18 x 1,560 keys, each with the camera
+# branch (the reference runs it in every forward), about 1,307 TFLOP.
 REFERENCE_BLOCK_FLOP = 5 * forward_flops(TransformerConfig.lingbot_14b(), 3 * 1560, 18 * 1560).total
 DRY_RUN = Workload(height=64, width=64, blocks=3, dtype="bfloat16", window_frames=9, sink_frames=3)
 GIB = 2**30
@@ -139,7 +140,7 @@ def timed_request(engine: WorldModelEngine, request: SessionRequest, mode: str) 
     timings = []
     for (index, forwards, condition_ms, block_ms), (d0, d1) in zip(blocks, decoded):
         keys = block_keys(index, g.block_frames, engine.window_frames, g.tokens_per_frame)
-        flop = len(forwards) * forward_flops(tcfg, g.block_tokens, keys).total
+        flop = forward_flops(tcfg, g.block_tokens, keys).block(len(forwards))
         timings.append(BlockTiming(index, keys, forwards, condition_ms, block_ms, (d1 - d0) * 1000.0, flop))
     decode_s = sum(d1 - d0 for d0, d1 in decoded)
     overlap_s = sum(_overlap(d, b) for d in decoded for b in dit)

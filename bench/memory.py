@@ -5,7 +5,9 @@
 Weights: the 1,421 tensors of tests/data/lingbot_v2_14b_transformer_keys.json, each counted at the shape a TP
 rank holds (the module built for tp ranks on the meta device: its 1/tp of the split dim, or the whole tensor),
 and checked against backend/model/memory.py's closed form. Caches: one session's self-attention window and prompt
-K/V on num_heads / (tp x sp) heads. Rank 0 also holds the umT5-XXL text encoder; every rank the Wan VAE.
+K/V on num_heads / (tp x sp) heads; while a block runs, its camera modulation (every layer's 1 + scale and shift for
+the rank's tokens and channels, made once a block: model/memory.camera_modulation_bytes). Rank 0 also holds the
+umT5-XXL text encoder; every rank the Wan VAE.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import math
 import torch
 
 from backend.model.config import TransformerConfig
-from backend.model.memory import self_cache_bytes, text_cache_bytes, weight_parameters
+from backend.model.memory import camera_modulation_bytes, self_cache_bytes, text_cache_bytes, weight_parameters
 from backend.model.tensor_slices import TensorPart
 from backend.model.transformer import LingBotTransformer
 from backend.launch.paths import REPO_ROOT
@@ -24,6 +26,7 @@ from bench.common import format_table
 
 MANIFEST = REPO_ROOT / "tests" / "data" / "lingbot_v2_14b_transformer_keys.json"
 BF16 = 2
+BLOCK_FRAMES = 3  # latent frames a block (the diffusers layout's; the official layout's 4 make it 4/3 larger)
 GIB = 2**30
 TEXT_ENCODER_GIB = 11.4e9 / GIB  # umT5-XXL encoder in bf16 (5.7 B parameters), rank 0 only
 VAE_GIB = 0.5e9 / GIB  # Wan 2.1 VAE in float32 (127 M parameters), every rank (the decode is split)
@@ -66,7 +69,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=832)
     args = parser.parse_args()
     cfg = TransformerConfig.lingbot_14b()
-    window_tokens = args.window_frames * (args.height // 16) * (args.width // 16)
+    tokens_per_frame = (args.height // 16) * (args.width // 16)
+    window_tokens = args.window_frames * tokens_per_frame
     weights = {tp: weight_bytes_from_manifest(cfg, tp) / GIB for tp in sorted({tp for tp, _ in LAYOUTS})}
     # The reference's peak less what the rows count at SP1: activations, the decode's working memory, allocator
     # slack. Taken as the same on every rank and layout (activations shrink with sp: an upper bound).
@@ -77,16 +81,17 @@ def main() -> None:
         ranks = tp * sp
         kv = self_cache_bytes(cfg, window_tokens, ranks, BF16) / GIB
         text = text_cache_bytes(cfg, ranks, BF16) / GIB
-        others = weights[tp] + kv + text + VAE_GIB + working
+        camera = camera_modulation_bytes(cfg, BLOCK_FRAMES * tokens_per_frame, sp, tp, BF16) / GIB
+        others = weights[tp] + kv + text + camera + VAE_GIB + working
         rank0 = others + TEXT_ENCODER_GIB
         label = f"TP{tp} x SP{sp}"
-        rows.append([label, str(ranks), f"{weights[tp]:.2f}", f"{kv:.2f}", f"{text:.3f}", f"{rank0:.1f}",
+        rows.append([label, str(ranks), f"{weights[tp]:.2f}", f"{kv:.2f}", f"{text:.3f}", f"{camera:.2f}", f"{rank0:.1f}",
                      f"{others:.1f}", smallest_gpu(rank0), smallest_gpu(others)])
     print(f"14B DiT ({sum(1 for _ in json.loads(MANIFEST.read_text()))} tensors), bf16, {args.height}x{args.width}, "
           f"window {args.window_frames} frames = {window_tokens:,} tokens; GiB per GPU; umT5 {TEXT_ENCODER_GIB:.1f} on "
           f"rank 0, VAE {VAE_GIB:.2f} and working memory {working:.1f} on every rank; a card of S GB holds "
           f"S - {HEADROOM_GIB} GiB")
-    print(format_table(["layout", "GPUs", "DiT weights", "KV window", "text K/V", "rank 0", "other ranks",
+    print(format_table(["layout", "GPUs", "DiT weights", "KV window", "text K/V", "camera modulation", "rank 0", "other ranks",
                         "smallest GPU, rank 0", "smallest GPU, other ranks"], rows, left=1))
 
 

@@ -146,8 +146,8 @@ def flop_rows(cfg: TransformerConfig, w: Workload, blocks: int, block_frames: in
         kept = kept_blocks(n, block_frames, w.window_frames, w.sink_frames)
         recache = sum(forward_flops(cfg, tokens, block_keys(i, block_frames, w.window_frames, tokens_per_frame)).total
                       for i in range(kept))
-        block = (DENOISE_STEPS + 1) * forward_flops(
-            cfg, tokens, block_keys(n, block_frames, w.window_frames, tokens_per_frame)).total
+        block = forward_flops(cfg, tokens, block_keys(n, block_frames, w.window_frames, tokens_per_frame)).block(
+            DENOISE_STEPS + 1)
         rows.append([str(n), str(kept), f"{recache / 1e12:.0f}", f"{block / 1e12:.0f}", f"{recache / block:.2f}",
                      f"{kept * record:,}"])
     return rows

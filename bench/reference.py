@@ -63,8 +63,9 @@ Forward = Callable[[int, "ForwardInputs"], torch.Tensor]  # (block index, inputs
 class ForwardInputs:
     x: torch.Tensor  # [1, 16, F, h, w] noisy latents
     y: torch.Tensor  # [1, 20, F, h, w] mask + condition latents
-    camera: torch.Tensor  # [1, 384, F, h, w] camera features
+    camera: torch.Tensor  # [1, 384, F, h, w] camera features, one tensor for a block's forwards
     t: float
+    step: int  # the forward's place in its block: 0-3 the DMD steps, 4 the commit
 
 
 @dataclass(frozen=True)
@@ -151,9 +152,11 @@ def reference_forward(model: torch.nn.Module, cfg: TransformerConfig, g: Geometr
 
 
 def project_forward(model: LingBotTransformer, cfg: TransformerConfig, g: Geometry, states: torch.Tensor) -> Forward:
-    """The project's forward with its SelfAttentionCache (at a block's first forward: commit the block before,
-    make room) and the prompt's K/V projected once. A forward called again on the same inputs writes the same K/V
-    into the same slot, as the reference's does."""
+    """The project's forward as the engine runs it: its SelfAttentionCache (at a block's first forward: commit the
+    block before, make room), the prompt's K/V projected once, one ForwardContext for a block's forwards (made in
+    its first forward, whose call makes the block's camera modulation: every call of it, so that the least of
+    its repeats counts that work too). A forward called again on the same inputs writes the same K/V into the
+    same slot, as the reference's does."""
     tpf = g.tokens_per_frame(cfg)
     grid = (g.latent_h // cfg.patch_size[1], g.latent_w // cfg.patch_size[2])
     cache = SelfAttentionCache(cfg.num_layers, g.window_frames * tpf, BLOCK_FRAMES * tpf, g.sink_frames * tpf,
@@ -161,6 +164,7 @@ def project_forward(model: LingBotTransformer, cfg: TransformerConfig, g: Geomet
     text = model.text_caches(states, slice(None))
     sp = SequenceParallel()
     current = [-1]  # the block whose K/V the cache's slot holds
+    contexts: dict[int, ForwardContext] = {}  # the current block's, made at its first forward
 
     def forward(block: int, inputs: ForwardInputs) -> torch.Tensor:
         if block != current[0]:  # a new block: keep the last one's K/V, then make room
@@ -168,13 +172,14 @@ def project_forward(model: LingBotTransformer, cfg: TransformerConfig, g: Geomet
                 cache.commit()
             cache.make_room()
             current[0] = block
-        cos, sin = rope_tables(cfg.head_dim, block * BLOCK_FRAMES, BLOCK_FRAMES, *grid)
-        ctx = ForwardContext(sp=sp, attention=sdpa_attention, rope_cos=cos[None], rope_sin=sin[None],
-                             self_caches=[cache], text_caches=[text])
+        if inputs.step == 0:  # each call of a block's first forward makes the block's context and camera modulation
+            cos, sin = rope_tables(cfg.head_dim, block * BLOCK_FRAMES, BLOCK_FRAMES, *grid)
+            contexts.clear()
+            contexts[block] = ForwardContext(sp=sp, attention=sdpa_attention, rope_cos=cos[None], rope_sin=sin[None],
+                                             self_caches=[cache], text_caches=[text])
         latents = torch.cat([inputs.x, inputs.y], dim=1)
         timesteps = torch.full((1, BLOCK_FRAMES), inputs.t)
-        out = model(latents, inputs.camera, timesteps, tpf, ctx)[0]
-        return out
+        return model(latents, inputs.camera, timesteps, tpf, contexts[block])[0]
 
     return forward
 
@@ -201,7 +206,8 @@ def session_inputs(cfg: TransformerConfig, g: Geometry, blocks: int, seed: int) 
         mask = condition_mask(block * BLOCK_FRAMES, BLOCK_FRAMES, g.latent_h, g.latent_w, torch.device("cpu"))
         y = torch.cat([mask, rand(1, z, BLOCK_FRAMES, g.latent_h, g.latent_w)], dim=1)
         camera = rand(1, cfg.camera_channels, BLOCK_FRAMES, g.latent_h, g.latent_w)
-        inputs.append([ForwardInputs(rand(1, z, BLOCK_FRAMES, g.latent_h, g.latent_w), y, camera, t) for t in timesteps])
+        inputs.append([ForwardInputs(rand(1, z, BLOCK_FRAMES, g.latent_h, g.latent_w), y, camera, t, step)
+                       for step, t in enumerate(timesteps)])
     return inputs
 
 

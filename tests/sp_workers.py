@@ -14,11 +14,20 @@ from backend.api.request import SessionRequest
 
 def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest) -> dict:
     """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block forwards and exchange
-    bytes, the final cache shards and this rank's weight and cache bytes."""
+    bytes, the final cache shards, this rank's weight and cache bytes and each camera modulation it made."""
     sp = SequenceParallel(groups.data)
     engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
     calls: list[int] = []  # one entry per transformer forward
     engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+    camera_made: list[int] = []  # bytes of each camera modulation made (transformer.CameraModulation)
+    make_camera = engine.transformer.camera_modulation
+
+    def recording_camera(*args, **kwargs):
+        made = make_camera(*args, **kwargs)
+        camera_made.append(sum(t.nbytes for t in (*made.scale, *made.shift)))
+        return made
+
+    engine.transformer.camera_modulation = recording_camera
     with engine.session(request) as session:
         outputs, forwards = [], []
         for out, _ in engine.blocks(session, decode=False):
@@ -32,6 +41,7 @@ def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest)
             "all_reduce_bytes": [out.all_reduce_bytes for out in outputs],
             "all_gather_bytes": [out.all_gather_bytes for out in outputs],
             "weight_bytes": engine.transformer.weight_bytes(),
+            "camera_modulation_bytes": camera_made,
             "self_cache_bytes": session.cache.nbytes(),
             "text_cache_bytes": session.text.nbytes(),
             "window_tokens": session.cache.capacity,

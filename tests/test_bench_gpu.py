@@ -21,7 +21,11 @@ def test_flop_model_of_the_14b_full_window_forward() -> None:
     assert keys == 28_080 and block_keys(0, 3, 18, 1560) == 3 * 1560
     flops = forward_flops(cfg, 3 * 30 * 52, keys)
     assert flops.total / 1e12 == pytest.approx(261, abs=5)
-    assert flops.linear / 1e12 == pytest.approx(151, abs=2)
+    assert flops.linear / 1e12 == pytest.approx(112, abs=1)
+    assert flops.camera / 1e12 == pytest.approx(40, abs=1)
+    # The camera branch runs once a block: 5 forwards are 5 x 261 less 4 x 40 (the reference's block: 1,307).
+    assert flops.block(5) / 1e12 == pytest.approx(1147, abs=2)
+    assert 5 * flops.total / 1e12 == pytest.approx(1307, abs=2)
     assert flops.self_attention / 1e12 == pytest.approx(108, abs=1)
     assert flops.cross_attention / 1e12 == pytest.approx(2, abs=0.1)
 

@@ -17,7 +17,7 @@ from backend.api.request import Controls
 from backend.model.checkpoint import load_transformer
 from backend.model.config import read_checkpoint_configs
 from backend.model.layouts import resolve_layout
-from backend.model.memory import self_cache_bytes, text_cache_bytes, weight_parameters
+from backend.model.memory import camera_modulation_bytes, self_cache_bytes, text_cache_bytes, weight_parameters
 from backend.model.tensor_slices import TensorPart
 from backend.parallel.layout import RankLayout
 from backend.parallel.local import run_group
@@ -94,19 +94,22 @@ def test_weight_and_cache_bytes_per_rank_equal_the_formulas(rollouts, tiny_trans
         assert result["self_cache_bytes"] == self_cache_bytes(tiny_transformer, result["window_tokens"], tp * sp, FLOAT32)
         assert result["text_cache_bytes"] == text_cache_bytes(tiny_transformer, tp * sp, FLOAT32)
         assert result["self_cache_bytes"] * tp * sp == single["self_cache_bytes"]
+        # One camera modulation a block (5 blocks of 48 tokens), this rank's tokens and channels.
+        assert result["camera_modulation_bytes"] == [camera_modulation_bytes(tiny_transformer, 48, sp, tp, FLOAT32)] * 5
 
 
 @pytest.mark.parametrize(("tp", "sp"), LAYOUTS)
 def test_exchange_bytes_per_block_are_constant_and_equal_the_formulas(rollouts, tiny_transformer, tp: int, sp: int
                                                                      ) -> None:
     """Per forward and layer: all-to-all of q, k, v, out (self) and q, out (cross) on this TP slice's heads;
-    all-reduce of the four row-parallel outputs (self o, camera MLP, cross o, FFN) [L/sp, D] and of the three
-    qk-norm sums of squares [L/sp]; all-gather of this rank's camera-modulated channels [L/sp, D/tp]."""
+    all-reduce of the three row-parallel outputs (self o, cross o, FFN) [L/sp, D] and of the three qk-norm sums
+    of squares [L/sp]; all-gather of this rank's camera-modulated channels [L/sp, D/tp]. Once a block and layer
+    (the camera modulation): all-reduce of the camera MLP's row-parallel output [L/sp, D]."""
     block_tokens, dim, layers, forwards = 48, tiny_transformer.dim, tiny_transformer.num_layers, 5
     tokens = block_tokens // sp
     expected = {
         "a2a_bytes": forwards * layers * 6 * tokens * (dim // tp) * FLOAT32 * (sp - 1) // sp,
-        "all_reduce_bytes": forwards * layers * (4 * tokens * dim + 3 * tokens) * FLOAT32,
+        "all_reduce_bytes": (forwards * layers * (3 * tokens * dim + 3 * tokens) + layers * tokens * dim) * FLOAT32,
         "all_gather_bytes": forwards * layers * tokens * (dim // tp) * FLOAT32,
     }
     for result in rollouts[tp, sp]:

@@ -68,6 +68,7 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
         ({"sp_degree": 4}, 2, r"sp_degree=4 is larger than the process group's world size 2"),
         ({"default_height": 72}, 1, r"width x height = 64 x 72: each must be a positive multiple of the VAE x patch factor"),
         ({"dtype": "int8"}, 1, r"dtype='int8'"),
+        ({"cpu_vae_kernels": "mkl"}, 1, r"cpu_vae_kernels='mkl'; supported: \['onednn', 'torch'\]"),
         ({"window_frames": 5, "sink_frames": 3}, 1,
          r"window_frames=5 \(parameter\) must hold sink_frames=3 \(parameter\) plus one block of block_frames=3 "
          r"\(sink_frames from 0 to "

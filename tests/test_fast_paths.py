@@ -107,7 +107,8 @@ def test_a_recache_under_kv_reuse_replays_each_block_s_last_step(reuse: WorldMod
 
 
 def test_the_fast_path_table_s_14b_block_costs() -> None:
-    """bench.fastpaths' 14B columns: a full-window block of 4,680 tokens, 5 forwards on the exact path."""
+    """bench.fastpaths' 14B columns: a full-window block of 4,680 tokens, 5 forwards on the exact path (the camera
+    branch in the first alone: 5 x 261.3 less 4 x 39.8 TFLOP), 4 under kv_reuse (3 x 39.8 less)."""
     from backend.engine.config import EngineConfig
     from backend.model.config import TransformerConfig
     from bench.fastpaths import EXACT, PATHS, full_window_cost
@@ -116,7 +117,7 @@ def test_the_fast_path_table_s_14b_block_costs() -> None:
     costs = {p.name: full_window_cost(cfg, p.config(base)) for p in PATHS}
     exact, reuse = costs[EXACT.name], costs["kv_reuse"]
     assert (exact.forwards, reuse.forwards) == (5, 4)
-    assert exact.flop / 1e12 == pytest.approx(1307, abs=2) and reuse.flop == pytest.approx(exact.flop * 4 / 5)
+    assert exact.flop / 1e12 == pytest.approx(1147, abs=2) and reuse.flop / 1e12 == pytest.approx(926, abs=2)
     assert exact.cache_bytes == reuse.cache_bytes == 40 * 2 * 18 * 1560 * 5120 * 2  # 23 GB at SP1 in bf16
     assert costs["window 9, sink 3"].cache_bytes * 2 == exact.cache_bytes
     assert reuse.kv_read_bytes == 4 * exact.cache_bytes

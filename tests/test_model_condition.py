@@ -1,4 +1,5 @@
-"""The first-frame condition: streamed block by block, it equals the reference's whole-clip encode bit for bit."""
+"""The first-frame condition: streamed block by block, it equals the reference's whole-clip encode bit for bit, on
+either of the VAE's float32 CPU kernels (cpu_vae_kernels: oneDNN's, torch's own)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,12 +12,20 @@ from backend.model.condition import StreamingConditionEncoder, condition_mask, p
 LATENT_FRAMES = 27  # the tiny VAE reaches its fixed point on zero frames after 22 zero chunks
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["onednn", "torch"])
+def fast_cpu(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def vae() -> AutoencoderKLWan:
+def vae(fast_cpu: bool) -> AutoencoderKLWan:
+    """On the kernels `fast_cpu` picks (an encoder switches its VAE in place): the whole clip's too."""
     torch.manual_seed(0)
-    return AutoencoderKLWan(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, z_dim=4,
-                            temperal_downsample=[False, True, True],
-                            latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.7, 2.0, 1.1]).eval()
+    model = AutoencoderKLWan(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, z_dim=4,
+                             temperal_downsample=[False, True, True],
+                             latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.7, 2.0, 1.1]).eval()
+    StreamingConditionEncoder(model, fast_cpu=fast_cpu)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +60,8 @@ def test_mask_is_one_on_the_first_latent_frame_only() -> None:
     assert torch.all(first[:, :, 0] == 1) and torch.all(first[:, :, 1:] == 0) and torch.all(later == 0)
 
 
-def test_blocks_equal_the_whole_clip_and_the_fixed_point_is_reused(vae, image, whole) -> None:
-    encoder = StreamingConditionEncoder(vae)
+def test_blocks_equal_the_whole_clip_and_the_fixed_point_is_reused(vae, fast_cpu, image, whole) -> None:
+    encoder = StreamingConditionEncoder(vae, fast_cpu=fast_cpu)
     state = encoder.start(image)
     streamed = torch.cat([encoder.encode_next(state, 3) for _ in range(LATENT_FRAMES // 3)], dim=2)
     assert streamed.shape == whole.shape == (1, 4, LATENT_FRAMES, 3, 4)
@@ -64,8 +73,8 @@ def test_blocks_equal_the_whole_clip_and_the_fixed_point_is_reused(vae, image, w
     assert all(torch.equal(whole[:, :, -1 - i], state.steady[:, :, 0]) for i in range(reused))
 
 
-def test_first_block_encodes_only_its_own_frames(vae, image, whole) -> None:
-    encoder = StreamingConditionEncoder(vae, max_probe_chunks=2)
+def test_first_block_encodes_only_its_own_frames(vae, fast_cpu, image, whole) -> None:
+    encoder = StreamingConditionEncoder(vae, max_probe_chunks=2, fast_cpu=fast_cpu)
     state = encoder.start(image)
     assert torch.equal(encoder.encode_next(state, 3), whole[:, :, :3])
     assert state.stats["encoded"] == 3

@@ -36,7 +36,7 @@ def test_vae_decode_uses_the_reference_latent_scale() -> None:
     latents = torch.randn(1, z, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
     scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)  # the reference's scale[1]
-    streaming = StreamingVae(vae, CPU)  # first: it may switch the decoder's kernels (cpu_decoder), for both decodes
+    streaming = StreamingVae(vae, CPU)  # first: it may switch the decoder's kernels (cpu_vae), for both decodes
     with torch.no_grad():
         expected = to_uint8(vae.decode(latents / scale + mean).sample[0])  # WanVAE_.decode: z / scale[1] + scale[0]
         other_order = to_uint8(vae.decode(latents * torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)

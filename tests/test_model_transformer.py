@@ -97,3 +97,44 @@ def test_compiled_blocks_share_graphs_across_layers() -> None:
         cache.commit()
     torch._dynamo.reset()
     assert 0 < len(graphs) <= 4, len(graphs)
+
+
+def test_the_camera_branch_runs_once_a_block_and_gives_the_same_bits(model: LingBotTransformer) -> None:
+    """A block's forwards (its DMD steps and the commit, one context) make its camera modulation once; their
+    outputs are bit-identical to forwards that each make it (a context per forward, as the reference does); a
+    forward on other camera features makes their own."""
+    f, h, w = 3, 4, 6
+    tpf = (h // 2) * (w // 2)
+    generator = torch.Generator().manual_seed(5)
+    latents = [torch.randn(1, CONFIG.in_dim, f, h, w, generator=generator) for _ in range(5)]
+    camera, other_camera = (torch.randn(1, 384, f, h, w, generator=generator) for _ in range(2))
+    text = [model.text_caches(torch.randn(1, 5, CONFIG.text_dim, generator=generator), slice(0, CONFIG.num_heads))]
+    cos, sin = rope_tables(CONFIG.head_dim, 0, f, h // 2, w // 2)
+
+    def context() -> ForwardContext:
+        cache = SelfAttentionCache(CONFIG.num_layers, CONFIG.local_attn_size * tpf, f * tpf, CONFIG.sink_size * tpf,
+                                   CONFIG.num_heads, CONFIG.head_dim, torch.float32, torch.device("cpu"))
+        cache.make_room()
+        return ForwardContext(SequenceParallel(), sdpa_attention, cos[None], sin[None], [cache], text)
+
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, _i, _o: calls.append(m))
+             for layer in (model.patch_embedding_wancamctrl, *(b.cam_injector_layer1 for b in model.blocks),
+                           *(b.cam_scale_layer for b in model.blocks))]
+    try:
+        with torch.no_grad():
+            block = context()
+            once = [model(x, camera, torch.full((1, f), t), tpf, block) for x, t in zip(latents, (999, 937, 833, 624, 0))]
+            assert len(calls) == 1 + 2 * CONFIG.num_layers  # the first forward's, not again
+            each = [model(x, camera, torch.full((1, f), t), tpf, context())
+                    for x, t in zip(latents, (999, 937, 833, 624, 0))]
+            assert len(calls) == 6 * (1 + 2 * CONFIG.num_layers)
+            other = model(latents[0], other_camera, torch.full((1, f), 999), tpf, block)
+            assert len(calls) == 7 * (1 + 2 * CONFIG.num_layers)
+            expected_other = model(latents[0], other_camera, torch.full((1, f), 999), tpf, context())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for a, b in zip(once, each):
+        assert torch.equal(a, b)
+    assert torch.equal(other, expected_other) and not torch.equal(other, once[0])

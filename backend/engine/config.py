@@ -9,6 +9,7 @@ SUPPORTED_SP_MODES = ("ulysses",)
 KNOWN_UNSUPPORTED_SP_MODES = ("ring", "all_gather", "a2a_permute", "hybrid")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
 DECODERS = ("vae", "tiny")  # the Wan VAE; the TAEHV tiny decoder for Wan 2.1 (backend/model/tiny_vae)
+CPU_VAE_KERNELS = ("onednn", "torch")  # the VAE's float32 CPU kernels (backend/model/cpu_vae); torch's own
 # The settings a checkpoint decides unless a parameter does, each with the EngineConfig value that leaves it to the
 # checkpoint (its files, else its layout's source defaults); validation.resolve_settings reads this table.
 CHECKPOINT_SETTINGS = {"block_frames": 0, "timestep_shift": 0.0, "window_frames": 0, "sink_frames": -1}
@@ -39,6 +40,8 @@ class EngineConfig:
     # tiny is an opt-in fast path: another model, its frames not the VAE's; recorded in settings_used
     tiny_decoder_path: str = ""  # the TAEHV weights for Wan 2.1 (taew2_1.pth or .safetensors) that decoder=tiny reads
     split_decode: bool = True  # SP ranks share each block's decode, a band of image rows each (else the owner's)
+    cpu_vae_kernels: str = "onednn"  # the VAE's float32 CPU convolutions (condition encode, decode): onednn (~5x
+    # faster) or torch (torch's own kernels, as every server before onednn: their recordings replay bit for bit)
     compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical
     kv_reuse: bool = False  # a fast path: a block's history is the K/V its last DMD step wrote (its noisy input at
     # that step's timestep) instead of a clean-KV commit forward's: 4 forwards a block, not 5; other latents

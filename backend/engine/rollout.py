@@ -81,14 +81,16 @@ class WorldModelEngine:
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
                                      (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
         # The block decoder: the Wan VAE's, or the tiny decoder's (decoder=tiny), which decodes on the owner alone.
+        fast_cpu = config.cpu_vae_kernels == "onednn"  # the VAE's float32 CPU kernels (model/cpu_vae)
         self.vae: StreamingVae | StreamingTinyDecoder
         if parts.tiny_decoder is not None:
             self.vae = StreamingTinyDecoder(parts.tiny_decoder, self.device)
             parts.vae.decoder = parts.vae.post_quant_conv = None  # never runs
         else:
-            self.vae = StreamingVae(parts.vae, self.device, decode_group)
+            self.vae = StreamingVae(parts.vae, self.device, decode_group, fast_cpu)
         # The first-frame condition is encoded on ENCODER_RANK and broadcast, like the prompt.
-        self.conditions = StreamingConditionEncoder(parts.vae) if self.sp.rank == ENCODER_RANK else None
+        self.conditions = (StreamingConditionEncoder(parts.vae, fast_cpu=fast_cpu) if self.sp.rank == ENCODER_RANK
+                           else None)
         if self.conditions is None:
             parts.vae.encoder = None  # never runs here
         steps = config.denoise_steps
@@ -147,7 +149,7 @@ class WorldModelEngine:
         if keep_commits and self.window_frames == GLOBAL_WINDOW:
             raise InputError(GLOBAL_RECACHE)
         tcfg = self.ckpt.transformer
-        image = torch.from_numpy(np.ascontiguousarray(request.image))
+        image = torch.tensor(request.image)  # a copy: the caller's array may be read-only
         mesh = self.mesh
         tp_heads = tcfg.num_heads // mesh.tp.degree
         text = self._text_caches(request.prompt)

@@ -11,7 +11,7 @@ from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
 from ..model.layouts import resolve_layout
 from ..model import tiny_vae
-from .config import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES,
+from .config import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, CPU_VAE_KERNELS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES,
                      EngineConfig)
 from .geometry import VideoGeometry
 
@@ -103,6 +103,8 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
         raise ConfigError(f"dtype={config.dtype!r}; supported: {list(TORCH_DTYPES)}")
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={config.attention_backend!r}; supported: {list(ATTENTION_BACKENDS)}")
+    if config.cpu_vae_kernels not in CPU_VAE_KERNELS:
+        raise ConfigError(f"cpu_vae_kernels={config.cpu_vae_kernels!r}; supported: {list(CPU_VAE_KERNELS)}")
     if config.block_frames < 1 or config.denoise_steps < 1:
         raise ConfigError(f"block_frames={config.block_frames} and denoise_steps={config.denoise_steps} must be >= 1")
     if 1000 % config.denoise_steps != 0:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_vae
+
 MASK_CHANNELS = 4
 
 
@@ -46,13 +48,17 @@ class ConditionState:
 
 
 class StreamingConditionEncoder:
-    def __init__(self, vae: torch.nn.Module, max_probe_chunks: int = 64) -> None:
+    def __init__(self, vae: torch.nn.Module, max_probe_chunks: int = 64, fast_cpu: bool = True) -> None:
         """max_probe_chunks: zero chunks after which the fixed-point check stops (a tiny random VAE reaches it
-        after about 22, the Wan 2.1 architecture with random weights after about 30); encoding goes on."""
+        after about 22, the Wan 2.1 architecture with random weights after about 30); encoding goes on.
+        fast_cpu: a float32 encode on CPU takes cpu_vae's path (False keeps torch's default kernels)."""
         self.vae = vae
+        param = next(vae.parameters())
+        if fast_cpu and cpu_vae.applies(vae.encoder, param.device):
+            for part in (vae.encoder, vae.quant_conv):
+                cpu_vae.use_fast_cpu_path(part)
         self.max_probe_chunks = max_probe_chunks
         z = vae.config.z_dim
-        param = next(vae.parameters())
         self.mean = torch.tensor(vae.config.latents_mean, dtype=param.dtype, device=param.device).view(1, z, 1, 1, 1)
         self.inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=param.dtype, device=param.device).view(
             1, z, 1, 1, 1

@@ -58,3 +58,10 @@ def commit_record_bytes(z_dim: int, block_frames: int, latent_height: int, laten
     """One committed block's record kept for a recache (engine/session.CommitRecord), on every rank: its
     forward's latents and condition latents [z, block_frames, h, w] and its poses [block_frames, 4, 4], all float32."""
     return (2 * z_dim * latent_height * latent_width + 16) * block_frames * 4
+
+
+def camera_modulation_bytes(cfg: TransformerConfig, block_tokens: int, sp: int, tp: int, itemsize: int) -> int:
+    """One session's camera modulation while its block runs (transformer.CameraModulation, made once a block and
+    freed after it): every layer's (1 + scale) and shift for the rank's block_tokens / sp tokens and dim / tp
+    channels, in the compute dtype."""
+    return cfg.num_layers * 2 * (block_tokens // sp) * (cfg.dim // tp) * itemsize

@@ -20,6 +20,11 @@ layer are row parallel (partial sums, one float32 all-reduce over the TP group, 
 qk-norm normalises over all heads' channels, so its sum of squares is all-reduced. The camera modulation is
 applied to each rank's channel slice of the residual stream, which is then all-gathered. Norms, modulation,
 embeddings and the head are replicated. The Ulysses exchanges run on each TP slice's own heads.
+
+The camera branch (camera embedding and MLP, each layer's injector MLP and its scale/shift layers) depends on the
+block's camera alone, not on the latents or the timestep: it runs once per block (`camera_modulation`), and every
+forward of the block (4 DMD steps and the commit) applies the same per-layer (1 + scale, shift). The reference
+recomputes it in each forward; the values are the same bits either way.
 """
 from __future__ import annotations
 
@@ -38,9 +43,21 @@ from .kv_cache import LayerKV, SelfAttentionCache, TextCache
 from .rope import apply_rotary
 
 
+@dataclass(frozen=True)
+class CameraModulation:
+    """Each layer's camera modulation of one block, for this rank's tokens and channels: (1 + scale) and shift
+    [B, L/sp, D/tp] in the compute dtype (the reference rounds them to it). Made from `camera`, the block's camera
+    features, by `LingBotTransformer.camera_modulation`; its memory: model/memory.camera_modulation_bytes."""
+
+    camera: torch.Tensor  # the features it was made from: a forward on other features makes its own
+    scale: list[torch.Tensor]  # 1 + scale, per layer
+    shift: list[torch.Tensor]
+
+
 @dataclass
 class ForwardContext:
-    """What one forward over a batch of sessions' current blocks needs besides the tensors."""
+    """What the forwards over a batch of sessions' current blocks need besides the tensors; one context serves
+    all the forwards of those blocks (it keeps their camera modulation, made at the first forward)."""
 
     sp: SequenceParallel
     attention: AttentionFn
@@ -49,6 +66,7 @@ class ForwardContext:
     self_caches: list[SelfAttentionCache]  # one per batch element, this rank's head shard
     text_caches: list[TextCache]  # one per batch element
     tp: TensorParallel = field(default_factory=TensorParallel)
+    camera: CameraModulation | None = None  # the blocks' camera modulation, once made
 
     def layer(self, index: int) -> LayerContext:
         return LayerContext(
@@ -220,11 +238,17 @@ class CausalBlock(nn.Module):
         self.cam_scale_layer = nn.Linear(dim, local)
         self.cam_shift_layer = nn.Linear(dim, local)
 
+    def camera_modulation(self, cam: torch.Tensor, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+        """Camera tokens [B, L/sp, D] (compute dtype) -> (1 + scale, shift) for this rank's channels [B, L/sp, D/tp]
+        (compute dtype): the injector MLP (column then row parallel) with its residual, then scale and shift."""
+        c = row_parallel(self.cam_injector_layer2, F.silu(self.cam_injector_layer1(cam)), tp) + cam
+        return 1.0 + self.cam_scale_layer(c), self.cam_shift_layer(c)
+
     def forward(
-        self, x: torch.Tensor, mod: torch.Tensor, cam: torch.Tensor, ctx: LayerContext
+        self, x: torch.Tensor, mod: torch.Tensor, cam_scale: torch.Tensor, cam_shift: torch.Tensor, ctx: LayerContext
     ) -> torch.Tensor:
         """x [B, L/sp, D] (compute dtype entering block 0, float32 after), mod [B, L/sp, 6, D] float32,
-        cam [B, L/sp, D] camera tokens (compute dtype). Returns float32."""
+        cam_scale (1 + scale) and cam_shift [B, L/sp, D/tp] (compute dtype: `camera_modulation`). Returns float32."""
         cd = self.ffn[0].weight.dtype
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + mod).unbind(2)
 
@@ -232,12 +256,10 @@ class CausalBlock(nn.Module):
         h = layer_norm_fp32(x, self.eps).to(x.dtype).float() * (1 + scale1) + shift1
         x = x.float() + self.self_attn(h.to(cd), ctx).float() * gate1
 
-        # Camera injection (compute dtype for the MLP; 1 + scale is rounded to that dtype, then float32 math),
-        # on this rank's channels of x, gathered after.
+        # Camera injection (float32 math on the compute-dtype modulation), on this rank's channels of x, gathered after.
         tp = ctx.tp
-        c = row_parallel(self.cam_injector_layer2, F.silu(self.cam_injector_layer1(cam)), tp) + cam
         mine = x[..., tp.part(x.shape[-1])]
-        x = tp.gather_last((1.0 + self.cam_scale_layer(c)).float() * mine + self.cam_shift_layer(c).float())
+        x = tp.gather_last(cam_scale.float() * mine + cam_shift.float())
 
         # Cross-attention (no modulation, no gate).
         h = layer_norm_fp32(x, self.eps, self.norm3) if self.norm3 is not None else x
@@ -327,6 +349,13 @@ class LingBotTransformer(nn.Module):
         e = self.patch_embedding_wancamctrl(camera_tokens.to(cd))
         return e + self.c2ws_hidden_states_layer2(F.silu(self.c2ws_hidden_states_layer1(e)))
 
+    def camera_modulation(self, camera: torch.Tensor, sp: SequenceParallel, tp: TensorParallel) -> CameraModulation:
+        """Camera features [B, 384, F, H, W] -> every layer's (1 + scale, shift) for this rank's tokens (a TP
+        collective per layer: every rank of the group calls it alike)."""
+        tokens = self.camera_tokens(sp.shard(patchify(camera, self.config.patch_size), 1))
+        scale, shift = zip(*(block.camera_modulation(tokens, tp) for block in self.blocks))
+        return CameraModulation(camera, list(scale), list(shift))
+
     # -- forward -------------------------------------------------------------------------------------------
 
     def forward(
@@ -358,13 +387,15 @@ class LingBotTransformer(nn.Module):
         cd = self.patch_embedding.weight.dtype
         conv = self.patch_embedding
         x = F.linear(sp.shard(patchify(latents.to(cd), patch), 1), conv.weight.flatten(1), conv.bias)
-        cam = self.camera_tokens(sp.shard(patchify(camera, patch), 1))
+        if ctx.camera is None or ctx.camera.camera is not camera:  # the block's first forward
+            ctx.camera = self.camera_modulation(camera, sp, ctx.tp)
+        cam = ctx.camera
 
         temb, proj = self.time_embeddings(timesteps)
         frame_of_token = sp.shard(torch.arange(tokens, device=latents.device) // tokens_per_frame, 0)
         mod = proj[:, frame_of_token]  # [B, L/sp, 6, D]
         for layer, block in enumerate(self.blocks):
-            x = block(x, mod, cam, ctx.layer(layer))
+            x = block(x, mod, cam.scale[layer], cam.shift[layer], ctx.layer(layer))
 
         local_out = self.head(x, temb[:, frame_of_token])
         return unpatchify(sp.gather_seq(local_out, 1), patch, grid).float()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
 from ..parallel.rows import RowBands
-from . import cpu_decoder
+from . import cpu_vae
 from .split_decoder import SplitDecoder
 
 
@@ -27,11 +27,11 @@ class StreamingVae:
     def __init__(self, vae: torch.nn.Module, device: torch.device, group: dist.ProcessGroup | None = None,
                  fast_cpu: bool = True) -> None:
         """group: the ranks that share each block's decode (see RowBands); None decodes whole frames.
-        fast_cpu: a float32 decode on CPU takes cpu_decoder's path (False keeps torch's default kernels)."""
+        fast_cpu: a float32 decode on CPU takes cpu_vae's path (False keeps torch's default kernels)."""
         self.vae = vae
-        if fast_cpu and cpu_decoder.applies(vae.decoder, device):
+        if fast_cpu and cpu_vae.applies(vae.decoder, device):
             for part in (vae.post_quant_conv, vae.decoder):
-                cpu_decoder.use_fast_cpu_path(part)
+                cpu_vae.use_fast_cpu_path(part)
         self.device = device
         self.group = group
         self.split = SplitDecoder(vae.decoder) if group is not None else None

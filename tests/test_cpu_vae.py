@@ -1,5 +1,6 @@
-"""The Wan VAE decoder's float32 CPU fast path (backend/model/cpu_decoder.py) decodes what torch's default
-kernels decode, to float32 rounding, block after block, and never reaches torch's slow 3D convolution."""
+"""The Wan VAE's float32 CPU fast path (backend/model/cpu_vae.py) decodes what torch's default kernels decode
+and encodes the first-frame condition they encode, to float32 rounding, block after block, and never reaches
+torch's slow 3D convolution."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from torch.profiler import ProfilerActivity, profile
 
+from backend.model.condition import StreamingConditionEncoder, prepare_image
 from backend.model.vae import StreamingVae
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,3 +61,24 @@ def test_fast_path_matches_to_float32_rounding(latents: list[torch.Tensor]) -> N
         expected, got = default.decode(clip).sample, fast.decode(clip).sample
     assert got.shape == expected.shape == (1, 3, 4 * clip.shape[2] - 3, 32, 32)
     assert (got - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
+
+
+def encoded(encoder: StreamingConditionEncoder, blocks: int) -> tuple[torch.Tensor, set[str]]:
+    """The condition latents of `blocks` blocks of 3 latent frames (a 32x32 image), and the kernels they ran."""
+    image = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    state = encoder.start(prepare_image(image, 32, 32))
+    with profile(activities=[ProfilerActivity.CPU]) as recorded:
+        latents = torch.cat([encoder.encode_next(state, 3) for _ in range(blocks)], dim=2)
+    return latents, {event.key for event in recorded.key_averages()}
+
+
+@pytest.mark.timeout(60)
+def test_the_condition_encode_takes_the_fast_path_to_float32_rounding() -> None:
+    """The encoder's output is the DiT's input: close to torch's kernels' (not the same bits: cpu_vae_kernels=torch
+    keeps those), streamed block after block through the causal cache."""
+    default, default_kernels = encoded(StreamingConditionEncoder(tiny_vae(), fast_cpu=False), BLOCKS)
+    fast, fast_kernels = encoded(StreamingConditionEncoder(tiny_vae()), BLOCKS)
+    assert fast.shape == default.shape == (1, Z, 3 * BLOCKS, 4, 4)
+    assert (fast - default).abs().max().item() < 1e-5 * default.abs().max().item()
+    assert "aten::slow_conv3d_forward" in default_kernels
+    assert "aten::slow_conv3d_forward" not in fast_kernels and "aten::mkldnn_convolution" in fast_kernels

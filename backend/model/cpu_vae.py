@@ -1,18 +1,21 @@
-"""The Wan VAE decoder's float32 CPU fast path: the same decode, about 5x faster (bench/README section 16).
+"""The Wan VAE's float32 CPU fast path, for its decoder (each block's frames) and its encoder (the first-frame
+condition): the same convolutions, about 5x faster (bench/README section 16). `cpu_vae_kernels=torch` keeps
+torch's own kernels.
 
 torch sends a float32 Conv3d to its slow unfold-and-GEMM kernel (`slow_conv3d_forward`) whenever
 N * C * T * H < 20480, a threshold written for 4D images that a batch-1 video block never reaches: at the demo's
-128x128 the decoder spent ~84 % of a block there. Here every 3D convolution calls oneDNN directly on activations
-and weights in `channels_last_3d` (channels innermost: oneDNN's own layout, so it reorders nothing), and every
-RMS norm takes its norm as the square root of a sum of squares, a plain reduction over the innermost axis, in
-place of `linalg_vector_norm`, which strides across the channels (~8 %). Both compute the same sums in another
-order: frames agree with torch's default path to float32 rounding (tests/test_cpu_decoder.py).
+128x128 the decoder spent ~84 % of a block there, and the condition encode, inside every DiT block, 83 % of the
+block. Here every 3D convolution calls oneDNN directly on activations and weights in `channels_last_3d` (channels
+innermost: oneDNN's own layout, so it reorders nothing), and every RMS norm takes its norm as the square root of a
+sum of squares, a plain reduction over the innermost axis, in place of `linalg_vector_norm`, which strides across
+the channels (~8 %). Both compute the same sums in another order: frames and condition latents agree with torch's
+default path to float32 rounding (tests/test_cpu_vae.py). The condition latents are the DiT's input, so a
+block's latents differ from a server on torch's kernels in their last bits: a recording made on those (every
+server before the encoder's fast path) replays bit for bit on `cpu_vae_kernels=torch` (docs/replay.md).
 
 The activations stay channels-last from the first convolution on (elementwise ops, padding, concatenation,
 the feature cache's clones and nearest upsampling all keep the layout), so the split decoder's bands and halos
-run on the same path. The encoder (the first-frame condition, inside each DiT block until its fixed point) keeps
-torch's kernels: its output is the DiT's input, and other bits there would change every latent, so recordings
-made before would no longer replay bit for bit (tests/test_replay.py).
+run on the same path.
 """
 from __future__ import annotations
 
@@ -23,15 +26,16 @@ CHANNELS_LAST = torch.channels_last_3d
 NORM_EPS = 1e-12  # F.normalize's
 
 
-def applies(decoder: torch.nn.Module, device: torch.device) -> bool:
+def applies(part: torch.nn.Module, device: torch.device) -> bool:
     """Only float32 on CPU needs it: torch already routes bfloat16 CPU convolutions to oneDNN."""
-    dtype = next(decoder.parameters()).dtype
+    dtype = next(part.parameters()).dtype
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def use_fast_cpu_path(decoder: torch.nn.Module) -> None:
-    """Switch the decoder's 3D convolutions and RMS norms to the fast path, in place (once is enough)."""
-    for module in decoder.modules():
+def use_fast_cpu_path(part: torch.nn.Module) -> None:
+    """Switch a VAE part's (its encoder's, decoder's) 3D convolutions and RMS norms to the fast path, in place
+    (once is enough)."""
+    for module in part.modules():
         if isinstance(module, WanCausalConv3d):
             _onednn_conv(module)
         elif isinstance(module, WanRMS_norm):
