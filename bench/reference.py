@@ -2,7 +2,8 @@
 random weights and inputs, on CPU; and the project's blocks compiled (torch.compile, inductor) against eager.
 
     git --git-dir=MIRROR archive HEAD wan | tar -x -C /tmp/lingbot-ref      # a checkout of the reference's wan/
-    python -m bench.reference --reference /tmp/lingbot-ref [--preset mid] [--blocks 8] [--no-compile]
+    python -m bench.reference --reference /tmp/lingbot-ref [--preset mid] [--blocks 8] [--no-compile] \
+        [--camera-each-forward]
 
 Every forward of a session of `--blocks` blocks (4 DMD timesteps, then the commit at t = 0, 5 forwards a block)
 runs on each side with the same inputs (noise, condition, camera, prompt states drawn from `--seed`) and its own
@@ -151,12 +152,14 @@ def reference_forward(model: torch.nn.Module, cfg: TransformerConfig, g: Geometr
 # ---------------------------------------------------------------- the project's forward
 
 
-def project_forward(model: LingBotTransformer, cfg: TransformerConfig, g: Geometry, states: torch.Tensor) -> Forward:
+def project_forward(model: LingBotTransformer, cfg: TransformerConfig, g: Geometry, states: torch.Tensor,
+                    camera_once: bool = True) -> Forward:
     """The project's forward as the engine runs it: its SelfAttentionCache (at a block's first forward: commit the
     block before, make room), the prompt's K/V projected once, one ForwardContext for a block's forwards (made in
     its first forward, whose call makes the block's camera modulation: every call of it, so that the least of
-    its repeats counts that work too). A forward called again on the same inputs writes the same K/V into the
-    same slot, as the reference's does."""
+    its repeats counts that work too). camera_once=False: a context per forward, so each forward makes the camera
+    modulation again, as the reference does (the project before it ran the camera branch once a block). A forward
+    called again on the same inputs writes the same K/V into the same slot, as the reference's does."""
     tpf = g.tokens_per_frame(cfg)
     grid = (g.latent_h // cfg.patch_size[1], g.latent_w // cfg.patch_size[2])
     cache = SelfAttentionCache(cfg.num_layers, g.window_frames * tpf, BLOCK_FRAMES * tpf, g.sink_frames * tpf,
@@ -172,7 +175,7 @@ def project_forward(model: LingBotTransformer, cfg: TransformerConfig, g: Geomet
                 cache.commit()
             cache.make_room()
             current[0] = block
-        if inputs.step == 0:  # each call of a block's first forward makes the block's context and camera modulation
+        if inputs.step == 0 or not camera_once:  # a new context: its first forward makes the camera modulation
             cos, sin = rope_tables(cfg.head_dim, block * BLOCK_FRAMES, BLOCK_FRAMES, *grid)
             contexts.clear()
             contexts[block] = ForwardContext(sp=sp, attention=sdpa_attention, rope_cos=cos[None], rope_sin=sin[None],
@@ -267,6 +270,9 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=64, help="video pixels (latents: / 8)")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled side")
+    parser.add_argument("--camera-each-forward", action="store_true",
+                        help="add the project's eager forward with the camera branch in every forward (as the "
+                        "reference runs it; the project before it ran once a block): what running it once saves")
     parser.add_argument("--repeats", type=int, default=3, help="calls of each forward per side; the least time counts")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's); on a shared machine 1 "
                         "keeps a busy core from stalling every matrix product")
@@ -284,6 +290,8 @@ def main() -> None:
     prompt_shape = (1, min(PROMPT_TOKENS, cfg.text_len), cfg.text_dim)
     states = torch.randn(prompt_shape, generator=torch.Generator().manual_seed(args.seed + 1))
     sides: dict[str, Forward] = {"project eager": project_forward(ours, cfg, g, states)}
+    if args.camera_each_forward:
+        sides["project eager, camera in every forward"] = project_forward(ours, cfg, g, states, camera_once=False)
     if model_fast is not None:
         sides["reference eager"] = reference_forward(reference_model(model_fast, cfg, g, ours), cfg, g, states)
     if not args.no_compile:
@@ -306,7 +314,8 @@ def main() -> None:
                        rows))
     print()
     pairs = [("project eager", "reference eager"), ("project compiled", "reference eager"),
-             ("project compiled", "project eager")]
+             ("project compiled", "project eager"), ("project eager", "project eager, camera in every forward"),
+             ("project eager, camera in every forward", "reference eager")]
     ratios = [[f"{a} / {b}", f"{steady_ms(runs[a]) / steady_ms(runs[b]):.2f}",
                f"{statistics.median(x / y for x, y in zip(runs[a].block_ms[STEADY_FROM:], runs[b].block_ms[STEADY_FROM:])):.2f}"]
               for a, b in pairs if a in runs and b in runs]

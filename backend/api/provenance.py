@@ -14,8 +14,9 @@ import numpy as np
 
 from .errors import InputError
 
-# The engine settings a block's latents or frames depend on (besides the request's own inputs). tp_degree, compile
-# and the attention kernel change the last bits too; they are not refused but show as hash mismatches (docs/replay.md).
+# The engine settings a block's latents or frames depend on (besides the request's own inputs). tp_degree, compile,
+# the attention kernel and cpu_vae_kernels change the last bits too; they are not refused but show as hash mismatches
+# (docs/replay.md).
 RESULT_SETTINGS = ("block_frames", "decoder", "denoise_steps", "dtype", "kv_reuse", "sink_frames", "timestep_shift",
                    "window_frames")
 # Settings added after recordings were first made, each with the value every earlier server ran: a text that lacks

@@ -11,8 +11,8 @@ from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
 from ..model.layouts import resolve_layout
 from ..model import tiny_vae
-from .config import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, CPU_VAE_KERNELS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES, SUPPORTED_SP_MODES,
-                     EngineConfig)
+from .config import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, CPU_VAE_KERNELS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES,
+                     SUPPORTED_SP_MODES, EngineConfig)
 from .geometry import VideoGeometry
 
 GLOBAL_WINDOW = -1  # window_frames: every frame of a session stays in its KV cache (the reference's -1)

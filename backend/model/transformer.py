@@ -49,7 +49,7 @@ class CameraModulation:
     [B, L/sp, D/tp] in the compute dtype (the reference rounds them to it). Made from `camera`, the block's camera
     features, by `LingBotTransformer.camera_modulation`; its memory: model/memory.camera_modulation_bytes."""
 
-    camera: torch.Tensor  # the features it was made from: a forward on other features makes its own
+    source: torch.Tensor  # the camera features it was made from (a forward on another tensor makes its own)
     scale: list[torch.Tensor]  # 1 + scale, per layer
     shift: list[torch.Tensor]
 
@@ -57,7 +57,9 @@ class CameraModulation:
 @dataclass
 class ForwardContext:
     """What the forwards over a batch of sessions' current blocks need besides the tensors; one context serves
-    all the forwards of those blocks (it keeps their camera modulation, made at the first forward)."""
+    all the forwards of those blocks: it keeps their camera modulation, made at the first forward from the camera
+    tensor it is given, and used by every later forward given that same tensor object (which must not change in
+    place meanwhile)."""
 
     sp: SequenceParallel
     attention: AttentionFn
@@ -66,7 +68,7 @@ class ForwardContext:
     self_caches: list[SelfAttentionCache]  # one per batch element, this rank's head shard
     text_caches: list[TextCache]  # one per batch element
     tp: TensorParallel = field(default_factory=TensorParallel)
-    camera: CameraModulation | None = None  # the blocks' camera modulation, once made
+    camera_modulation: CameraModulation | None = None  # the blocks' camera modulation, once made
 
     def layer(self, index: int) -> LayerContext:
         return LayerContext(
@@ -354,7 +356,7 @@ class LingBotTransformer(nn.Module):
         collective per layer: every rank of the group calls it alike)."""
         tokens = self.camera_tokens(sp.shard(patchify(camera, self.config.patch_size), 1))
         scale, shift = zip(*(block.camera_modulation(tokens, tp) for block in self.blocks))
-        return CameraModulation(camera, list(scale), list(shift))
+        return CameraModulation(source=camera, scale=list(scale), shift=list(shift))
 
     # -- forward -------------------------------------------------------------------------------------------
 
@@ -387,9 +389,9 @@ class LingBotTransformer(nn.Module):
         cd = self.patch_embedding.weight.dtype
         conv = self.patch_embedding
         x = F.linear(sp.shard(patchify(latents.to(cd), patch), 1), conv.weight.flatten(1), conv.bias)
-        if ctx.camera is None or ctx.camera.camera is not camera:  # the block's first forward
-            ctx.camera = self.camera_modulation(camera, sp, ctx.tp)
-        cam = ctx.camera
+        if ctx.camera_modulation is None or ctx.camera_modulation.source is not camera:  # the block's first forward
+            ctx.camera_modulation = self.camera_modulation(camera, sp, ctx.tp)
+        cam = ctx.camera_modulation
 
         temb, proj = self.time_embeddings(timesteps)
         frame_of_token = sp.shard(torch.arange(tokens, device=latents.device) // tokens_per_frame, 0)
