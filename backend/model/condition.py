@@ -54,9 +54,8 @@ class StreamingConditionEncoder:
         fast_cpu: a float32 encode on CPU takes cpu_vae's path (False keeps torch's default kernels)."""
         self.vae = vae
         param = next(vae.parameters())
-        if fast_cpu and cpu_vae.applies(vae.encoder, param.device):
-            for part in (vae.encoder, vae.quant_conv):
-                cpu_vae.use_fast_cpu_path(part)
+        if fast_cpu:
+            cpu_vae.use_fast_cpu_path(param.device, vae.encoder, vae.quant_conv)
         self.max_probe_chunks = max_probe_chunks
         z = vae.config.z_dim
         self.mean = torch.tensor(vae.config.latents_mean, dtype=param.dtype, device=param.device).view(1, z, 1, 1, 1)

@@ -26,16 +26,14 @@ CHANNELS_LAST = torch.channels_last_3d
 NORM_EPS = 1e-12  # F.normalize's
 
 
-def applies(part: torch.nn.Module, device: torch.device) -> bool:
-    """Only float32 on CPU needs it: torch already routes bfloat16 CPU convolutions to oneDNN."""
-    dtype = next(part.parameters()).dtype
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def use_fast_cpu_path(part: torch.nn.Module) -> None:
-    """Switch a VAE part's (its encoder's, decoder's) 3D convolutions and RMS norms to the fast path, in place
-    (once is enough)."""
-    for module in part.modules():
+def use_fast_cpu_path(device: torch.device, *parts: torch.nn.Module) -> None:
+    """Switch VAE parts' (the encoder's, the decoder's) 3D convolutions and RMS norms to the fast path, in place,
+    where it applies: float32 on CPU with oneDNN (torch already routes bfloat16 CPU convolutions to oneDNN). Once
+    is enough."""
+    dtype = next(parts[0].parameters()).dtype
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return
+    for module in (m for part in parts for m in part.modules()):
         if isinstance(module, WanCausalConv3d):
             _onednn_conv(module)
         elif isinstance(module, WanRMS_norm):

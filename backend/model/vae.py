@@ -29,9 +29,8 @@ class StreamingVae:
         """group: the ranks that share each block's decode (see RowBands); None decodes whole frames.
         fast_cpu: a float32 decode on CPU takes cpu_vae's path (False keeps torch's default kernels)."""
         self.vae = vae
-        if fast_cpu and cpu_vae.applies(vae.decoder, device):
-            for part in (vae.post_quant_conv, vae.decoder):
-                cpu_vae.use_fast_cpu_path(part)
+        if fast_cpu:
+            cpu_vae.use_fast_cpu_path(device, vae.post_quant_conv, vae.decoder)
         self.device = device
         self.group = group
         self.split = SplitDecoder(vae.decoder) if group is not None else None
