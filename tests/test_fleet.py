@@ -36,6 +36,9 @@ from triton_harness import tiny_parameters
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_S = 0.5  # the balancer's check interval here
 LONG = 57  # frames of a session that is still running while the test looks (5 tiny blocks)
+# A stream still running when its group is killed: 9 frames, then 42 blocks of 12 (~6 s at the tiny model's block
+# rate, which a first block and the poll that sees it must not outlast); the groups' max_frames admit it.
+KILLED_MID_STREAM_FRAMES, KILLED_MID_STREAM_BLOCKS = 513, 43
 
 pytestmark = [pytest.mark.server, requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")]
 
@@ -73,7 +76,8 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Iterator[Fleet]:
     out = tmp_path_factory.mktemp("fleet")
-    parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1")
+    parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1",
+                                 max_frames=str(KILLED_MID_STREAM_FRAMES))
     parameters.pop("rendezvous_port")  # the fleet gives each group its own
     port = free_port()
     log = out / "fleet.log"
@@ -227,7 +231,7 @@ def leave_and_return(fleet: Fleet, victim: Group, pid: int, what: str) -> None:
     victim comes back and takes sessions again."""
     fleet.settle()
     before = blocks_sent(fleet)
-    threads, outcomes = start_sessions(fleet.url, 2, frames=129, timeout=120)
+    threads, outcomes = start_sessions(fleet.url, 2, frames=KILLED_MID_STREAM_FRAMES, timeout=120)
     wait_until(lambda: all(n > b for n, b in zip(blocks_sent(fleet), before)), 30, "a block from each group")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -240,7 +244,7 @@ def leave_and_return(fleet: Fleet, victim: Group, pid: int, what: str) -> None:
     join(threads, 120)
     failed = [o for o in outcomes if o.error is not None]
     assert len(failed) == 1 and failed[0].ended_s - killed < 5, outcomes
-    assert [o.blocks for o in outcomes if o.error is None] == [11]  # 129 frames: 9, then 10 x 12
+    assert [o.blocks for o in outcomes if o.error is None] == [KILLED_MID_STREAM_BLOCKS]
     wait_until(lambda: fleet.state(victim) == "UP", 60, f"{victim.name} back in rotation")
     back_s = time.monotonic() - killed
     fleet.settle(30)

@@ -2,11 +2,13 @@
 itself), the command line's refusals, the stub watch."""
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,9 @@ import pytest
 from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
 from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
 from backend.launch.fleet import main
-from backend.launch.heal import StubWatch, alive
+from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
+from backend.serving.host_signals import HostSignals
+from polling import wait_until
 from system_tools import requires_tool
 
 needs_haproxy = requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")
@@ -130,6 +134,36 @@ def test_the_stub_watch_names_a_stub_that_died_once() -> None:
     child.wait()
     assert not alive(child.pid) and watch.dead() == [0]
     assert watch.dead() == []  # told once; the next load's stubs are adopted anew
+    assert StubWatch(dict).adopt() is False and watch.adopt() is True  # no stub left to watch / one
+
+
+class ReadyModel:
+    """A gRPC client whose model reads ready."""
+
+    def is_model_ready(self, model: str) -> bool:
+        return True
+
+
+@pytest.mark.timeout(20)
+def test_a_model_ready_with_no_stub_left_is_healed_even_if_the_watch_never_saw_one(tmp_path: Path) -> None:
+    """A stub killed before the watch first adopted it (a fast first block): the model reads ready with no stub
+    process on the server, which the healer treats as a death once DEAD_STUB_GRACE_S have passed; stubs that turn up
+    meanwhile (a load still under way) are watched instead."""
+    stubs: dict[int, int] = {}
+    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=lambda: dict(stubs))
+    assert healer._dead_stub(ReadyModel()) is None  # seen, not yet past the grace
+    began = time.monotonic()
+    why = wait_until(lambda: healer._dead_stub(ReadyModel()), DEAD_STUB_GRACE_S + 5, "the healer to name the death")
+    assert "no stub of the model is alive" in why and time.monotonic() - began >= DEAD_STUB_GRACE_S - 0.1
+
+    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=lambda: dict(stubs))
+    assert healer._dead_stub(ReadyModel()) is None
+    stubs[0] = os.getpid()  # a live stub after all
+    past_grace = time.monotonic() + DEAD_STUB_GRACE_S + 0.5
+    while time.monotonic() < past_grace:
+        assert healer._dead_stub(ReadyModel()) is None
+        time.sleep(0.05)
+    assert healer.watch.stubs == {0: os.getpid()}
 
 
 def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ model not ready and get GROUP_FAILED with a retry time; the restricted APIs stay
 
 A stub that dies with no peer left to say so (an SP1 group, or the last instance of a host) is seen by the stub
 watch: Triton 2.51 neither restarts it nor marks the model not ready (every request then fails with "Stub process
-... is not healthy"), so the healer unloads the model itself, then loads it as above."""
+... is not healthy"), so the healer unloads the model itself, then loads it as above. A stub that dies before the
+watch first saw it is seen too: the model then reads ready with no stub process left on this server."""
 from __future__ import annotations
 
 import logging
@@ -53,11 +54,13 @@ class StubWatch:
     stub has died since (then the watch waits for the next load)."""
 
     def __init__(self, find: Callable[[], dict[int, int]]) -> None:
-        self.find = find  # rank -> pid of the server's stubs now (TritonServer.stub_pids)
+        self.find = find  # rank -> pid of the server's live stubs now (TritonServer.stub_pids)
         self.stubs: dict[int, int] = {}
 
-    def adopt(self) -> None:
+    def adopt(self) -> bool:
+        """Watch the stubs alive now; False when there is none (a model that reads ready has lost them all)."""
         self.stubs = self.find()
+        return bool(self.stubs)
 
     def dead(self) -> list[int]:
         dead = [rank for rank, pid in self.stubs.items() if not alive(pid)]
@@ -114,7 +117,8 @@ class Healer:
 
     def _dead_stub(self, client: grpcclient.InferenceServerClient) -> str | None:
         """Why to heal a model whose stub died with nobody to tell: it still reads ready DEAD_STUB_GRACE_S after the
-        death was seen (a survivor's own request, read first by _run, wins meanwhile); else None."""
+        death was seen (a survivor's own request, read first by _run, wins meanwhile); else None. A model that reads
+        ready with no stub at all (they died before the watch saw them) counts as a death of every rank."""
         assert self.watch is not None
         if self._dead is None:
             if self.watch.stubs:
@@ -122,8 +126,8 @@ class Healer:
                     self._dead = (time.monotonic(), dead)
             elif time.monotonic() >= self._next_adopt_s:  # a model not loaded is asked about once a second
                 self._next_adopt_s = time.monotonic() + ADOPT_EVERY_S
-                if self._ready(client):
-                    self.watch.adopt()
+                if self._ready(client) and not self.watch.adopt():
+                    self._dead = (time.monotonic(), [])
             return None
         seen_s, dead = self._dead
         if time.monotonic() - seen_s < DEAD_STUB_GRACE_S:
@@ -131,6 +135,10 @@ class Healer:
         self._dead = None
         if not self._ready(client):
             return None  # unloaded by its group or its operator
+        if not dead:
+            if self.watch.adopt():
+                return None  # its stubs are there after all: watched from now on
+            return "no stub of the model is alive and it still read ready"
         return f"the stub of rank {', '.join(map(str, dead))} died and the model still read ready"
 
     def _heal(self, why: str, unload: bool = False) -> Heal:
