@@ -3,7 +3,7 @@
 Rooms, each importing only from the rooms listed before it:
 `api` (torch-free wire contract, request checks, errors, settings parsing; shared with the client),
 `parallel` (process group bootstrap, sequence-parallel exchanges), `model` (the DiT, VAE, text encoder,
-checkpoint loading), `engine` (the AR rollout), `serving` (sessions, scheduler, coordinator, decode sender),
+checkpoint loading), `engine` (the AR rollout), `serving` (sessions, scheduler, intake, group loop, decode sender),
 then `adapter` (the Triton Python-backend model) and `launch` (config rendering, tritonserver process).
 """
 

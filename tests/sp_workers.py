@@ -117,13 +117,14 @@ def recache_event(groups: GroupHandles, config: EngineConfig, request: SessionRe
 
 # -- serving members (serving/local_group): a setup run in each member's process, and calls into a member --
 
-ADMISSIONS = {"geometry_of": 0, "check_request": 0, "open_session": 0}
+ADMISSIONS = {"request_geometry": 0, "check_request": 0, "open_session": 0}
 
 
 def count_admissions(rank: int) -> None:
     """Count, in this member's process, the request checks and the session openings it runs."""
     import backend.api.codec as codec
     import backend.engine.rollout as rollout
+    import backend.serving.admission as admission
 
     def counted(owner: object, name: str):
         real = getattr(owner, name)
@@ -134,7 +135,7 @@ def count_admissions(rank: int) -> None:
 
         setattr(owner, name, wrapper)
 
-    counted(rollout.WorldModelEngine, "geometry_of")
+    counted(admission, "request_geometry")
     counted(rollout.WorldModelEngine, "open_session")
     counted(codec, "check_request")
 
@@ -145,12 +146,12 @@ def admission_counts(member) -> dict[str, int]:
 
 def open_sessions(member) -> int:
     """Sessions whose caches this member holds."""
-    return sum(part.engine is not None for part in list(member.coordinator.local.values()))
+    return len(dict(member.loop.sessions))
 
 
 def planned_blocks(member) -> dict[str, int]:
     """Blocks planned per session not ended, as this member's scheduler copy has them."""
-    return {sid: s.computed for sid, s in list(member.coordinator.scheduler.table.items())}
+    return {sid: s.computed for sid, s in list(member.loop.scheduler.table.items())}
 
 
 def weight_bytes(member) -> int:

@@ -19,7 +19,7 @@ from backend.api.errors import ConfigError, InputError
 from backend.parallel.sequence import SequenceParallel
 from backend.api.codec import parse_request, request_arrays, request_parameters
 from backend.api.contract import CAMERA_POSES, IMAGE
-from backend.serving.admission import admit
+from backend.serving.admission import Admission
 from backend.serving.config import ServingConfig
 from factories import forward_poses, tiny_config, tiny_request
 
@@ -144,7 +144,8 @@ def test_request_errors(engine: WorldModelEngine, overrides: dict, message: str)
         request.num_frames = overrides["num_frames"]
     arrays = request_arrays(request) | {IMAGE: request.image, CAMERA_POSES: request.poses}
     with pytest.raises(InputError, match=message):
-        admit(parse_request(arrays.get, json.dumps(request_parameters(request))), ServingConfig(), engine, "s", 0)
+        Admission(ServingConfig(), engine.spec).session(parse_request(arrays.get, json.dumps(request_parameters(request))),
+                                                        "s", 0)
 
 
 def reference_visible_frames(window: int, sink: int, block: int, blocks: int, forwards: int) -> list[list[float]]:

@@ -35,8 +35,8 @@ def test_a_start_is_validated_once_on_its_owner_and_opened_on_every_rank(counted
     blocks = counted_sp2.stream(request, rank=1)
     after = [counted_sp2.call(r, "sp_workers:admission_counts") for r in range(2)]
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
-    assert delta[1] == {"check_request": 1, "geometry_of": 1, "open_session": 1}  # the owner: parsed, admitted
-    assert delta[0] == {"check_request": 0, "geometry_of": 0, "open_session": 1}  # the other rank: opens only
+    assert delta[1] == {"check_request": 1, "request_geometry": 1, "open_session": 1}  # the owner: parsed, admitted
+    assert delta[0] == {"check_request": 0, "request_geometry": 0, "open_session": 1}  # the other rank: opens only
     expected = np.concatenate([o.latents[0].numpy() for o, _ in engine.generate(request, decode=False)], axis=1)
     assert np.array_equal(np.concatenate([b.latents for b in blocks], axis=1), expected)  # SP2 == SP1, bit for bit
     assert [b.block_index for b in blocks] == [0, 1] and blocks[-1].final

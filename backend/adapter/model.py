@@ -43,7 +43,7 @@ class TritonPythonModel:
         self.member = GroupMember(engine_config, serving, place, Hooks(
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
-            on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, send_lock=TritonResponder.process_lock,
+            on_loop_block=self.metrics.loop_block, on_line=self.metrics.line,
         ), description)
         # The launcher's signals (serving/host_signals): a stop ends every session at once, so Triton's exit need
         # not wait out its timeout for them; a failed group asks the launcher for a reload.

@@ -33,9 +33,9 @@ class TritonLogHandler(logging.Handler):
 class TritonResponder:
     """Replies of one request through its decoupled response sender; nothing is sent after the final flag.
 
-    Sends are serialised across the process, and with `execute` (which holds `process_lock` too): a send
-    from the decode sender's thread while the stub's main thread was inside or leaving `execute` crashed the 2.51
-    Python backend's IPC (boost lock_exception, or a segfault) when steered steps came fast.
+    Every send comes from the member's intake thread (serving/intake), serialised with `execute` (which holds
+    `process_lock` too): a send from another thread while the stub's main thread was inside or leaving `execute`
+    crashed the 2.51 Python backend's IPC (boost lock_exception, or a segfault) when steered steps came fast.
     """
 
     process_lock = threading.RLock()

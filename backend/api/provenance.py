@@ -19,8 +19,8 @@ from .errors import InputError
 # (docs/replay.md).
 RESULT_SETTINGS = ("block_frames", "decoder", "denoise_steps", "dtype", "kv_reuse", "sink_frames", "timestep_shift",
                    "window_frames")
-# Settings added after recordings were first made, each with the value every earlier server ran: a text that lacks
-# one (an older recording) was made with it.
+# Settings a recording's text may lack (one made by a server that did not report them), each with the value such a
+# server ran: a text without one was made with it.
 ADDED_SETTINGS = {"decoder": "vae", "kv_reuse": "False"}
 MAX_SETTINGS_BYTES = 512
 

@@ -41,8 +41,8 @@ class EngineConfig:
     tiny_decoder_path: str = ""  # the TAEHV weights for Wan 2.1 (taew2_1.pth or .safetensors) that decoder=tiny reads
     split_decode: bool = True  # SP ranks share each block's decode, a band of image rows each (else the owner's)
     cpu_vae_kernels: str = "onednn"  # the VAE's float32 CPU convolutions (condition encode, decode): onednn (~5x
-    # faster) or torch (torch's own for both: the condition latents of every server before this setting, whose
-    # CPU float32 recordings then replay bit for bit; the decode ~5x slower too)
+    # faster) or torch (torch's own for both, ~5x slower; their condition latents differ from onednn's in the last
+    # bits, so a CPU float32 recording replays bit for bit only on the kernels it was made with: docs/replay.md)
     compile: bool = False  # torch.compile each transformer block: faster; close to eager, not bit-identical
     kv_reuse: bool = False  # a fast path: a block's history is the K/V its last DMD step wrote (its noisy input at
     # that step's timestep) instead of a clean-KV commit forward's: 4 forwards a block, not 5; other latents

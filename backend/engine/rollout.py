@@ -1,7 +1,7 @@
 """The AR-diffusion rollout: sessions advance one block of latent frames at a time on every SP rank.
 
 Every rank calls `open_session`, `run_block` and `close_session` in the same order with the same
-arguments (the Triton coordinator guarantees it). Work that every rank would repeat is done once: the
+arguments (the serving group loop guarantees it). Work that every rank would repeat is done once: the
 prompt and the first-frame condition are encoded on ENCODER_RANK and broadcast. A block's decode is split
 by image rows across the ranks (every rank calls `decode` for the same blocks in the same order) and its
 frames come back on the session's owner, the rank that answers its request. With tensor parallelism the
@@ -19,10 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..api.contract import SETTINGS_MISMATCH
 from ..api.errors import InputError
-from ..api.provenance import parse_settings, setting_differences, settings_of
-from ..api.request import SessionRequest, check_frame_counts, check_prompt, check_request
+from ..api.provenance import settings_of
+from ..api.request import SessionRequest, check_prompt, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
 from ..model.condition import StreamingConditionEncoder, condition_mask, prepare_image
@@ -43,7 +42,7 @@ from .geometry import VideoGeometry
 from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
 from .session import CommitRecord, Session
-from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec
+from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,7 @@ class WorldModelEngine:
         decode split by image rows (its band exchanges run on the decode thread); None: the owner decodes whole
         frames."""
         config = spec.config
+        self.spec = spec
         self.config = config
         self.sp = sp or SequenceParallel()
         self.mesh = mesh or Mesh.whole(self.sp)
@@ -108,24 +108,8 @@ class WorldModelEngine:
     # -- sessions ---------------------------------------------------------------------------------
 
     def geometry_of(self, request: SessionRequest) -> VideoGeometry:
-        """How a request whose inputs are checked (api/request.check_request) fits this engine: its settings
-        (expect_settings), its size and clip length, its frame counts and its cache bound; raises InputError
-        naming the input. No model work. The serving layer's admission step calls it once, on the owning rank;
-        every rank opens the session with its result.
-        """
-        # First: a replay made on other settings would otherwise fail on what they imply (its frame counts).
-        if request.expect_settings and (differ := setting_differences(
-                parse_settings(request.expect_settings), parse_settings(self.settings_used, "settings_used"))):
-            raise InputError(f"this server's settings differ from request parameter 'expect_settings' (the "
-                             f"recording's): {'; '.join(differ)}", SETTINGS_MISMATCH)
-        geometry = VideoGeometry.build(
-            self.config, self.ckpt, request.height, request.width, request.num_frames, error=InputError
-        )
-        check_frame_counts(request, geometry.block_frames)
-        if self.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
-            raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
-                             "needs request parameter 'max_blocks' > 0 to bound its cache")
-        return geometry
+        """How a request fits this engine (see validation.request_geometry): no model work."""
+        return request_geometry(self.spec, request)
 
     @property
     def settings_used(self) -> str:

@@ -5,7 +5,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..api.errors import ConfigError
+from ..api.contract import SETTINGS_MISMATCH
+from ..api.errors import ConfigError, InputError
+from ..api.provenance import parse_settings, setting_differences, settings_of
+from ..api.request import SessionRequest, check_frame_counts
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
 from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
@@ -154,3 +157,23 @@ def validate_decoder(config: EngineConfig, ckpt: CheckpointConfigs) -> None:
         raise ConfigError(
             f"decoder=tiny decodes Wan 2.1 latents (z_dim {wanted[0]}, {wanted[1]}x space, {wanted[2]}x time); this "
             f"checkpoint's VAE has z_dim {vae.z_dim}, {vae.spatial_factor}x space, {vae.temporal_factor}x time")
+
+
+def request_geometry(spec: EngineSpec, request: SessionRequest) -> VideoGeometry:
+    """How a request whose inputs are checked (api/request.check_request) fits an engine of this spec: its
+    settings (expect_settings), its size and clip length, its frame counts and its cache bound; raises InputError
+    naming the input. No model work: the serving layer's admission step calls it once, on the owning rank, and
+    every rank opens the session with its result.
+    """
+    # First: a replay made on other settings would otherwise fail on what they imply (its frame counts).
+    if request.expect_settings and (differ := setting_differences(
+            parse_settings(request.expect_settings), parse_settings(settings_of(spec.config), "settings_used"))):
+        raise InputError(f"this server's settings differ from request parameter 'expect_settings' (the "
+                         f"recording's): {'; '.join(differ)}", SETTINGS_MISMATCH)
+    geometry = VideoGeometry.build(spec.config, spec.checkpoint, request.height, request.width, request.num_frames,
+                                   error=InputError)
+    check_frame_counts(request, geometry.block_frames)
+    if spec.window_frames == GLOBAL_WINDOW and request.steered and request.max_blocks == 0:
+        raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
+                         "needs request parameter 'max_blocks' > 0 to bound its cache")
+    return geometry

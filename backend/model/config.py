@@ -35,19 +35,21 @@ _DIFFUSERS_ALIASES = {
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    dim: int
-    ffn_dim: int
-    num_heads: int
-    num_layers: int
-    in_dim: int
-    out_dim: int
-    text_dim: int = 4096
-    freq_dim: int = 256
-    text_len: int = 512
-    eps: float = 1e-6
-    qk_norm: bool = True
-    cross_attn_norm: bool = True
-    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """The DiT's architecture, as the checkpoint's config.json gives it (14B values: `lingbot_14b`)."""
+
+    dim: int  # hidden width of every token (5,120)
+    ffn_dim: int  # width of each block's feed-forward layer (13,824)
+    num_heads: int  # attention heads, self and cross (40): Ulysses and TP split these
+    num_layers: int  # transformer blocks (40)
+    in_dim: int  # latent channels in: noisy z, the 4-channel mask and the condition z (16 + 4 + 16 = 36)
+    out_dim: int  # latent channels out: the velocity of z (16)
+    text_dim: int = 4096  # width of the umT5 states the text embedding takes (read off its weight's shape)
+    freq_dim: int = 256  # width of the sinusoidal timestep embedding
+    text_len: int = 512  # umT5 tokens per prompt (padded)
+    eps: float = 1e-6  # the layer norms' and RMS norms' epsilon
+    qk_norm: bool = True  # RMS-normalise queries and keys before attention
+    cross_attn_norm: bool = True  # a layer norm before each cross-attention
+    patch_size: tuple[int, int, int] = (1, 2, 2)  # latent frames x rows x columns per token
     # The KV window as config.json names it (None: not named; -1: global attention). What is served is
     # resolved with the layout's source defaults and the parameters (engine.validation.resolve_settings).
     local_attn_size: int | None = None  # latent frames a query block attends to (sink + rolling history + itself)

@@ -6,29 +6,35 @@ from __future__ import annotations
 from ..api.contract import PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
 from ..api.request import SessionRequest, StepRequest
-from ..engine.rollout import WorldModelEngine
-from ..engine.validation import GLOBAL_WINDOW
+from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
 from .config import ServingConfig
 from .sessions import SharedSession
 
 
-def admit(request: SessionRequest, limits: ServingConfig, engine: WorldModelEngine, session_id: str,
-          owner: int) -> SharedSession:
-    """The session record every rank plans over; raises InputError naming the input."""
-    check_limits(request, limits)
-    return SharedSession.submitted(session_id, request, engine.geometry_of(request), owner)
+class Admission:
+    """This server's checks of a request (the intake's, on the owning rank): its limits, then the engine's
+    settings and geometry. Holds the engine's spec, not the engine: the weights may go while requests still
+    arrive."""
 
+    def __init__(self, limits: ServingConfig, spec: EngineSpec) -> None:
+        self.limits, self.spec = limits, spec
 
-def admit_step(step: StepRequest, block_frames: int, window_frames: int) -> None:
-    """A step's camera against the server's block (4 x block_frames new video frames), and its recache against
-    the server's window: with global attention a recache would recompute every frame of the session."""
-    if step.controls is None:
-        return
-    step.controls.check_frames(block_video_frames(block_frames, first=False))
-    if step.controls.recache and window_frames == GLOBAL_WINDOW:
-        raise InputError(f"request parameter '{PARAM_RECACHE}' needs a sliding window: this server runs "
-                         f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute every "
-                         f"frame of the session")
+    def session(self, request: SessionRequest, session_id: str, owner: int) -> SharedSession:
+        """The session record every rank plans over; raises InputError naming the input."""
+        check_limits(request, self.limits)
+        return SharedSession.submitted(session_id, request, request_geometry(self.spec, request), owner)
+
+    def step(self, step: StepRequest) -> None:
+        """A step's camera against the server's block (4 x block_frames new video frames), and its recache
+        against the server's window: with global attention a recache would recompute every frame of the
+        session."""
+        if step.controls is None:
+            return
+        step.controls.check_frames(block_video_frames(self.spec.config.block_frames, first=False))
+        if step.controls.recache and self.spec.window_frames == GLOBAL_WINDOW:
+            raise InputError(f"request parameter '{PARAM_RECACHE}' needs a sliding window: this server runs "
+                             f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute "
+                             "every frame of the session")
 
 
 def check_limits(request: SessionRequest, limits: ServingConfig) -> None:

@@ -9,9 +9,9 @@ import dataclasses
 import gc
 import logging
 import os
+import queue
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,7 +32,9 @@ from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from . import messages
 from .config import ServingConfig
-from .coordinator import GroupCoordinator
+from .admission import Admission
+from .intake import Intake
+from .loop import GroupLoop, LoopHooks
 from .described import check_description
 from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
@@ -58,11 +60,10 @@ class Hooks:
 
     on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed; the model is released
     on_settings: Callable[[dict], None] = lambda settings: None  # the resolved settings, before loading
-    on_prompts: Callable[[int, int], None] | None = None  # see GroupCoordinator
-    on_ended: Callable[[str], None] | None = None
-    on_line: Callable[[LineCounts], None] | None = None  # the group's sessions by state (see GroupCoordinator)
+    on_prompts: Callable[[int, int], None] | None = None  # see LoopHooks
+    on_ended: Callable[[str], None] | None = None  # see LoopHooks
+    on_line: Callable[[LineCounts], None] | None = None  # see LoopHooks
     on_loop_block: Report | None = None  # LoopCpu's report
-    send_lock: AbstractContextManager | None = field(default=None)  # the lock responders send under
 
 
 class GroupMember:
@@ -123,10 +124,12 @@ class GroupMember:
             groups.all_arrived("loaded")  # every rank has loaded before the loop starts
             doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret,
                                      serving.collective_timeout_s) if world > 1 else None
-            self.coordinator = GroupCoordinator(
-                self.engine, serving, groups.control, on_failure=self._on_group_failure, doorbell=doorbell,
-                threads=threads, cpu=LoopCpu(hooks.on_loop_block), on_prompts=hooks.on_prompts,
-                on_ended=hooks.on_ended, on_line=hooks.on_line, send_lock=hooks.send_lock)
+            intake_inbox: queue.SimpleQueue = queue.SimpleQueue()
+            self.loop = GroupLoop(
+                self.engine, serving, groups.control, intake_inbox.put, LoopHooks(
+                    on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
+                    on_line=hooks.on_line), doorbell=doorbell, threads=threads, cpu=LoopCpu(hooks.on_loop_block))
+            self.intake = Intake(rank, serving, Admission(serving, spec), self.loop.post, intake_inbox)
         except BaseException as exc:
             if groups is not None:
                 with contextlib.suppress(Exception):  # the store may be gone with rank 0
@@ -140,24 +143,23 @@ class GroupMember:
                responder_for: Callable[[SessionRequest | StepRequest | None], Responder]) -> None:
         """One request as it arrives (named input arrays, its parameters, its Triton sequence key and flags);
         `responder_for(parsed)` makes its reply channel (parsed None: the request could not be parsed)."""
-        if key:  # a pause of this sequence is answered before this request (whatever it holds)
-            self.coordinator.end_pause(key)
         try:
             parsed = parse_request(get_input, parameters_json, key, flags)
         except InputError as exc:
-            responder_for(None).send_error(exc.refusal)
+            self.intake.arrive(key, None, responder_for(None), exc.refusal)
             return
-        self.coordinator.submit(parsed, responder_for(parsed))
+        self.intake.arrive(key, parsed, responder_for(parsed))
 
     def end_sessions(self) -> None:
         """The server is stopping: every session ends now (SERVER_STOPPING); this rank's stop travels with its next
         boundary's news, so the whole group stops with it. Triton's unload then finds nothing in flight."""
-        self.coordinator.stop()
+        self.loop.stop()
 
     def stop(self) -> None:
         """The model is being unloaded: end every session, leave the group, release the model."""
         self._finalizing = True  # a loop failing now must not ask for an unload of a later load
-        self.coordinator.stop()
+        self.loop.stop()
+        self.intake.close()
         leave_group()
         self._release()
 

@@ -4,20 +4,17 @@ Every rank sends a fixed-size header (its news' size, the doorbell count it read
 when some rank has news does a second all-gather carry the pickled events. Every rank then plans the same
 `Plan` from the same events with its own copy of the scheduler (pure logic), so no broadcast is needed.
 Idle ranks block on the doorbell, and wake at least every `heartbeat_s` to exchange: a dead or hung peer
-fails that exchange. A rank with a decision of its own due (a steered session's limit) wakes for it and rings.
+fails that exchange. A rank with a decision of its own due (its intake's, on a steered session's limit) rings.
 """
 from __future__ import annotations
 
 import pickle
-import time
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.doorbell import Doorbell
 from .scheduler import RankEvents
-
-MIN_WAIT_S = 0.001  # a store wait of 0 s would wait without limit
 
 
 class ControlPlane:
@@ -48,10 +45,6 @@ class ControlPlane:
         dist.all_gather(buffers, mine, group=self.group)
         return [pickle.loads(b[:n].numpy().tobytes()) if n else RankEvents() for b, n in zip(buffers, sizes)]
 
-    def wait_idle(self, deadline: float | None = None) -> None:
-        """Block until some rank rings (news), the heartbeat is due, or `deadline` (monotonic seconds: this
-        rank's next own decision, which it then rings for); every rank then exchanges once."""
-        timeout = self.heartbeat_s if deadline is None else min(self.heartbeat_s, deadline - time.monotonic())
-        own = timeout < self.heartbeat_s
-        if not self.doorbell.wait(self._next_ring, max(timeout, MIN_WAIT_S)) and own:
-            self.doorbell.ring()  # the others sleep until the heartbeat: wake them for this rank's decision
+    def wait_idle(self) -> None:
+        """Block until some rank rings (news) or the heartbeat is due; every rank then exchanges once."""
+        self.doorbell.wait(self._next_ring, self.heartbeat_s)

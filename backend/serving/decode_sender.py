@@ -1,5 +1,6 @@
-"""Each rank's decode thread: runs the VAE decode of every block it takes part in (its sessions', and its band
-of every shared decode) and sends its own sessions' frames, in order, off the group loop."""
+"""Each rank's decode thread: runs the VAE decode of every block it takes part in (its own sessions', and its band
+of every shared decode), off the group loop, and hands its own sessions' frames to the intake in order, each
+session's ending after its last block."""
 from __future__ import annotations
 
 import logging
@@ -7,42 +8,42 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
-from .streams import Responder
+from . import mail
 from .threads import use_threads
 
 log = logging.getLogger(__name__)
 
 
 class DecodeSender:
-    """Decodes and sends on its own thread, in submission order (so each stream stays ordered)."""
+    """Decodes on its own thread, in the order the group loop hands it blocks (so each stream stays ordered)."""
 
-    def __init__(self, engine: WorldModelEngine, threads: int | None = None,
-                 on_failure: Callable[[], None] = lambda: None,
-                 on_stream_failed: Callable[[str], None] = lambda session_id: None) -> None:
-        """threads: torch threads of the decode (see threads.CoreSplit), None leaves them as they are;
-        on_failure: called when a shared decode fails (the group loop must wake and fail); on_stream_failed:
-        with the session's id when a decode of this rank's own fails (the session must end)."""
+    def __init__(self, engine: WorldModelEngine, to_intake: Callable[[mail.IntakeLetter], None],
+                 to_loop: Callable[[mail.LoopLetter], None], threads: int | None = None) -> None:
+        """to_intake: the intake's inbox (frames, endings); to_loop: the group loop's inbox and doorbell (a
+        failed decode); threads: torch threads of the decode (see threads.CoreSplit), None leaves them as they
+        are."""
         self.engine = engine
         self.threads = threads
-        self.on_failure = on_failure
-        self.on_stream_failed = on_stream_failed
-        self.failure: Exception | None = None  # a shared decode failed: its ranks' exchanges are out of step
+        self._to_intake, self._to_loop = to_intake, to_loop
+        self._shared_failed = False  # a shared decode failed: the ranks' exchanges are out of step
         self._failed_sessions: set[str] = set()  # a decode of theirs failed: their later blocks are not sent
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None stops the thread
         self._thread = threading.Thread(target=self._run, name="lingbot-decode-sender", daemon=True)
         self._thread.start()
 
-    def block(self, responder: Responder | None, session: Session, output: BlockOutput, final: bool) -> None:
-        """Decode a block (this rank's band when the decode is shared) and send it if this rank answers it."""
+    def block(self, session: Session, output: BlockOutput, final: bool, owned: bool) -> None:
+        """Decode a block (this rank's band when the decode is shared); its frames go to the intake if this rank
+        owns the session."""
         shared = session.split_decode
 
-        def send() -> None:
+        def decode() -> None:
             start = time.perf_counter()
-            if shared and self.failure is not None:  # the group is failing: do not wait on its exchanges again
+            if shared and self._shared_failed:  # the group is failing: do not wait on its exchanges again
                 return
             if session.id in self._failed_sessions:  # a block the client must not get after a missing one
                 return
@@ -51,22 +52,25 @@ class DecodeSender:
             except Exception as exc:
                 log.exception("decoding block %d of session %s failed", output.block_index, session.id)
                 if shared:  # the other ranks wait in this decode's exchanges: the group must fail
-                    self.failure = RuntimeError(repr(exc))  # not its traceback: its frames hold the engine
-                    self.on_failure()
+                    self._shared_failed = True
+                    self._to_loop(mail.SharedDecodeFailed(repr(exc)))  # not its traceback: its frames hold the engine
                 else:
                     self._failed_sessions.add(session.id)
-                    self.on_stream_failed(session.id)
+                    self._to_loop(mail.DecodeFailed(session.id))
                 return
-            if responder is not None:
-                responder.send_block(output, frames, (time.perf_counter() - start) * 1000.0, final)
+            if owned:
+                self._to_intake(mail.Decoded(session.id, output, frames, (time.perf_counter() - start) * 1000.0,
+                                             final))
 
-        self._queue.put(send)
+        self._queue.put(decode)
 
-    def error(self, responder: Responder, refusal: Refusal) -> None:
-        self._queue.put(lambda: responder.send_error(refusal))
+    def end(self, session_id: str, error: Refusal | None, told: Refusal) -> None:
+        """The session this rank owns ended: the intake learns it after the session's last decoded block."""
+        def ended() -> None:
+            self._failed_sessions.discard(session_id)
+            self._to_intake(mail.Ended(session_id, error, told))
 
-    def finish(self, responder: Responder) -> None:
-        self._queue.put(responder.finish)
+        self._queue.put(ended)
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._queue.put(None)
@@ -77,5 +81,5 @@ class DecodeSender:
         while (task := self._queue.get()) is not None:
             try:
                 task()
-            except Exception:  # one stream's failure must not stop the others
-                log.exception("sending a response failed")
+            except Exception:  # one session's failure must not stop the others
+                log.exception("decoding a block failed")

@@ -3,8 +3,8 @@
 `SharedSession` is identical on every rank: it travels in the events of a block boundary and changes only in
 `Scheduler.plan`, which every rank runs on the same events; its `state` (with `Ending`, why it ended) is the one
 record of where the session stands. `OwnerPart` (the stream that answers the client, the sequence key, the
-clocks of a steered session's limits) exists on the owning rank only; `LocalPart` is what a rank holds for a
-session it runs (its engine session, the owner part on the owner). Neither writes the state.
+clocks of a steered session's limits) exists in the owning rank's intake only (serving/intake); it never writes
+the state.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from ..api import contract as c
 from ..api.refusal import Refusal
 from ..api.request import Controls, SessionRequest
 from ..engine.geometry import VideoGeometry
-from ..engine.session import Session
 from . import messages
 from .config import ServingConfig
 from .streams import OwnerStream
@@ -117,12 +116,18 @@ class SharedSession:
 
 @dataclass
 class OwnerPart:
-    """Only on the rank that received the session's request."""
+    """Only in the intake of the rank that received the session's request."""
 
     stream: OwnerStream
     key: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
-    place: int | None = None  # the place in line its client was told last (0: its slot); None: never queued
+    opened: bool = False  # it has its slot and caches: its limits' clocks apply
+    cancel_told: bool = False  # the group loop was told its client went away
+    expiry_told: bool = False  # the group loop was told it reached a limit
+
+    @property
+    def steered(self) -> bool:
+        return self.key is not None
 
     def deadline(self, settings: ServingConfig) -> float:
         """When a steered session is ended for its idle or lifetime limit (monotonic seconds). The idle clock
@@ -139,18 +144,3 @@ class OwnerPart:
         if waiting is not None and now - waiting >= settings.session_idle_timeout_s:
             return messages.session_idle(settings.session_idle_timeout_s)
         return None
-
-
-@dataclass
-class LocalPart:
-    """What this rank holds for a session until it ends: the owner part (owning rank only), and its engine
-    session (caches) from its opening on."""
-
-    owner: OwnerPart | None = None
-    engine: Session | None = None
-    opened_s: float | None = None  # when it was opened here (monotonic): a wait estimate's clock, never a plan's
-
-    @property
-    def steered_here(self) -> bool:
-        """A steered session this rank owns (its sequence key is known here only)."""
-        return self.owner is not None and self.owner.key is not None

@@ -1,5 +1,6 @@
-"""The group loop with one rank and recording responders: streams, per-session failures, cancellation,
-its threads' torch threads and the control plane's CPU."""
+"""One rank's intake and group loop wired as a member wires them, with recording responders: streams,
+per-session failures, cancellation, steered sessions' limits and pauses, its threads' torch threads and the
+control plane's CPU."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import torch
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.serving.config import ServingConfig
-from backend.serving.coordinator import GroupCoordinator
+from one_rank import OneRank
 from backend.serving.loop_cpu import LoopCpu
 from backend.serving.threads import CoreSplit
 from backend.engine.blocks import BlockOutput
@@ -53,7 +54,7 @@ class RecordingResponder:
 @pytest.fixture()
 def coordinator(engine: WorldModelEngine):
     failures: list[BaseException] = []
-    group = GroupCoordinator(engine, ServingConfig(max_sessions=2), None, on_failure=failures.append)
+    group = OneRank(engine, ServingConfig(max_sessions=2), on_failure=failures.append)
     yield group
     group.stop()
     assert not failures, failures
@@ -64,16 +65,16 @@ def wait(responders: list[RecordingResponder], timeout: float = 60) -> None:
         assert r.closed.wait(timeout), "a stream never ended"
 
 
-def test_streams_complete_in_order(coordinator: GroupCoordinator) -> None:
+def test_streams_complete_in_order(coordinator: OneRank) -> None:
     responders = [RecordingResponder() for _ in range(3)]
     for seed, r in enumerate(responders):
         coordinator.submit(tiny_request(decode=False, num_frames=21, seed=seed), r)
     wait(responders)
     assert all(r.blocks == [0, 1] and r.error is None for r in responders)
-    assert not coordinator.local
+    wait_until(lambda: not coordinator.sessions, 10, "the sessions to close")
 
 
-def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monkeypatch) -> None:
+def test_failed_open_errors_that_stream_only(coordinator: OneRank, monkeypatch) -> None:
     real_open = coordinator.engine.open_session
 
     def open_session(request, geometry, session_id=None, owner=0, **kwargs):
@@ -96,7 +97,7 @@ def test_failed_open_errors_that_stream_only(coordinator: GroupCoordinator, monk
     assert good.blocks == [0] and good.error is None
 
 
-def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoordinator, monkeypatch) -> None:
+def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: OneRank, monkeypatch) -> None:
     real_decode = coordinator.engine.decode
 
     def decode(session, output):
@@ -111,7 +112,7 @@ def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoor
     assert broken.blocks == [0] and broken.code == "DECODE_FAILED"
     assert "could not turn this block into video frames" in broken.error
     assert "decoder broke" not in broken.error
-    wait_until(lambda: not coordinator.local, 30, "the broken session to free its slot")
+    wait_until(lambda: not coordinator.sessions, 30, "the broken session to free its slot")
     others = [RecordingResponder() for _ in range(2)]  # both slots are free again
     for seed, r in enumerate(others):
         coordinator.submit(tiny_request(decode=False, num_frames=9, seed=seed), r)
@@ -119,14 +120,14 @@ def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: GroupCoor
     assert all(r.blocks == [0] for r in others)
 
 
-def test_cancelled_stream_is_dropped(coordinator: GroupCoordinator) -> None:
+def test_cancelled_stream_is_dropped(coordinator: OneRank) -> None:
     responder = RecordingResponder()
     coordinator.submit(tiny_request(decode=False, num_frames=129), responder)
     wait_until(lambda: responder.blocks, 60, "the first block")
     responder.cancelled = True
     wait([responder])
     assert len(responder.blocks) < 11 and responder.error is None
-    assert not coordinator.local
+    wait_until(lambda: not coordinator.sessions, 10, "the sessions to close")
 
 
 def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_cpu(engine: WorldModelEngine,
@@ -147,7 +148,7 @@ def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_
     reports: list[tuple[float, int]] = []
     failures: list[BaseException] = []
     before = torch.get_num_threads()
-    group = GroupCoordinator(engine, ServingConfig(max_sessions=2), None, on_failure=failures.append,
+    group = OneRank(engine, ServingConfig(max_sessions=2), on_failure=failures.append,
                              threads=CoreSplit(dit=1, decode=2), cpu=LoopCpu(lambda s, n: reports.append((s, n))))
     try:
         responder = RecordingResponder()
@@ -175,7 +176,7 @@ def counted(engine: WorldModelEngine):
     """A one-rank loop with short steered-session limits that counts its block-boundary exchanges."""
     failures: list[BaseException] = []
     settings = ServingConfig(max_sessions=2, session_idle_timeout_s=2.0, collective_timeout_s=600)
-    group = GroupCoordinator(engine, settings, None, on_failure=failures.append)
+    group = OneRank(engine, settings, on_failure=failures.append)
     exchanges = [0]
     real = group.control.exchange
 
@@ -199,34 +200,31 @@ def test_waiting_steered_session_sleeps_until_its_step_or_its_idle_limit(counted
     assert first.blocks == [0] and second.blocks == [1]
     waiting_since, late = exchanges[0], RecordingResponder()
     # No step for session_idle_timeout_s: the loop wakes at that deadline, not before, and ends the session.
-    wait_until(lambda: not any(r.engine for r in group.local.values()), 30, "the idle session to expire")
+    wait_until(lambda: not group.sessions, 30, "the idle session to expire")
     assert exchanges[0] - waiting_since <= 4, "the idle loop went round without news"
     group.submit(StepRequest("7", Controls(keys="d")), late)
+    wait([late])
     assert "session_idle_timeout_s=2 s" in late.error
 
 
-class SlowClient(RecordingResponder):
-    """A client that takes its first block only when released: its session lags and the group goes idle."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
-        assert self.release.wait(60)
-        super().send_block(output, frames, decode_ms, final)
-
-
-def test_cancellation_wakes_an_idle_loop(counted) -> None:
+def test_cancellation_wakes_an_idle_loop(counted, monkeypatch) -> None:
     group, exchanges = counted  # the heartbeat is 300 s away: only the doorbell wakes the loop
-    client = SlowClient()
+    release = threading.Event()
+    real_decode = group.engine.decode
+
+    def slow_decode(session, output):  # the client gets no block until released: its session lags
+        assert release.wait(60)
+        return real_decode(session, output)
+
+    monkeypatch.setattr(group.engine, "decode", slow_decode)
+    client = RecordingResponder()
     group.submit(tiny_request(decode=False, num_frames=129), client)
     lagging = lambda: [s for s in list(group.scheduler.table.values()) if s.computed >= 2]  # noqa: E731
     wait_until(lagging, 60, "the session to run max_blocks_ahead blocks ahead of its client")
     idle_since = exchanges[0]
     client.cancelled = True
-    wait_until(lambda: not group.local, 5, "the cancelled session to end")
-    client.release.set()
+    wait_until(lambda: not group.sessions, 5, "the cancelled session to end")
+    release.set()
     assert exchanges[0] - idle_since <= 3, "the idle loop went round without news"
 
 
@@ -246,12 +244,6 @@ class OrderedResponder(RecordingResponder):
         super().finish()
 
 
-def send(group: GroupCoordinator, request, responder: RecordingResponder) -> None:
-    """As the Triton adapter does: a request of a sequence first answers that sequence's open pause."""
-    group.end_pause(request.session_key)
-    group.submit(request, responder)
-
-
 def pause() -> StepRequest:
     return StepRequest("7", None, pause=True)
 
@@ -262,7 +254,7 @@ def ended(engine: WorldModelEngine):
     failures: list[BaseException] = []
     reasons: list[str] = []
     settings = ServingConfig(max_sessions=2, session_idle_timeout_s=2.0)
-    group = GroupCoordinator(engine, settings, None, on_failure=failures.append, on_ended=reasons.append)
+    group = OneRank(engine, settings, on_failure=failures.append, on_ended=reasons.append)
     yield group, reasons
     group.stop()
     assert not failures, failures
@@ -272,15 +264,15 @@ def test_a_pause_stops_the_idle_clock_and_is_answered_before_the_next_request(en
     group, reasons = ended
     answers: list[str] = []
     first = OrderedResponder("start", answers)
-    send(group, steered_request(), first)
+    group.submit(steered_request(), first)
     wait([first])
     one, two = OrderedResponder("pause 1", answers), OrderedResponder("pause 2", answers)
-    send(group, pause(), one)
+    group.submit(pause(), one)
     # Three idle limits without a step: the open pause keeps the session (an expiry would close the pause).
     assert not one.closed.wait(3 * group.settings.session_idle_timeout_s), one.error
-    send(group, pause(), two)  # a second pause answers the first
+    group.submit(pause(), two)  # a second pause answers the first
     step = OrderedResponder("step", answers)
-    send(group, StepRequest("7", Controls(keys="d")), step)
+    group.submit(StepRequest("7", Controls(keys="d")), step)
     wait([step])
     assert answers == ["start: block 0", "pause 1: closed", "pause 2: closed", "step: block 1"]
     assert one.error is None and two.error is None and not one.blocks and not two.blocks
@@ -294,24 +286,26 @@ def test_a_pause_stops_the_idle_clock_and_is_answered_before_the_next_request(en
 def test_a_cancelled_pause_ends_its_session_as_cancelled(ended) -> None:
     group, reasons = ended
     first, paused = RecordingResponder(), RecordingResponder()
-    send(group, steered_request(), first)
+    group.submit(steered_request(), first)
     wait([first])
-    send(group, pause(), paused)
+    group.submit(pause(), paused)
     paused.cancelled = True  # the client's stream closed
     wait_until(lambda: reasons, 5, "the session to end")
-    assert reasons == ["cancelled"] and not any(r.engine for r in group.local.values())
+    assert reasons == ["cancelled"] and not group.sessions
 
 
 def test_pauses_without_a_running_session_get_errors_naming_the_pause(ended) -> None:
     group, reasons = ended
     stranger = RecordingResponder()
-    send(group, pause(), stranger)
+    group.submit(pause(), stranger)
+    wait([stranger])
     assert re.fullmatch(r"request parameter 'pause': no running session 7: it never started here.*", stranger.error)
     first, closing, late = RecordingResponder(), RecordingResponder(), RecordingResponder()
-    send(group, steered_request(), first)
+    group.submit(steered_request(), first)
     wait([first])
-    send(group, StepRequest("7", None, end=True), closing)
-    send(group, pause(), late)
+    group.submit(StepRequest("7", None, end=True), closing)
+    group.submit(pause(), late)
+    wait([late])
     assert late.error == ("request parameter 'pause': no running session 7: it was ended by its end flag; start a "
                           "new one")
     wait([closing])
@@ -322,12 +316,12 @@ def test_an_open_pause_still_ends_at_max_session_s(engine: WorldModelEngine) -> 
     reasons: list[str] = []
     failures: list[BaseException] = []
     settings = ServingConfig(max_sessions=2, session_idle_timeout_s=60.0, max_session_s=2.0)
-    group = GroupCoordinator(engine, settings, None, on_failure=failures.append, on_ended=reasons.append)
+    group = OneRank(engine, settings, on_failure=failures.append, on_ended=reasons.append)
     try:
         first, paused = RecordingResponder(), RecordingResponder()
-        send(group, steered_request(), first)
+        group.submit(steered_request(), first)
         wait([first])
-        send(group, pause(), paused)
+        group.submit(pause(), paused)
         wait([paused], timeout=10)
     finally:
         group.stop()

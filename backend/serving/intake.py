@@ -1,0 +1,232 @@
+"""The owner's side of the group on one rank: every request this rank receives and every reply it sends.
+
+One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
+its steered sessions, the keys whose session ended (to tell a late step why), and the owner's clocks of each
+session's limits. Triton's execute thread hands it each request (`arrive`); the group loop and the decode sender
+hand it what to answer (`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell).
+It reads the open streams' cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no
+cancellation callback), and wakes for the soonest limit of its steered sessions. Nothing here is shared with
+another thread: no lock.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ..api.errors import InputError
+from ..api.refusal import Refusal
+from ..api.request import SessionRequest, StepRequest
+from . import mail, messages
+from .admission import Admission
+from .config import ServingConfig
+from .scheduler import StepEvent
+from .sessions import OwnerPart
+from .streams import Responder, SteeredStream, WholeStream
+
+log = logging.getLogger(__name__)
+
+EVERY_S = 0.5  # how often the open streams' cancelled flags are read
+KEEP_ENDED = 1024  # sequence keys whose session ended, remembered to tell a late step why
+_CLOSE = object()  # the intake's last letter
+
+
+class Intake:
+    def __init__(self, rank: int, settings: ServingConfig, admission: Admission,
+                 to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
+                 every_s: float = EVERY_S) -> None:
+        """to_loop: the group loop's `post` (its inbox, then the doorbell); inbox: this intake's, made by the caller
+        when the group loop must know it first."""
+        self.rank, self.settings, self.every_s = rank, settings, every_s
+        self._admission: Admission | None = admission
+        self._to_loop = to_loop
+        self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
+        self._parts: dict[str, OwnerPart] = {}  # the sessions this rank owns that have not ended, by id
+        self._running: dict[str, str] = {}  # Triton sequence key -> its steered session that takes the steps
+        self._ended_keys: OrderedDict[str, Refusal] = OrderedDict()  # key -> what a late step of it is told
+        self._closed: Refusal | None = None  # the group loop has ended: what every request gets
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="lingbot-intake", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------------------------
+
+    def arrive(self, key: str, request: SessionRequest | StepRequest | None, responder: Responder,
+               refusal: Refusal | None = None) -> None:
+        """A request as Triton handed it over (Triton's execute thread), or its refusal at parse."""
+        self._inbox.put(mail.Arrived(key, request, responder, refusal))
+
+    def post(self, letter: mail.IntakeLetter) -> None:
+        """What to answer, from the group loop or the decode sender."""
+        self._inbox.put(letter)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Answer what is in the inbox, then end the thread (after the group loop has ended)."""
+        self._inbox.put(_CLOSE)
+        self._thread.join(timeout_s)
+
+    # -- the intake's thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_watch = time.monotonic() + self.every_s
+        while True:
+            timeout = max(0.0, min(next_watch, self._next_deadline()) - time.monotonic())
+            try:
+                letter = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                letter = None
+            if letter is _CLOSE:
+                return
+            try:
+                if letter is not None:
+                    self._handle(letter)
+                now = time.monotonic()
+                if now >= next_watch:
+                    self._watch_cancellations()
+                    next_watch = now + self.every_s
+                self._watch_limits(now)
+            except Exception:  # one client's reply channel failing must not stop the others'
+                log.exception("rank %d: the intake failed to handle %r", self.rank, letter)
+
+    def _handle(self, letter: mail.IntakeLetter) -> None:
+        match letter:
+            case mail.Arrived():
+                self._arrived(letter)
+            case mail.Decoded(sid, output, frames, decode_ms, final):
+                if (part := self._parts.get(sid)) is not None and not self._cancelled(sid, part):
+                    sent = part.stream.sent
+                    part.stream.send_block(output, frames, decode_ms, final)
+                    self._delivered(sid, part, sent)
+            case mail.Placed(sid, place, wait_s):
+                if (part := self._parts.get(sid)) is not None:
+                    part.stream.send_place(place, wait_s)
+            case mail.Opened(sid):
+                if (part := self._parts.get(sid)) is not None:
+                    part.opened = True
+            case mail.Ended(sid, error, told):
+                if (part := self._parts.pop(sid, None)) is not None:
+                    self._forget_key(part, sid, told)
+                    part.stream.finish() if error is None else part.stream.send_error(error)
+            case mail.Closed(reason):
+                self._close(reason)
+
+    def _arrived(self, letter: mail.Arrived) -> None:
+        key, request, responder = letter.key, letter.request, letter.responder
+        if key and (part := self._steered(key)) is not None:  # a pause of this sequence is answered first
+            part.stream.end_pause()
+        if self._closed is not None:
+            responder.send_error(self._closed)
+        elif letter.refusal is not None:
+            responder.send_error(letter.refusal)
+        elif isinstance(request, StepRequest):
+            self._step(request, responder)
+        else:
+            self._submit(request, responder)
+
+    def _submit(self, request: SessionRequest, responder: Responder) -> None:
+        key = request.session_key
+        if request.steered and key in self._running:
+            responder.send_error(messages.session_exists(key))
+            return
+        try:
+            shared = self._admission.session(request, f"r{self.rank}-{next(self._ids)}", self.rank)
+        except InputError as exc:
+            responder.send_error(exc.refusal)
+            return
+        stream = SteeredStream(responder) if request.steered else WholeStream(responder)
+        self._parts[shared.id] = OwnerPart(stream, key if request.steered else None)
+        if request.steered:
+            self._running[key] = shared.id
+        self._to_loop(mail.Submitted(shared))
+
+    def _step(self, step: StepRequest, responder: Responder) -> None:
+        """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""
+        key = step.session_key
+        part = self._steered(key)
+        if part is None:
+            responder.send_error(messages.no_session(key, self._ended_keys.get(key, messages.NEVER_STARTED),
+                                                     step.pause))
+            return
+        stream: SteeredStream = part.stream
+        if step.pause:  # no news for the scheduler: it changes no block
+            stream.pause(responder)
+            return
+        try:
+            self._admission.step(step)
+        except InputError as exc:
+            responder.send_error(exc.refusal)
+            return
+        sid = self._running[key]
+        if step.end:  # no step may follow: the sequence's next request is told so
+            self._forget_key(part, sid, messages.ENDED_BY_FLAG)
+        sent = stream.sent
+        if step.controls is not None:
+            stream.add(responder)  # answered at once by a block computed ahead (held)
+        else:  # an end flag alone: the request is answered when the session closes
+            stream.add_closing(responder)
+        self._to_loop(mail.Stepped(StepEvent(sid, step.controls, step.end)))
+        self._delivered(sid, part, sent)
+
+    def _delivered(self, sid: str, part: OwnerPart, sent_before: int) -> None:
+        """Tell the group loop when the client received blocks (a session held back by its client may run)."""
+        if part.stream.sent > sent_before:
+            self._to_loop(mail.Delivered(sid, part.stream.sent))
+
+    def _watch_cancellations(self) -> None:
+        for sid, part in self._parts.items():
+            self._cancelled(sid, part)
+
+    def _cancelled(self, sid: str, part: OwnerPart) -> bool:
+        """Whether the session's client went away (read before each block it would be sent, and every
+        `every_s`); the group loop is told once."""
+        if part.cancel_told:
+            return True
+        if not part.stream.is_cancelled():
+            return False
+        part.cancel_told = True
+        self._to_loop(mail.Cancelled(sid))
+        return True
+
+    def _watch_limits(self, now: float) -> None:
+        """The owner's clock decides a steered session's limits; the decision travels as news, so every rank's
+        scheduler ends it alike."""
+        for sid, part in self._parts.items():
+            if part.opened and part.steered and not part.expiry_told and (
+                    why := part.expiry(self.settings, now)) is not None:
+                part.expiry_told = True
+                self._to_loop(mail.Expired(sid, why))
+
+    def _next_deadline(self) -> float:
+        """The soonest idle or lifetime limit of the open steered sessions (monotonic seconds; inf: none)."""
+        return min((part.deadline(self.settings) for part in self._parts.values()
+                    if part.opened and part.steered and not part.expiry_told), default=float("inf"))
+
+    def _steered(self, key: str) -> OwnerPart | None:
+        """The steered session that takes the steps of Triton sequence `key`."""
+        sid = self._running.get(key)
+        return None if sid is None else self._parts[sid]
+
+    def _forget_key(self, part: OwnerPart, sid: str, ending: Refusal) -> None:
+        """Sequence `part.key` no longer steers session `sid`; a late request is told `ending`."""
+        key = part.key
+        if key is None:
+            return
+        if self._running.get(key) == sid:
+            del self._running[key]
+        self._ended_keys[key] = ending
+        self._ended_keys.move_to_end(key)
+        while len(self._ended_keys) > KEEP_ENDED:
+            self._ended_keys.popitem(last=False)
+
+    def _close(self, reason: Refusal) -> None:
+        """The group loop ended: every open stream gets `reason`, and so does every later request. The admission
+        (the engine's spec) goes with it."""
+        self._closed, self._admission = reason, None
+        for sid, part in self._parts.items():
+            self._forget_key(part, sid, reason)
+            part.stream.send_error(reason)
+        self._parts.clear()

@@ -1,0 +1,309 @@
+"""The group loop every rank runs: agree on one plan at each block boundary, run it together.
+
+The loop's thread (`lingbot-group-loop`) owns this rank's part of every session it runs (its engine session:
+caches, noise, camera) and its copy of the scheduler; it is fed only by its inbox (serving/mail): the news of
+this rank's clients from its intake, and its decode sender's failures. At each block boundary it exchanges its
+news with every rank (control_plane), plans the same plan as every rank from the same news with its own scheduler
+copy, and opens, runs and closes the same sessions in the same order. Its decode sender decodes each block while
+the group runs the next one and hands the owned sessions' frames to the intake; the loop tells the intake when an
+owned session opens, moves in line or ends. An idle group sleeps until the doorbell rings (news from some rank)
+or the heartbeat is due.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from ..api import contract as c
+from ..api.refusal import Refusal
+from ..engine.rollout import WorldModelEngine
+from ..engine.session import Session
+from ..engine.validation import GLOBAL_WINDOW
+from ..parallel.doorbell import Doorbell, LocalDoorbell
+from . import mail, messages
+from .config import ServingConfig
+from .control_plane import ControlPlane
+from .decode_sender import DecodeSender
+from .line import MAX_RETRY_S, UNMEASURED_RETRY_S, Clocks, LineCounts, line_waits
+from .loop_cpu import LoopCpu
+from .scheduler import Plan, RankEvents, Scheduler
+from .sessions import EndReason, Ending, SharedSession
+from .threads import CoreSplit, use_threads
+
+log = logging.getLogger(__name__)
+
+
+class GroupFailure(RuntimeError):
+    """The group loop failed; the cause, with its traceback, is in the log."""
+
+
+@dataclasses.dataclass
+class LoopHooks:
+    """What the loop reports to its host (the metrics port); each is called on the loop's thread."""
+
+    on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed (the model is released after)
+    on_prompts: Callable[[int, int], None] | None = None  # (world events applied, prompt cache hits) since the last
+    on_ended: Callable[[str], None] | None = None  # (why) when a session this rank owns ends, as logged
+    on_line: Callable[[LineCounts], None] | None = None  # the group's sessions by state, after a plan that changed them
+
+
+class GroupLoop:
+    def __init__(self, engine: WorldModelEngine, settings: ServingConfig, control_group: dist.ProcessGroup | None,
+                 to_intake: Callable[[mail.IntakeLetter], None], hooks: LoopHooks | None = None,
+                 doorbell: Doorbell | None = None, threads: CoreSplit | None = None, cpu: LoopCpu | None = None) -> None:
+        """to_intake: the intake's inbox; threads: torch threads of the loop (DiT) and the decode, None leaves them
+        as they are."""
+        self.engine: WorldModelEngine | None = engine
+        self.settings = settings
+        self.rank = engine.sp.rank
+        self.keep_commits = engine.window_frames != GLOBAL_WINDOW  # what a recache needs (a sliding window)
+        self.hooks = hooks or LoopHooks()
+        self.control = ControlPlane(engine.sp.degree, control_group, doorbell or LocalDoorbell(),
+                                    heartbeat_s=settings.collective_timeout_s / 2)
+        self.scheduler = Scheduler(settings)  # a copy on every rank: all plan alike from the same events
+        self.threads = threads
+        self.cpu = cpu or LoopCpu()
+        self.clocks = Clocks()  # the line's wait estimates
+        self._to_intake = to_intake
+        self._inbox: queue.SimpleQueue[mail.LoopLetter] = queue.SimpleQueue()
+        self.decoder = DecodeSender(engine, to_intake, self.post, threads.decode if threads else None)
+        # What this rank holds per session, until the session ends (the session's state is the scheduler's):
+        self.sessions: dict[str, Session] = {}  # its engine session, from its opening on
+        self.opened_s: dict[str, float] = {}  # when it was opened here: a wait estimate's clock, never a plan's
+        # ... and per session this rank owns (its intake answers the client):
+        self.submitted_s: dict[str, float] = {}  # when it reached the loop (its wait in line, for the metrics)
+        self.delivered: dict[str, int] = {}  # blocks its client received, as the intake last said
+        self.told: dict[str, int] = {}  # the place in line its client was last told (0: its slot)
+        self._failed: list[tuple[str, Ending]] = []  # sessions that failed to open here: news for the next boundary
+        self._last_counts: LineCounts | None = None
+        self._thread = threading.Thread(target=self._run, name="lingbot-group-loop", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------------------------
+
+    def post(self, letter: mail.LoopLetter) -> None:
+        """News for the next block boundary: into the inbox, then the doorbell."""
+        self._inbox.put(letter)
+        self.ring()
+
+    def ring(self) -> None:
+        self.control.doorbell.ring()
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """End every session and the loop (this rank's stop travels as news: the whole group stops with it)."""
+        self.post(mail.Stop())
+        self._thread.join(timeout_s)
+
+    # -- the loop's thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        use_threads(self.threads.dit if self.threads else None)
+        self.cpu.start()
+        try:
+            while True:
+                rings = self.control.doorbell.count()  # before collecting: a later ring ends the next wait
+                plan = self.scheduler.plan(self.control.exchange(self._collect(), rings))
+                if plan.stop:
+                    self._close(messages.MODEL_UNLOADING)
+                    return
+                self._apply(plan)
+                self._tell_line(plan)
+                if plan.idle:
+                    self.control.wait_idle()
+        except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
+            log.exception("sequence-parallel group loop failed on rank %d", self.rank)
+            failure = GroupFailure(repr(exc))
+        # Past the handler: its traceback's frames (a forward's, holding the engine and its tensors) are gone,
+        # so the failure handler can release the model's memory.
+        self._close(messages.GROUP_FAILED)
+        self.hooks.on_failure(failure)
+
+    def _collect(self) -> RankEvents:
+        """This rank's news for the boundary, from its inbox."""
+        events = RankEvents(failed=self._failed)
+        self._failed = []
+        now = time.monotonic()
+        for letter in drain(self._inbox):
+            match letter:
+                case mail.Submitted(shared):
+                    events.submissions.append(shared)
+                    self.submitted_s[shared.id] = now
+                    self.delivered[shared.id] = 0
+                case mail.Stepped(step):
+                    events.steps.append(step)
+                case mail.Cancelled(sid):
+                    events.cancelled.append(sid)
+                case mail.Expired(sid, why):
+                    events.expired.append((sid, why))
+                case mail.Delivered(sid, blocks):
+                    if sid in self.delivered:
+                        self.delivered[sid] = blocks
+                case mail.DecodeFailed(sid):
+                    events.failed.append((sid, Ending(EndReason.FAILED, messages.DECODE_FAILED)))
+                case mail.SharedDecodeFailed(error):
+                    raise RuntimeError(f"a block's shared decode failed: {error}")
+                case mail.Stop():
+                    events.stop = True
+        # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch): report
+        # those that advanced, so a boundary where nothing changed carries no news.
+        table = self.scheduler.table
+        events.delivered = {sid: n for sid, n in self.delivered.items()
+                            if (s := table.get(sid)) is not None and s.lags(self.settings.max_blocks_ahead)
+                            and n > s.delivered}
+        return events
+
+    def _apply(self, plan: Plan) -> None:
+        for sid, ending in plan.ended:
+            self._end(sid, ending)
+        if plan.opens:
+            self._open_all(plan.opens)
+        for sid, prompt in plan.recaches:  # a boundary of its own (the scheduler plans no batch beside it)
+            session = self.sessions[sid]
+            self._set_prompt(session, prompt)
+            with self.cpu.run_block(1):
+                self.engine.recache(session)
+            log.info("rank %d: session %s recomputed its cached frames under its new prompt", self.rank, sid)
+        if plan.batch:
+            self._run_batch(plan)
+
+    def _run_batch(self, plan: Plan) -> None:
+        sessions = [self.sessions[sid] for sid in plan.batch]
+        for sid, controls in plan.controls.items():
+            session = self.sessions[sid]
+            if controls.controls is None:
+                log.info("rank %d: block %d of session %s runs on held controls (its step is late)",
+                         self.rank, session.block_index, sid)
+            elif controls.controls.prompt is not None:
+                self._set_prompt(session, controls.controls.prompt)
+        start = time.perf_counter()
+        with self.cpu.run_block(len(plan.batch)):
+            outputs = self.engine.run_block(sessions, plan.controls)
+        self.clocks.batch.observe(time.perf_counter() - start)
+        finishing = {sid for sid, _ in plan.finishing}
+        for sid, session, output in zip(plan.batch, sessions, outputs):
+            owned = sid in self.submitted_s
+            if owned or session.split_decode:
+                self.decoder.block(session, output, final=sid in finishing, owned=owned)
+        for sid, ending in plan.finishing:
+            self._end(sid, ending)
+
+    def _tell_line(self, plan: Plan) -> None:
+        """After a plan: each session this rank owns whose place in line changed is told its new place (0: it has
+        its slot) and its estimated wait; the group's counts go to the metrics hook when they changed."""
+        now = time.monotonic()
+        places = {s.id: n for n, s in enumerate(self.scheduler.waiting(), start=1)}
+        moved = [(sid, places.get(sid, 0)) for sid in self.submitted_s]
+        moved = [(sid, place) for sid, place in moved if place != self.told.get(sid, 0)]
+        if moved:
+            waits = line_waits(self.scheduler, self.clocks, self.opened_s, now)
+            for sid, place in moved:
+                self.told[sid] = place
+                self._to_intake(mail.Placed(sid, place, waits[place - 1] if place else 0.0))
+        if self.hooks.on_line is not None:
+            opened = {s.id for s in plan.opens}
+            waited = [now - started for sid, started in self.submitted_s.items() if sid in opened]
+            counts = LineCounts.of(self.scheduler, self.settings, waited)
+            if waited or counts != self._last_counts:
+                self._last_counts = counts
+                self.hooks.on_line(counts)
+
+    def _with_retry(self, refusal: Refusal) -> Refusal:
+        """A full line's refusal gets its retry time here, from this rank's measured block times: the wait of the
+        place behind the line's last (the plan carries none: no plan depends on a clock)."""
+        if refusal.code != c.CAPACITY_EXHAUSTED:
+            return refusal
+        wait = line_waits(self.scheduler, self.clocks, self.opened_s, time.monotonic(), extra=1)[-1]
+        return dataclasses.replace(refusal, retry_after_s=min(wait, MAX_RETRY_S) if wait > 0 else UNMEASURED_RETRY_S)
+
+    def _set_prompt(self, session: Session, prompt: str) -> None:
+        """A world event, at the same block on every rank (its step travelled to all as news)."""
+        engine = self.engine
+        hits, same = engine.prompts.hits, prompt == session.prompt
+        try:
+            engine.set_prompt(session, prompt)
+        except Exception:  # the encode failed: every rank learns it in the same broadcast; the old prompt stays
+            log.warning("rank %d: the world event of session %s failed; its prompt stays", self.rank, session.id,
+                        exc_info=True)
+            return
+        log.info("rank %d: session %s from block %d on: prompt %r (prompt cache: %s)", self.rank, session.id,
+                 session.block_index, prompt,
+                 "unchanged" if same else "hit" if engine.prompts.hits > hits else "encoded")
+        if self.hooks.on_prompts is not None:
+            self.hooks.on_prompts(1, engine.prompts.hits - hits)
+
+    def _open_all(self, opens: list[SharedSession]) -> None:
+        """Open the plan's sessions here; one that fails is news for the next boundary, where every rank's
+        scheduler ends it (it joins no batch before: a session runs from the boundary after its opening)."""
+        for shared in opens:
+            try:
+                # A steered session keeps what its cached blocks were made of, for a world event's recache.
+                self.sessions[shared.id] = self.engine.open_session(
+                    shared.request, shared.geometry, shared.id, shared.owner,
+                    keep_commits=shared.steered and self.keep_commits)
+                self.opened_s[shared.id] = time.monotonic()
+            except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
+                log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
+                self._failed.append((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))
+                continue
+            if shared.id in self.submitted_s:
+                self._to_intake(mail.Opened(shared.id))
+
+    def _end(self, sid: str, ending: Ending) -> None:
+        """The scheduler ended a session: free its caches here; if this rank owns it, its intake answers what
+        still waits (with the ending's error, or by closing the stream after its blocks)."""
+        told = self._with_retry(ending.told())  # the client's answer, and a late step's
+        if sid in self.submitted_s:
+            for record in (self.submitted_s, self.delivered, self.told):
+                record.pop(sid, None)
+            if self.hooks.on_ended is not None:
+                self.hooks.on_ended(ending.reason.value)
+            self.decoder.end(sid, None if ending.error is None else told, told)
+        opened_s = self.opened_s.pop(sid, None)
+        session = self.sessions.pop(sid, None)
+        if session is None:  # never opened here
+            return
+        if not session.num_blocks:
+            self.clocks.life.observe(time.monotonic() - opened_s)  # an open-ended session's life
+        held = session.cache_bytes()
+        self.engine.close_session(session)
+        done = f"{session.block_index} of {session.num_blocks} blocks" if session.num_blocks else \
+            f"{session.block_index} block{'' if session.block_index == 1 else 's'} (steered: no set length)"
+        log.info("rank %d: session %s %s after %s; freed %d cache bytes (left: %d); open sessions: %d", self.rank,
+                 sid, ending.reason.value, done, held, session.cache_bytes(), len(self.sessions))
+
+    def _close(self, reason: Refusal) -> None:
+        """The loop ends: every session ends here; the intake answers every open stream and later request with
+        `reason`, after the blocks the decode sender still holds."""
+        self.scheduler.abort(Ending(EndReason.ABORTED, reason))
+        if self.hooks.on_ended is not None:
+            for _ in self.submitted_s:
+                self.hooks.on_ended(EndReason.ABORTED.value)
+        for session in self.sessions.values():
+            self.engine.close_session(session)
+        self.sessions.clear()
+        self.submitted_s.clear()
+        self.decoder.close()
+        self._to_intake(mail.Closed(reason))
+        self.engine = self.decoder.engine = None  # the weights go now: a reload may need the memory
+        self.control.doorbell = LocalDoorbell()  # close the store connections too
+        self.control.group = None  # and the control group's sockets
+
+
+T = TypeVar("T")
+
+
+def drain(items: queue.SimpleQueue[T]) -> list[T]:
+    """What the queue holds now, in order."""
+    taken = []
+    while True:
+        try:
+            taken.append(items.get_nowait())
+        except queue.Empty:
+            return taken

@@ -1,0 +1,138 @@
+"""What a rank's threads send each other. Each receiver has one queue (its inbox) and is the only reader of it;
+a sender puts a letter in and, when the receiver is the group loop, rings the doorbell.
+
+To the group loop (serving/loop): news of this rank's clients from the intake, and the decode sender's failures.
+To the intake (serving/intake): what to answer, from the group loop and the decode sender.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..api.refusal import Refusal
+from ..api.request import SessionRequest, StepRequest
+from ..engine.blocks import BlockOutput
+from .scheduler import StepEvent
+from .sessions import SharedSession
+from .streams import Responder
+
+# -- to the group loop ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A session this rank admitted (its owner): shared with every rank at the next boundary."""
+
+    session: SharedSession
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """A steered session's next camera, or its end flag."""
+
+    step: StepEvent
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The session's client went away."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Expired:
+    """The owner's clock ended a steered session: its idle or lifetime limit."""
+
+    session_id: str
+    why: Refusal
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """The session's client has received `blocks` blocks in all (backpressure)."""
+
+    session_id: str
+    blocks: int
+
+
+@dataclass(frozen=True)
+class DecodeFailed:
+    """A decode of this rank's own session failed: the session ends (the group goes on)."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SharedDecodeFailed:
+    """A decode every rank takes part in failed: the ranks' exchanges are out of step, so the group fails."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The model is unloading or the server stopping: every session ends and the loop returns."""
+
+
+LoopLetter = Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | Stop
+
+# -- to the intake ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A request as Triton handed it over: parsed, or refused at parse (`refusal`), with its sequence key."""
+
+    key: str
+    request: SessionRequest | StepRequest | None
+    responder: Responder
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The session has its slot and its caches on every rank: its owner's clocks for its limits run."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The session's place in line changed (0: it has its slot) with its estimated wait."""
+
+    session_id: str
+    place: int
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A block of the session, decoded: its client's next response."""
+
+    session_id: str
+    output: BlockOutput
+    frames: np.ndarray
+    decode_ms: float
+    final: bool
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The session ended (after its decoded blocks): what still waits gets `error`, or closes after its blocks
+    (None); a later step of its sequence is told `told`."""
+
+    session_id: str
+    error: Refusal | None
+    told: Refusal
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The group loop has ended: every open stream and every later request gets `reason`."""
+
+    reason: Refusal
+
+
+IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | Closed

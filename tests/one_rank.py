@@ -1,0 +1,51 @@
+"""One rank's intake and group loop, wired as serving/bootstrap's GroupMember wires them, without a process group
+or Triton: what the one-rank tests drive."""
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+
+from backend.api.request import SessionRequest, StepRequest
+from backend.engine.rollout import WorldModelEngine
+from backend.serving.admission import Admission
+from backend.serving.config import ServingConfig
+from backend.serving.intake import Intake
+from backend.serving.line import LineCounts
+from backend.serving.loop import GroupLoop, LoopHooks
+from backend.serving.loop_cpu import LoopCpu
+from backend.serving.streams import Responder
+from backend.serving.threads import CoreSplit
+
+
+class OneRank:
+    def __init__(self, engine: WorldModelEngine, settings: ServingConfig,
+                 on_failure: Callable[[BaseException], None] = lambda exc: None,
+                 on_ended: Callable[[str], None] | None = None, on_line: Callable[[LineCounts], None] | None = None,
+                 threads: CoreSplit | None = None, cpu: LoopCpu | None = None) -> None:
+        self.engine, self.settings = engine, settings
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.loop = GroupLoop(engine, settings, None, inbox.put,
+                              LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line),
+                              threads=threads, cpu=cpu)
+        self.intake = Intake(0, settings, Admission(settings, engine.spec), self.loop.post, inbox)
+
+    def submit(self, request: SessionRequest | StepRequest, responder: Responder) -> None:
+        """A request as the member hands it over (its sequence's open pause is answered first)."""
+        self.intake.arrive(request.session_key, request, responder)
+
+    @property
+    def sessions(self) -> dict:
+        """The engine sessions this rank holds (read from the test's thread: a snapshot, for polling)."""
+        return dict(self.loop.sessions)
+
+    @property
+    def scheduler(self):
+        return self.loop.scheduler
+
+    @property
+    def control(self):
+        return self.loop.control
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.intake.close()
