@@ -1,0 +1,212 @@
+"""The front door of a real tritonserver opened to the internet: gRPC over TLS with certificates `openssl` makes
+here, and a key per user. As an attacker would: a plaintext client, a client that trusts another CA, one without a
+certificate where mutual TLS is on, no key, a wrong key, a key in a prompt, 1,000 wrong keys in a row while another
+user is served, a key revoked by a reload; and the key never shows in the log, the metrics or a recording."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backend.api import contract as c
+from backend.launch.server import TritonServer, Tls
+from backend.launch.wheel import prepare_backends
+from backend.serving.keys import Quota, key_line, new_key
+from client.connection import Connection
+from client.recording import Recorder
+from client.steer import SteeredSession
+from client.stream import StreamError, StreamingSession, request_inputs
+from factories import tiny_request
+from polling import wait_until
+from tls_harness import Pki, make_pki
+from triton_harness import metrics, running_server
+
+pytestmark = pytest.mark.server  # starts real tritonservers
+
+KEYS = {name: new_key() for name in ("alice", "bob", "carol")}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str, pki: Pki):
+    """One SP1 server with TLS and a keys file (alice, bob, carol), as the launcher runs it."""
+    tmp = tmp_path_factory.mktemp("door")
+    keys_file = tmp / "keys.txt"
+    keys_file.write_text("".join(key_line(n, k, Quota(sessions=2)) + "\n" for n, k in KEYS.items()))
+    with running_server(tmp, tiny_checkpoint, tls=Tls(pki.server_cert, pki.server_key), keys_file=keys_file,
+                        max_sessions="2") as server:
+        yield server
+
+
+def trusted(pki: Pki, key: str | None = None) -> Connection:
+    return Connection(ca=pki.ca, key=key)
+
+
+def clip(server: TritonServer, connection: Connection, **parameters) -> list:
+    """A one-block whole trajectory; StreamError with the server's refusal."""
+    with StreamingSession(server.grpc_url, connection=connection) as session:
+        session.send(request_inputs(tiny_request(num_frames=9)), parameters={"return_latents": False, **parameters})
+        return list(session.responses(120))
+
+
+def refusal_code(call) -> str | None:
+    with pytest.raises(StreamError) as raised:
+        call()
+    return raised.value.code
+
+
+def test_a_client_with_the_ca_and_a_key_is_served(door, pki: Pki) -> None:
+    blocks = clip(door, trusted(pki, KEYS["alice"]))
+    assert len(blocks) == 1 and blocks[0].frames.shape[0] > 0
+    wait_until(lambda: metrics(door).get("lingbot_world_key_blocks_total", 0) >= 1, 10, "the block counted by key")
+
+
+@pytest.mark.parametrize("connection", ["plaintext", "stranger CA"])
+def test_a_plaintext_client_or_one_trusting_another_ca_is_refused(door, pki: Pki, connection: str) -> None:
+    client = Connection(key=KEYS["alice"]) if connection == "plaintext" else Connection(ca=pki.stranger_ca)
+    with client.client(door.grpc_url) as probe, pytest.raises(InferenceServerException, match="UNAVAILABLE"):
+        probe.is_server_live(client_timeout=10)
+    assert refusal_code(lambda: clip(door, client)) is None  # the stream never reached the model
+
+
+def test_no_key_a_wrong_key_and_a_key_in_a_prompt_are_refused_by_code(door, pki: Pki) -> None:
+    assert refusal_code(lambda: clip(door, trusted(pki))) == c.AUTH_REQUIRED
+    assert refusal_code(lambda: clip(door, trusted(pki, new_key()))) == c.AUTH_INVALID
+    assert refusal_code(lambda: clip(door, trusted(pki, KEYS["alice"][:-1]))) == c.AUTH_INVALID
+    with StreamingSession(door.grpc_url, connection=trusted(pki)) as session:
+        request = tiny_request(num_frames=9, prompt=KEYS["alice"])
+        session.send(request_inputs(request), parameters={"expect_settings": KEYS["bob"]})
+        with pytest.raises(StreamError) as raised:
+            list(session.responses(60))
+    assert raised.value.code == c.AUTH_REQUIRED
+
+
+def test_a_thousand_wrong_keys_cost_no_model_work_while_another_user_is_served(door, pki: Pki) -> None:
+    """The wrong keys ride as request parameters on one stream (what Triton makes of the header); bob's session
+    runs meanwhile. The group never hears of them: the blocks run are bob's alone."""
+    before = settled(door)
+    answers: queue.Queue = queue.Queue()
+    inputs = request_inputs(tiny_request(num_frames=9))
+    with trusted(pki).client(door.grpc_url) as attacker, \
+            StreamingSession(door.grpc_url, connection=trusted(pki, KEYS["bob"])) as bob:
+        bob.send(request_inputs(tiny_request(num_frames=21)), parameters={"return_latents": False})
+        attacker.start_stream(callback=lambda result, error: answers.put(error))
+        began = time.monotonic()
+        for n in range(1000):
+            attacker.async_stream_infer(c.MODEL_NAME, inputs, sequence_id=n + 1, sequence_start=True,
+                                        sequence_end=True, parameters={c.KEY_HEADER: new_key()})
+        errors = [answers.get(timeout=60) for _ in range(1000)]
+        took = time.monotonic() - began
+        attacker.stop_stream()
+        served = list(bob.responses(120))
+    assert all(e is not None and e.message().startswith(f"[{c.AUTH_INVALID}]") for e in errors)
+    assert len(served) == 2
+    after = settled(door)
+    assert after["lingbot_world_blocks_run_total"] - before["lingbot_world_blocks_run_total"] == 2  # bob's
+    assert after["lingbot_world_refusals_total"] - before.get("lingbot_world_refusals_total", 0) == 1000
+    print(f"1,000 wrong keys refused in {took:.2f} s ({took:.3f} ms each) while bob's 2 blocks ran")
+
+
+def settled(server: TritonServer) -> dict[str, float]:
+    """The metrics once two reads half a second apart agree (a response is counted just after it is sent)."""
+    reads = [metrics(server)]
+
+    def same() -> dict[str, float] | None:
+        reads.append(metrics(server))
+        return reads[-1] if reads[-1] == reads[-2] else None
+
+    return wait_until(same, 30, "the metrics to settle", interval=0.5)
+
+
+def test_a_reload_revokes_a_key_and_adds_one_without_a_restart(door, pki: Pki, tmp_path: Path) -> None:
+    dave = new_key()
+    keys_file = Path(door.keys_file)
+    kept = {n: k for n, k in KEYS.items() if n != "carol"}
+    keys_file.write_text("".join(key_line(n, k, Quota(sessions=2)) + "\n" for n, k in (*kept.items(), ("dave", dave))))
+    assert len(door.reload_keys().entries) == 3  # what the launcher's SIGHUP does
+    wait_until(lambda: refusal_code_of(door, trusted(pki, KEYS["carol"])) == c.AUTH_INVALID, 10,
+               "carol's key to be refused")
+    assert len(clip(door, trusted(pki, dave))) == 1
+    assert len(clip(door, trusted(pki, KEYS["alice"]))) == 1
+
+
+def refusal_code_of(server: TritonServer, connection: Connection) -> str | None:
+    try:
+        clip(server, connection)
+    except StreamError as exc:
+        return exc.code
+    return None
+
+
+def test_the_key_never_shows_in_the_log_the_metrics_or_a_recording(door, pki: Pki, tmp_path: Path) -> None:
+    steered = dataclasses.replace(tiny_request(num_frames=9), num_frames=None, poses=None, keys="w",
+                                  return_used=True)
+    recorder = Recorder(steered)
+    with SteeredSession(door.grpc_url, connection=trusted(pki, KEYS["bob"])) as session:
+        session.start(steered)
+        session.end()
+        block = session.next_block(120)
+        recorder.add(block)
+    path = recorder.save(tmp_path / "world.npz")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{door.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'key="bob"' in text
+    stored = [door.log_path.read_bytes(), text.encode(), path.read_bytes()]
+    for key in KEYS.values():
+        for blob in stored:
+            assert key.encode() not in blob
+
+
+def test_http_inference_is_the_operators_alone_with_tls(door) -> None:
+    body = json.dumps({"inputs": []}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{door.http_port}/v2/models/{c.MODEL_NAME}/generate_stream",
+                                     data=body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 403 and "restricted" in refused.value.read().decode()
+
+
+ECHO_CONFIG = """name: "echo"
+backend: "python"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+ECHO_MODEL = """import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+"""
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(pki: Pki, tmp_path: Path) -> None:
+    """Triton's own TLS as the launcher sets it (a one-line model: what is tested is the port)."""
+    (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    tls = Tls(pki.server_cert, pki.server_key, client_ca=pki.ca)
+    x = grpcclient.InferInput("x", [1], "FP32").set_data_from_numpy(np.ones(1, np.float32))
+    with TritonServer(tmp_path / "repo", backends_dir=prepare_backends(), log_path=tmp_path / "log.txt",
+                      tls=tls, extra_args=["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]) as server:
+        server.wait_ready("echo", timeout=60)
+        holder = Connection(ca=pki.ca, client_cert=pki.client_cert, client_key=pki.client_key)
+        with holder.client(server.grpc_url) as client:
+            assert client.infer("echo", [x]).as_numpy("y").tolist() == [1.0]
+        for stranger in (Connection(ca=pki.ca), Connection()):
+            with stranger.client(server.grpc_url) as client, pytest.raises(InferenceServerException):
+                client.infer("echo", [x], client_timeout=10)
