@@ -301,7 +301,9 @@ class StreamingSession:
         status = error.status()  # None for an error response from the model itself
         if status is None:
             return f"{self.model_name!r} failed request {self.request_id!r}: {error.message()}"
-        hint = f" (is Triton serving gRPC at {self.url}?)" if status == "StatusCode.UNAVAILABLE" else ""
+        hint = f" (is Triton serving gRPC at {self.url}?)" if status == "StatusCode.UNAVAILABLE" else \
+            " (the balancer refused a request larger than its --max-request-bytes)" if "status: 413" in error.message() \
+            else ""
         return f"stream to {self.url} failed with {status}: {error.message()}{hint}"
 
     def cancel(self) -> None:

@@ -18,7 +18,12 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract as c
+from backend.launch.agent import CapacityAgent, GroupProbe
+from backend.launch.balancer import (BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
+                                     start_haproxy)
+from backend.launch.procfs import status_kib
 from backend.launch.server import TritonServer, Tls
+from backend.parallel.ports import free_port
 from backend.launch.wheel import prepare_backends
 from backend.serving.keys import Quota, key_line, new_key
 from client.connection import Connection
@@ -210,3 +215,48 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(pki: Pki, tmp_path: P
         for stranger in (Connection(ca=pki.ca), Connection()):
             with stranger.client(server.grpc_url) as client, pytest.raises(InferenceServerException):
                 client.infer("echo", [x], client_timeout=10)
+
+
+def group_state(stats_socket: Path) -> str | None:
+    try:
+        return server_states(stats_socket).get("group0")
+    except OSError:  # haproxy is starting
+        return None
+
+
+def test_the_balancer_speaks_tls_only_and_refuses_an_oversized_start_before_the_group_reads_it(
+        sp1_server, pki: Pki, tmp_path: Path) -> None:
+    """HAProxy as the fleet runs it (TLS, HTTP/2 to the group), in front of the shared server: a start whose first
+    message is over the cap is refused with 413 from its length prefix; the group's processes do not grow."""
+    cap = 4 * 2**20
+    agent_port = free_port()
+    agent = CapacityAgent(GroupProbe(sp1_server.host, sp1_server.http_port, sp1_server.metrics_port), agent_port,
+                          "127.0.0.1").start()
+    group = GroupAddress("group0", "127.0.0.1", sp1_server.grpc_port, sp1_server.http_port, agent_port)
+    config, port = tmp_path / "haproxy.cfg", free_port()
+    config.write_text(render_haproxy([group], "127.0.0.1", port, 0.5, tmp_path / "haproxy.sock",
+                                     tls=BalancerTls(pki.server_pem), max_request_bytes=cap))
+    check_config(config)
+    haproxy = start_haproxy(config, tmp_path / "haproxy.log")
+    try:
+        wait_until(lambda: group_state(tmp_path / "haproxy.sock") == "UP", 20, "the group UP")
+        url = f"localhost:{port}"
+        with Connection().client(url) as plain, pytest.raises(InferenceServerException, match="UNAVAILABLE"):
+            plain.is_server_live(client_timeout=10)
+        with StreamingSession(url, connection=Connection(ca=pki.ca)) as session:
+            session.send(request_inputs(tiny_request(num_frames=9)), parameters={"return_latents": False})
+            assert len(list(session.responses(120))) == 1
+        processes = [sp1_server.pid, *sp1_server.stub_pids().values()]
+        before = sum(status_kib(pid, "VmRSS") for pid in processes)
+        big = tiny_request(num_frames=9, image=np.zeros((2048, 2048, 3), np.uint8))  # 12 MiB, three times the cap
+        with StreamingSession(url, connection=Connection(ca=pki.ca)) as session:
+            session.send(request_inputs(big), parameters={"return_latents": False})
+            with pytest.raises(StreamError, match="413"):
+                list(session.responses(60))
+        grown = sum(status_kib(pid, "VmRSS") for pid in processes) - before
+        assert grown < 1024, f"the group's processes grew {grown} KiB"
+        print(f"an oversized start refused by the balancer: the group's RSS moved {grown} KiB")
+    finally:
+        haproxy.terminate()
+        haproxy.wait(5)
+        agent.stop()
