@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +31,9 @@ from client.connection import Connection
 from client.recording import Recorder
 from client.steer import SteeredSession
 from client.stream import StreamError, StreamingSession, request_inputs
-from factories import tiny_request
+from factories import TINY_SIZE, tiny_request
+from bridge_harness import running_bridge
+from test_web_player import CHROMIUM, CHROMIUM_ARGS
 from polling import wait_until
 from tls_harness import Pki, make_pki
 from triton_harness import metrics, running_server
@@ -260,3 +263,60 @@ def test_the_balancer_speaks_tls_only_and_refuses_an_oversized_start_before_the_
         haproxy.terminate()
         haproxy.wait(5)
         agent.stop()
+
+
+@pytest.fixture(scope="module")
+def secure_bridge(door, pki: Pki, tmp_path_factory: pytest.TempPathFactory):
+    """`python -m client serve` over HTTPS and WSS with sign-in, in front of the TLS server with keys."""
+    log = tmp_path_factory.mktemp("secure-bridge") / "bridge.log"
+    with running_bridge(door.grpc_url, log, "--ca", str(pki.ca), "--tls-cert", str(pki.server_cert), "--tls-key",
+                        str(pki.server_key), "--sign-in", https_ca=pki.ca) as base:
+        yield base
+
+
+def test_the_bridge_speaks_https_only_and_signs_in_with_a_real_key_only(secure_bridge: str, pki: Pki) -> None:
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext HTTP to the HTTPS port
+        urllib.request.urlopen(secure_bridge.replace("https", "http") + "/", timeout=10)
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(secure_bridge + "/", timeout=10,
+                               context=ssl.create_default_context(cafile=str(pki.stranger_ca)))
+
+    def sign_in(key: str) -> tuple[int, str, str]:
+        request = urllib.request.Request(secure_bridge + "/signin", data=json.dumps({"key": key}).encode(),
+                                         method="POST", headers={"Origin": secure_bridge})
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=context) as answer:
+                return answer.status, answer.headers.get("Set-Cookie", ""), answer.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, "", exc.read().decode()
+
+    status, cookie, text = sign_in(new_key())
+    assert status == 403 and "not valid" in text and not cookie
+    status, cookie, text = sign_in(KEYS["alice"])
+    assert status == 200 and KEYS["alice"] not in cookie + text
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Secure" in cookie
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"Chromium at {CHROMIUM}")
+def test_the_page_signs_in_and_plays_over_wss(secure_bridge: str, pki: Pki, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(ignore_https_errors=True)  # the test CA is not in Chromium's store
+        try:
+            page.goto(secure_bridge + "/")
+            page.wait_for_selector("#signin:not([hidden])", timeout=20_000)
+            page.fill("#key", KEYS["bob"])
+            page.click("#signin-button")
+            page.wait_for_selector("#setup:not([hidden])", timeout=30_000)
+            assert page.evaluate("document.cookie") == ""  # HttpOnly: no script reads the token
+            page.fill("#prompt", "a castle on a hill")
+            page.fill("#width", str(TINY_SIZE))
+            page.fill("#height", str(TINY_SIZE))
+            page.click("#start")
+            wait_until(lambda: int(page.get_attribute("#status", "data-blocks")) >= 2, 120, "two blocks over WSS")
+            assert page.evaluate("location.protocol") == "https:"
+        finally:
+            browser.close()
