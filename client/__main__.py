@@ -25,6 +25,7 @@ from backend.api.request import DEFAULT_HFOV_DEG, default_intrinsics
 from client.action import load_action_dir
 from client.camera import PRESETS, camera_preset
 from client.images import load_image, synthetic_image
+from client.connection import connection_of
 from client.stream import (CAPACITY_RETRIES, StreamError, StreamingSession, add_server_args, build_inputs, fill_size,
                            show_place)
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         fill_from_server(args)
-    except StreamError as exc:
+    except (StreamError, ValueError, OSError) as exc:  # a server error, a bad --client-cert or --key-file
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_STREAM_ERROR
     try:
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"request {request_id}: {args.num_frames} frames at {args.height}x{args.width} from {args.url}")
     try:
         with StreamingSession(args.url, model_name=args.model, on_place=print_place,
-                              capacity_retries=CAPACITY_RETRIES) as session, \
+                              capacity_retries=CAPACITY_RETRIES, connection=connection_of(args)) as session, \
                 (writer or contextlib.nullcontext()):
             progress = Progress(sys.stdout, session.send(inputs, request_id=request_id, parameters=parameters))
             for block in session.responses(args.timeout):

@@ -24,6 +24,7 @@ from client.images import load_image, synthetic_image
 from client.pace import DeliveryRate
 from client.recording import Recorder, RecordingError
 from client.steer import SteeredSession
+from client.connection import connection_of
 from client.stream import StreamError, add_server_args, fill_size, show_place
 from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, ContactSheet, Mp4Writer
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         fill_size(args)
-    except StreamError as exc:
+    except (StreamError, ValueError, OSError) as exc:  # a server error, a bad --client-cert or --key-file
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
@@ -73,8 +74,8 @@ def main(argv: list[str]) -> int:
     latencies: list[float] = []
     rate = DeliveryRate(DEFAULT_FPS)
     try:
-        with SteeredSession(args.url, model_name=args.model, on_place=lambda p: print(show_place(p), flush=True)) \
-                as session, Mp4Writer(args.out, DEFAULT_FPS) as mp4:
+        with SteeredSession(args.url, model_name=args.model, on_place=lambda p: print(show_place(p), flush=True),
+                            connection=connection_of(args)) as session, Mp4Writer(args.out, DEFAULT_FPS) as mp4:
             session.start(request)
             used = UsedSteps(steps[0], args.prompt)
             sent = 1

@@ -23,6 +23,7 @@ from backend.api.provenance import latents_sha256
 from backend.api.request import Controls, SessionRequest
 from client.recording import Recording, RecordingError
 from client.steer import SteeredSession
+from client.connection import Connection, connection_of
 from client.stream import CAPACITY_RETRIES, StreamError, StreamingSession, add_server_args, request_inputs, show_place
 from client.video import DEFAULT_FPS, Mp4Writer
 
@@ -55,21 +56,24 @@ def whole_request(recording: Recording, decode: bool) -> SessionRequest:
     return base_request(recording, decode, poses=poses, num_frames=len(poses), pose_scale="running")
 
 
-def replay_whole(recording: Recording, url: str, model: str, decode: bool, timeout: float) -> list[BlockResponse]:
+def replay_whole(recording: Recording, url: str, model: str, decode: bool, timeout: float,
+                 connection: Connection = Connection()) -> list[BlockResponse]:
     request = whole_request(recording, decode)
     with StreamingSession(url, model_name=model, on_place=lambda p: print(show_place(p), flush=True),
-                          capacity_retries=CAPACITY_RETRIES) as session:
+                          capacity_retries=CAPACITY_RETRIES, connection=connection) as session:
         session.send(request_inputs(request), request_id="replay", parameters=request_parameters(request))
         return list(session.responses(timeout))
 
 
-def replay_steps(recording: Recording, url: str, model: str, decode: bool, timeout: float) -> list[BlockResponse]:
+def replay_steps(recording: Recording, url: str, model: str, decode: bool, timeout: float,
+                 connection: Connection = Connection()) -> list[BlockResponse]:
     """A steered session again: the first request with block 0's poses, then one step per block (lookahead 1),
     each with its recorded poses and world event; on_starve=wait, so no block is held this time."""
     blocks = recording.blocks
     steps = [Controls(poses=b.camera, prompt=b.event, recache=b.recache) for b in blocks[1:]]
     received: list[BlockResponse] = []
-    with SteeredSession(url, model_name=model, on_place=lambda p: print(show_place(p), flush=True)) as session:
+    with SteeredSession(url, model_name=model, on_place=lambda p: print(show_place(p), flush=True),
+                        connection=connection) as session:
         session.start(base_request(recording, decode, poses=blocks[0].camera, num_frames=None))
         sent = 0
         for _ in blocks:
@@ -131,12 +135,12 @@ def main(argv: list[str]) -> int:
     print(f"replaying {args.recording} ({len(recording.blocks)} blocks, {recording.settings}) {kind} at {args.url}")
     replay = replay_steps if args.steps else replay_whole
     try:
-        blocks = replay(recording, args.url, args.model, args.out is not None, args.timeout)
+        blocks = replay(recording, args.url, args.model, args.out is not None, args.timeout, connection_of(args))
         checks = check_blocks(recording, blocks)
         with Mp4Writer(args.out, DEFAULT_FPS) if args.out else contextlib.nullcontext() as mp4:
             for block in blocks if mp4 is not None else ():
                 mp4.append(block.frames)
-    except StreamError as exc:
+    except (StreamError, ValueError, OSError) as exc:  # a server's refusal, a bad --client-cert or --key-file
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(table(recording, checks))

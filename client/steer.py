@@ -18,13 +18,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.api import contract
 from backend.api.codec import (BlockResponse, Place, controls_arrays, controls_parameters, parse_place, request_arrays,
                                request_parameters)
 from backend.api.request import Controls, SessionRequest
+from client.connection import Connection
 from client.stream import StreamError, model_error, new_sequence_id, pack_inputs, parse_response
 
 PAUSE_ID = "lingbot-pause"  # the request id of this client's pauses
@@ -40,22 +40,24 @@ class SteeredSession:
     answer, and learns of a disconnect only while a step waits for its block."""
 
     def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, sequence_id: int | None = None,
-                 keep_alive: bool = True, on_place: Callable[[Place], None] | None = None) -> None:
+                 keep_alive: bool = True, on_place: Callable[[Place], None] | None = None,
+                 connection: Connection = Connection()) -> None:
         """on_place: called (on tritonclient's thread) with each place in line the server tells the session
-        while it waits for a slot; those responses answer no request."""
+        while it waits for a slot; those responses answer no request. connection: TLS and the key (sent on the
+        stream, so with every request of the session)."""
         self.url = url
         self.on_place = on_place
         self.model_name = model_name
         self.sequence_id = sequence_id or new_sequence_id()
         self.sent_s: list[float] = []  # send time of every request, in order (pauses not included)
         self._step_parameters: dict[str, bool] = {}  # the start's per-request choices, repeated on every step
-        self._client = grpcclient.InferenceServerClient(url=url)
+        self._client = connection.client(url)
         self._responses: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()  # sends, and the record of what is unanswered
         self._unanswered: deque[bool] = deque()  # every request sent and not answered yet: is it a pause?
         self._keep_alive = keep_alive  # pauses still wanted: not after the end flag, a refused pause, or close
         self._closed = threading.Event()
-        self._client.start_stream(callback=self._on_response)
+        self._client.start_stream(callback=self._on_response, headers=connection.headers())
         if keep_alive:
             threading.Thread(target=self._renew, name=f"steer-keep-alive-{self.sequence_id}", daemon=True).start()
 

@@ -25,6 +25,7 @@ from backend.api.description import ServerDescription
 from backend.api.errors import ResponseError
 from backend.api.refusal import Refusal
 from backend.api.request import SessionRequest, check_frame_counts, check_request
+from client.connection import Connection, add_connection_args, connection_of
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
@@ -58,14 +59,16 @@ class StreamCancelledError(StreamError):
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """--url and --model, the server every client command talks to."""
+    """--url and --model, the server every client command talks to, and how (TLS, the key: client/connection)."""
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint (default: %(default)s)")
     parser.add_argument("--model", default=contract.MODEL_NAME, help="model name (default: %(default)s)")
+    add_connection_args(parser)
 
 
-def describe_server(url: str, model_name: str = contract.MODEL_NAME) -> ServerDescription | None:
+def describe_server(url: str, model_name: str = contract.MODEL_NAME,
+                    connection: Connection = Connection()) -> ServerDescription | None:
     """What the server says of itself in its model config (api/description); None for a config without it."""
-    client = grpcclient.InferenceServerClient(url=url)
+    client = connection.client(url)
     try:
         config = client.get_model_config(model_name, as_json=True)["config"]
     except InferenceServerException as exc:
@@ -84,7 +87,7 @@ def fill_size(args: argparse.Namespace, more: bool = False) -> ServerDescription
     default_width), else 480 x 832; returns the description (None: the server has none, or it was not needed:
     read only for a size left out, or when the caller needs `more` of it)."""
     needed = more or args.height is None or args.width is None
-    described = describe_server(args.url, args.model) if needed else None
+    described = describe_server(args.url, args.model, connection_of(args)) if needed else None
     if args.height is None:
         args.height = described.default_height if described else 480
     if args.width is None:
@@ -182,18 +185,20 @@ class StreamingSession:
     """
 
     def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False,
-                 on_place: Callable[[Place], None] | None = None, capacity_retries: int = 0) -> None:
+                 on_place: Callable[[Place], None] | None = None, capacity_retries: int = 0,
+                 connection: Connection = Connection()) -> None:
         """on_place: called with each place in line the server tells a waiting request (blocks only are yielded);
         capacity_retries: how often a request refused with CAPACITY_EXHAUSTED before its first block is sent again
-        after the server's retry_after_s (within responses()' timeout)."""
+        after the server's retry_after_s (within responses()' timeout); connection: TLS and the key."""
         self.url = url
+        self.connection = connection
         self.model_name = model_name
         self.on_place = on_place
         self.capacity_retries = capacity_retries
         self._sent: tuple[list[grpcclient.InferInput], str, dict | None] | None = None  # to send again on a retry
         self.request_id = ""
         self.sent_s: float | None = None  # time.perf_counter() when the request was enqueued
-        self._client = grpcclient.InferenceServerClient(url=url, verbose=verbose)
+        self._client = connection.client(url, verbose)
         self._queue: queue.Queue[Any] | None = None  # responses of the request in flight
 
     @staticmethod
@@ -210,7 +215,8 @@ class StreamingSession:
         responses: queue.Queue[Any] = queue.Queue()
         self.request_id = request_id
         try:
-            self._client.start_stream(callback=functools.partial(self._on_response, responses))
+            self._client.start_stream(callback=functools.partial(self._on_response, responses),
+                                      headers=self.connection.headers())
             # A whole trajectory is a Triton sequence of one request (the model uses the sequence batcher).
             self._client.async_stream_infer(
                 self.model_name, inputs, request_id=request_id, parameters=parameters,
@@ -295,7 +301,9 @@ class StreamingSession:
         status = error.status()  # None for an error response from the model itself
         if status is None:
             return f"{self.model_name!r} failed request {self.request_id!r}: {error.message()}"
-        hint = f" (is Triton serving gRPC at {self.url}?)" if status == "StatusCode.UNAVAILABLE" else ""
+        hint = f" (is Triton serving gRPC at {self.url}?)" if status == "StatusCode.UNAVAILABLE" else \
+            " (the balancer refused a request larger than its --max-request-bytes)" if "status: 413" in error.message() \
+            else ""
         return f"stream to {self.url} failed with {status}: {error.message()}{hint}"
 
     def cancel(self) -> None:
@@ -345,6 +353,7 @@ def run_sessions(
     model_name: str = contract.MODEL_NAME,
     timeout: float | None = None,
     keep_data: bool = True,
+    connection: Connection = Connection(),
 ) -> list[SessionResult]:
     """Run the requests concurrently, one stream (and thread) each, all sent at once.
 
@@ -352,7 +361,7 @@ def run_sessions(
     latents are dropped on arrival (frames keep their [0, H, W, 3] shape) to bound memory.
     """
     results = [SessionResult(r.request_id) for r in requests]
-    sessions = [StreamingSession(url, model_name=model_name) for _ in requests]
+    sessions = [StreamingSession(url, model_name=model_name, connection=connection) for _ in requests]
     go = threading.Event()
 
     def run(session: StreamingSession, request: StreamRequest, result: SessionResult) -> None:

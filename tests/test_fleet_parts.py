@@ -16,6 +16,7 @@ import pytest
 from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
 from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
 from backend.launch.fleet import main
+from backend.launch.control import ModelControl
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
 from backend.serving.host_signals import HostSignals
 from polling import wait_until
@@ -138,7 +139,7 @@ def test_the_stub_watch_names_a_stub_that_died_once() -> None:
 
 
 class ReadyModel:
-    """A gRPC client whose model reads ready."""
+    """A server whose model reads ready."""
 
     def is_model_ready(self, model: str) -> bool:
         return True
@@ -150,13 +151,13 @@ def test_a_model_ready_with_no_stub_left_is_healed_even_if_the_watch_never_saw_o
     process on the server, which the healer treats as a death once DEAD_STUB_GRACE_S have passed; stubs that turn up
     meanwhile (a load still under way) are watched instead."""
     stubs: dict[int, int] = {}
-    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=lambda: dict(stubs))
+    healer = Healer(ModelControl("127.0.0.1:1", ""), "m", HostSignals(tmp_path), stubs=lambda: dict(stubs))
     assert healer._dead_stub(ReadyModel()) is None  # seen, not yet past the grace
     began = time.monotonic()
     why = wait_until(lambda: healer._dead_stub(ReadyModel()), DEAD_STUB_GRACE_S + 5, "the healer to name the death")
     assert "no stub of the model is alive" in why and time.monotonic() - began >= DEAD_STUB_GRACE_S - 0.1
 
-    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=lambda: dict(stubs))
+    healer = Healer(ModelControl("127.0.0.1:1", ""), "m", HostSignals(tmp_path), stubs=lambda: dict(stubs))
     assert healer._dead_stub(ReadyModel()) is None
     stubs[0] = os.getpid()  # a live stub after all
     past_grace = time.monotonic() + DEAD_STUB_GRACE_S + 0.5

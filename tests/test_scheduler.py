@@ -197,7 +197,7 @@ def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
     """The idle clock runs only while the server waits on the client (every request answered)."""
     settings = ServingConfig(session_idle_timeout_s=60, max_session_s=100)
     stream = SteeredStream(Answered())
-    owner = OwnerPart(stream=stream, key="7", started_s=time.monotonic())
+    owner = OwnerPart(stream=stream, sequence_key="7", started_s=time.monotonic())
     far = owner.started_s + 99.0  # past the idle limit, within the lifetime
     assert owner.deadline(settings) == owner.started_s + 100.0 and owner.expiry(settings, far) is None
     stream.send_block(block(0), np.zeros(1), 0.0, True)  # answered: now the server waits on the client

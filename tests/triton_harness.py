@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.launch.model_repository import write_model_repository
 from backend.launch.wheel import prepare_backends
-from backend.launch.server import TritonServer
+from backend.launch.server import TritonServer, Tls
 from backend.parallel.local import free_port
 from backend.api.request import SessionRequest
 from backend.api.settings import to_parameters
@@ -37,14 +37,15 @@ def description_of(parameters: dict[str, str], sp: int) -> ServerDescription:
 
 
 @contextlib.contextmanager
-def running_server(tmp: Path, checkpoint: str, sp: int = 1, heal: bool = False,
-                   **overrides: str) -> Iterator[TritonServer]:
-    """heal: as the launcher runs it, reloading its model when the group fails (launch/heal.py)."""
+def running_server(tmp: Path, checkpoint: str, sp: int = 1, heal: bool = False, tls: Tls | None = None,
+                   keys_file: Path | None = None, **overrides: str) -> Iterator[TritonServer]:
+    """heal: as the launcher runs it, reloading its model when the group fails (launch/heal.py); tls and
+    keys_file: the launcher's --tls-* and --keys-file."""
     parameters = tiny_parameters(checkpoint, sp, **overrides)
     repo = write_model_repository(tmp / f"repo_sp{sp}", instances=sp, kind="KIND_CPU", parameters=parameters,
                                   description=description_of(parameters, sp))
     server = TritonServer(repo, backends_dir=prepare_backends(), log_path=tmp / f"tritonserver_sp{sp}.log",
-                          heal=heal)
+                          heal=heal, tls=tls, keys_file=keys_file)
     with server:
         server.wait_ready("lingbot_world", timeout=240)
         yield server

@@ -49,9 +49,15 @@ class StreamMetrics:
             family("lingbot_world_queue_depth", "the group's sessions waiting for a slot (rank 0)", family.GAUGE),
             family("lingbot_world_free_slots", "the group's free session slots, max_sessions minus those held (rank 0)",
                    family.GAUGE),
+            # By key name (a server with a keys file; never the key): this instance's requests, blocks, refusals.
+            family("lingbot_world_key_requests_total", "requests a key opened the door for", family.COUNTER),
+            family("lingbot_world_key_blocks_total", "AR blocks sent to a key's sessions", family.COUNTER),
+            family("lingbot_world_key_refusals_total", "error responses to a key's requests, by code", family.COUNTER),
         ]
         (blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits, ended, refusals, queued,
-         sessions, depth, free) = self._families
+         sessions, depth, free, *by_key) = self._families
+        self._by_key = dict(zip(("requests", "blocks", "refusals"), by_key))
+        self._key_metrics: dict[tuple[str, ...], object] = {}  # (family, key name[, code]) -> its metric, on first use
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)
@@ -104,11 +110,28 @@ class StreamMetrics:
             self._ended[reason] = self._ended_family.Metric(labels={**self._labels, "reason": reason})
         self._ended[reason].increment(1)
 
-    def refused(self, code: str) -> None:
-        """An error response went out with `code` (contract.ERROR_CODES)."""
+    def refused(self, code: str, user: str = "") -> None:
+        """An error response went out with `code` (contract.ERROR_CODES), to key `user` ("": none known)."""
         if code not in self._refusals:
             self._refusals[code] = self._refusals_family.Metric(labels={**self._labels, "code": code})
         self._refusals[code].increment(1)
+        if user:
+            self._key_metric("refusals", user, code=code).increment(1)
+
+    def key_request(self, user: str) -> None:
+        """The door let a request of key `user` in ("": a server without keys, not counted by key)."""
+        if user:
+            self._key_metric("requests", user).increment(1)
+
+    def key_block(self, user: str) -> None:
+        if user:
+            self._key_metric("blocks", user).increment(1)
+
+    def _key_metric(self, family: str, user: str, **labels: str):
+        index = (family, user, *labels.values())
+        if index not in self._key_metrics:
+            self._key_metrics[index] = self._by_key[family].Metric(labels={**self._labels, "key": user, **labels})
+        return self._key_metrics[index]
 
     def line(self, counts: LineCounts) -> None:
         """The group loop's report after a plan that changed the counts (GroupCoordinator's on_line)."""

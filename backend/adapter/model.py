@@ -9,11 +9,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..api.description import split_description
+from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
 from ..parallel.host_claim import claim_for_this_host
 from ..serving.bootstrap import GroupMember, Hooks, Place
 from ..serving.config import split_parameters
 from ..serving.host_signals import HostSignals, StopWatch
+from ..serving.key_watch import KeyWatch, gate_of
 from ..serving.line import LineCounts
 from .metrics import StreamMetrics
 from .placement import instance_rank
@@ -49,27 +51,38 @@ class TritonPythonModel:
         # not wait out its timeout for them; a failed group asks the launcher for a reload.
         self.signals = HostSignals.from_environment()
         self._stop_watch = StopWatch(self.signals, self.member.end_sessions) if self.signals else None
+        # The door (serving/keys): the launcher's keys file, reloaded whenever the launcher publishes it again.
+        self.gate = gate_of(self.signals)
+        self._key_watch = (KeyWatch(self.signals, self.gate, self.member.revoke) if self.gate.ring is not None
+                           else None)
 
     def execute(self, requests: list) -> None:
         with TritonResponder.process_lock:  # no response is sent while the stub is in here (see responder)
             for request in requests:
                 sender = request.get_response_sender()
-                self.member.handle(functools.partial(_input, request), request.parameters(),
+                who, parameters = self.gate.admit(request.parameters())  # the key is checked and stripped first
+                if isinstance(who, Refusal):  # before any work: no input is read, the group never hears of it
+                    self.member.refuse(self._responder(sender, "", None), who)
+                    continue
+                self.metrics.key_request(who.name)
+                self.member.handle(functools.partial(_input, request), parameters,
                                    str(request.correlation_id() or ""), request.flags(),
-                                   functools.partial(self._responder, sender))
+                                   functools.partial(self._responder, sender, who.name), who)
         return None
 
-    def _responder(self, sender: pb_utils.InferenceResponseSender,
+    def _responder(self, sender: pb_utils.InferenceResponseSender, user: str,
                    parsed: SessionRequest | StepRequest | None) -> TritonResponder:
+        """user: the request's key name ("" without keys), for the metrics by key."""
         if parsed is None:
-            return TritonResponder(sender, False, self.metrics)
+            return TritonResponder(sender, False, self.metrics, user=user)
         steered = isinstance(parsed, StepRequest) or parsed.steered
         used = self.member.settings_used if parsed.return_used else None
-        return TritonResponder(sender, parsed.return_latents, self.metrics, steered, used)
+        return TritonResponder(sender, parsed.return_latents, self.metrics, steered, used, user)
 
     def finalize(self) -> None:
-        if self._stop_watch is not None:
-            self._stop_watch.close()
+        for watch in (self._stop_watch, self._key_watch):
+            if watch is not None:
+                watch.close()
         self.member.stop()
 
     def _on_group_failure(self, exc: BaseException) -> None:

@@ -42,9 +42,10 @@ class TritonResponder:
 
     def __init__(
         self, sender: pb_utils.InferenceResponseSender, return_latents: bool, metrics: StreamMetrics, step: bool = False,
-        settings_used: str | None = None,
+        settings_used: str | None = None, user: str = "",
     ) -> None:
         self.sender = sender
+        self.user = user  # the request's key name ("": no keys), for the metrics by key
         self.step = step  # a steered session's request: one block, its latency is the step latency
         self.return_latents = return_latents
         self.settings_used = settings_used  # the request asked for return_used: the engine's settings_used
@@ -69,6 +70,7 @@ class TritonResponder:
         if self._send(response, FINAL if final else 0):
             m = self.metrics
             m.blocks.increment(1)
+            m.key_block(self.user)
             m.block_dit.observe(output.dit_ms / 1000.0)
             if output.held:
                 m.held_blocks.increment(1)
@@ -83,7 +85,7 @@ class TritonResponder:
     def send_error(self, refusal: Refusal) -> None:
         if self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal.message)), FINAL):
             self.metrics.errors.increment(1)
-            self.metrics.refused(refusal.code)
+            self.metrics.refused(refusal.code, self.user)
 
     def send_place(self, position: int, wait_s: float) -> None:
         tensors = place_outputs(position, wait_s)

@@ -175,6 +175,10 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
                   "disconnects ends the session at once. No camera, prompt, start or end flag"),
 )
 
+# A client's key (docs/security.md) travels in this gRPC header; tritonserver forwards it to the model as a request
+# parameter of the same name (--grpc-header-forward-pattern), which the owner checks before any work and strips.
+KEY_HEADER = "lingbot-key"
+
 # Triton sequence flags on a request (python backend `request.flags()`).
 SEQUENCE_START = 1
 SEQUENCE_END = 2
@@ -230,6 +234,10 @@ DECODE_FAILED = "DECODE_FAILED"
 GROUP_FAILED = "GROUP_FAILED"
 SERVER_STOPPING = "SERVER_STOPPING"
 RELOAD_REFUSED = "RELOAD_REFUSED"
+AUTH_REQUIRED = "AUTH_REQUIRED"
+AUTH_INVALID = "AUTH_INVALID"
+USER_SESSION_LIMIT = "USER_SESSION_LIMIT"
+QUOTA_EXHAUSTED = "QUOTA_EXHAUSTED"
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the line is full (max_queue sessions wait)",
@@ -256,5 +264,14 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(SERVER_STOPPING, "the model is being unloaded (a stop, or an operator's unload)",
               "retry after retry_after_s, on this server once it is back or on another", retry_after=True),
     ErrorCode(RELOAD_REFUSED, "a load of the model while it serves (the operator's API)", "unload it first"),
+    ErrorCode(AUTH_REQUIRED, "this server serves keys only (it was started with a keys file) and the request "
+              "carried none", f"send your key in the gRPC header '{KEY_HEADER}'"),
+    ErrorCode(AUTH_INVALID, "the request's key is not one of this server's keys; a session whose key the operator "
+              "revoked ends with it too", "ask the operator for a key"),
+    ErrorCode(USER_SESSION_LIMIT, "the key already has its limit of sessions: its `sessions` hold a slot and its "
+              "`queue` wait for one (the keys file)", "end one of the key's sessions first"),
+    ErrorCode(QUOTA_EXHAUSTED, "the key has used its `blocks_per_hour` (the keys file); a session of the key that "
+              "meets it ends with it", "retry after retry_after_s, when enough of the hour's blocks have aged out",
+              retry_after=True),
 )
 ERROR_CODE_SPECS: dict[str, ErrorCode] = {c.name: c for c in ERROR_CODES}

@@ -8,6 +8,12 @@ check interval) and its streams are cut (`on-marked-down shutdown-sessions`), so
 stream nobody answers; it returns after two good checks. Every group is listed twice: the second line is a backup
 without the agent, used only while every first line is drained or down, so a session that meets every group full
 still reaches one and waits in its line (or gets CAPACITY_EXHAUSTED with a retry time when that line is full).
+
+Open to the internet, the balancer terminates TLS (`BalancerTls`: ALPN h2, optionally mutual) and speaks HTTP/2 to
+the groups on their private addresses. It refuses a stream whose first gRPC message (a session's start, which
+carries the image) declares more than `max_request_bytes` (HTTP 413) from its 5-byte length prefix, before any
+group reads a byte of it; HAProxy cannot frame the later messages of a stream (a step's) without an experimental
+Lua filter, so those are not capped here (docs/security.md).
 """
 from __future__ import annotations
 
@@ -18,11 +24,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..api.contract import MODEL_NAME
+from ..api.contract import MAX_INPUT_PIXELS, MODEL_NAME
 from .server import _terminate_with_parent
 
 HAPROXY = "/usr/sbin/haproxy"  # Debian's package
 STREAM_TIMEOUT = "1h"  # a stream may be quiet this long (a paused player renews its pause every 20 s)
+# A start request's largest first message: the largest first frame the servers accept by default (MAX_INPUT_PIXELS
+# RGB bytes), and 1 MiB for its other inputs (a prompt is at most 4 KiB, a whole trajectory's poses 64 B a frame).
+MAX_REQUEST_BYTES = MAX_INPUT_PIXELS * 3 + 2**20
+FIRST_MESSAGE_WAIT = "10s"  # how long the balancer waits for a stream's first 5 bytes before it forwards it
+
+
+@dataclass(frozen=True)
+class BalancerTls:
+    """The balancer's TLS: `pem` holds its certificate chain and private key (HAProxy's `crt`); with `client_ca`,
+    only clients with a certificate that CA signed may connect (mutual TLS)."""
+
+    pem: Path
+    client_ca: Path | None = None
+
+    def bind(self) -> str:
+        for path in (self.pem, self.client_ca):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"TLS file {path} does not exist")
+        verify = f" ca-file {Path(self.client_ca).resolve()} verify required" if self.client_ca else ""
+        return f"ssl crt {Path(self.pem).resolve()} alpn h2{verify}"
 
 
 @dataclass(frozen=True)
@@ -50,7 +76,8 @@ class GroupAddress:
 
 
 def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, check_interval_s: float,
-                   stats_socket: Path, model: str = MODEL_NAME) -> str:
+                   stats_socket: Path, model: str = MODEL_NAME, tls: BalancerTls | None = None,
+                   max_request_bytes: int = MAX_REQUEST_BYTES) -> str:
     """The haproxy.cfg of a balancer on `address:port` in front of `groups`."""
     inter = f"{round(check_interval_s * 1000)}ms"
     checked = f"proto h2 check check-proto h1 inter {inter} fall 1 rise 2 on-marked-down shutdown-sessions"
@@ -70,7 +97,12 @@ def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, chec
         # A steered session is one long stream of small messages both ways: send each at once, not a full packet
         "    option http-no-delay",
         "frontend lingbot",
-        f"    bind {address}:{port} proto h2",
+        f"    bind {address}:{port} {tls.bind() if tls else 'proto h2'}",
+        # A gRPC message starts with a flag byte and its length (4 bytes, big-endian): the first message's is read
+        # before anything is forwarded, and a stream that declares more than the cap never reaches a group.
+        f"    http-request wait-for-body time {FIRST_MESSAGE_WAIT} at-least 5",
+        "    http-request set-var(txn.first_message) req.body,bytes(1,4),be2dec(-,4)",
+        f"    http-request deny deny_status 413 if {{ var(txn.first_message) -m int gt {max_request_bytes} }}",
         "    default_backend groups",
         "backend groups",
         "    balance leastconn",

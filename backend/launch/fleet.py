@@ -28,7 +28,8 @@ from pathlib import Path
 
 from ..api.contract import MODEL_NAME
 from ..parallel.ports import free_port, port_in_use
-from .balancer import GroupAddress, check_config, render_haproxy, server_states, start_haproxy
+from .balancer import (MAX_REQUEST_BYTES, BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
+                       start_haproxy)
 from .launcher import gpu_count, instance_count, parse_param
 from .one_world import check_one_world, read_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR
@@ -106,6 +107,11 @@ class SupervisedGroup:
         log.warning("%s: its launcher exited with %d; restarting it in %g s (log %s)", self.address.name, rc,
                     backoff, self.log_path)
 
+    def reload_keys(self) -> None:
+        """SIGHUP to its launcher: it reloads its keys file (launch/launcher.py)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGHUP)
+
     def ask_stop(self) -> None:
         """SIGTERM the launcher (it stops its server) and restart it no more."""
         self.next_start_s, self.given_up = None, True
@@ -123,6 +129,12 @@ class SupervisedGroup:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def balancer_tls(args: argparse.Namespace) -> BalancerTls | None:
+    if args.tls_client_ca is not None and args.tls_pem is None:
+        raise ValueError("--tls-client-ca needs --tls-pem (mutual TLS is TLS first)")
+    return None if args.tls_pem is None else BalancerTls(args.tls_pem, args.tls_client_ca)
 
 
 def stop_groups(groups: Sequence[SupervisedGroup]) -> None:
@@ -148,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the balancer listens (default: %(default)s, this host only; 0.0.0.0 opens it "
                              "to every network: see docs/security.md)")
     parser.add_argument("--grpc-port", type=int, default=8001, help="the balancer's gRPC port (default 8001)")
+    parser.add_argument("--tls-pem", type=Path, help="the balancer speaks TLS only, with this PEM file: its "
+                        "certificate chain and private key (docs/security.md)")
+    parser.add_argument("--tls-client-ca", type=Path, help="mutual TLS: only clients with a certificate this PEM CA "
+                        "signed may connect")
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                        help="refuse a stream whose first message is larger (HTTP 413) before any group reads it "
+                             "(default %(default)s: the largest first frame a server takes by default, and 1 MiB)")
+    parser.add_argument("--keys-file", type=Path, help="every local group serves these users' keys only (each "
+                        "launcher's --keys-file; SIGHUP to the fleet reloads it in every group)")
     parser.add_argument("--check-interval", type=float, default=1.0,
                         help="seconds between the balancer's checks of each group (default 1)")
     parser.add_argument("--out", type=Path, default=BUILD_DIR / "fleet",
@@ -185,7 +206,8 @@ def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
                    "--address", LOOPBACK, "--grpc-port", str(grpc), "--http-port", str(http),
                    "--metrics-port", str(metrics), "--agent-port", str(agent), "--backends-out", str(backends),
                    "--repository-out", str(out / "model_repository"), "--log-file", str(out / "tritonserver.log"),
-                   "--admin-key-file", str(out / "admin.key"), *(a for p in params for a in ("--param", p))]
+                   "--admin-key-file", str(out / "admin.key"), *(a for p in params for a in ("--param", p)),
+                   *(["--keys-file", str(args.keys_file.resolve())] if args.keys_file else [])]
         env = dict(os.environ)
         if on_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * args.sp:(i + 1) * args.sp])
@@ -253,7 +275,8 @@ def serve(args: argparse.Namespace) -> int:
         if args.groups:
             raise ValueError("--render-only balances groups started elsewhere: give --group, not --groups")
         config.write_text(render_haproxy(remote, args.address, args.grpc_port, args.check_interval,
-                                         args.out / "haproxy.sock"))
+                                         args.out / "haproxy.sock", tls=balancer_tls(args),
+                                         max_request_bytes=args.max_request_bytes))
         check_config(config)
         print(config)
         return 0
@@ -262,6 +285,7 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     groups = local_groups(args)
+    signal.signal(signal.SIGHUP, lambda *_: [g.reload_keys() for g in groups])
     with contextlib.ExitStack() as stack:
         stack.callback(stop_groups, groups)  # after the balancer (callbacks run last first)
         for g in groups:
@@ -273,7 +297,8 @@ def serve(args: argparse.Namespace) -> int:
         addresses = [g.address for g in groups] + remote
         check_one_world({f"{a.name} ({a.grpc_url})": read_parameters(a.grpc_url) for a in addresses})
         config.write_text(render_haproxy(addresses, args.address, args.grpc_port, args.check_interval,
-                                         args.out / "haproxy.sock"))
+                                         args.out / "haproxy.sock", tls=balancer_tls(args),
+                                         max_request_bytes=args.max_request_bytes))
         check_config(config)
         haproxy = start_haproxy(config, args.out / "haproxy.log")
         stack.callback(_stop_haproxy, haproxy)

@@ -15,10 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from ..serving.host_signals import HostSignals
+from .control import ControlError, ModelControl
 
 ATTEMPTS = 4  # loads tried per failure: 1 + 2 + 4 s of backoff between them
 FIRST_BACKOFF_S = 1.0
@@ -70,13 +68,12 @@ class StubWatch:
 
 
 class Healer:
-    """Heals the model of the server at `url` on its instances' requests, and when one of its stubs (`stubs`: a
-    rank -> pid finder) dies while it reads ready; `start()`, then `stop()`."""
+    """Heals the model of the server that `control` reaches on its instances' requests, and when one of its stubs
+    (`stubs`: a rank -> pid finder) dies while it reads ready; `start()`, then `stop()`."""
 
-    def __init__(self, url: str, model: str, signals: HostSignals, admin_headers: dict[str, str],
-                 attempts: int = ATTEMPTS, first_backoff_s: float = FIRST_BACKOFF_S,
-                 stubs: Callable[[], dict[int, int]] | None = None) -> None:
-        self.url, self.model, self.signals, self.admin_headers = url, model, signals, admin_headers
+    def __init__(self, control: ModelControl, model: str, signals: HostSignals, attempts: int = ATTEMPTS,
+                 first_backoff_s: float = FIRST_BACKOFF_S, stubs: Callable[[], dict[int, int]] | None = None) -> None:
+        self.control, self.model, self.signals = control, model, signals
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
         self.watch = None if stubs is None else StubWatch(stubs)
         self._next_adopt_s = 0.0
@@ -95,27 +92,23 @@ class Healer:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        with grpcclient.InferenceServerClient(self.url) as client:
-            while not self._stop.wait(POLL_S):
-                why = self.signals.take_heal()
-                if why is not None:
-                    self.heals.append(self._heal(why))
-                elif self.watch is not None and (why := self._dead_stub(client)):
-                    self.heals.append(self._heal(why, unload=True))
-                else:
-                    continue
-                if self.watch is not None:
-                    self.watch.stubs, self._dead = {}, None  # the reload's stubs are adopted once it reads ready
-                if (late := self.signals.take_heal()) is not None:  # the same failure, told while it was healed
-                    log.info("%s: dropped a heal request made during the heal (%s)", self.model, late)
+        while not self._stop.wait(POLL_S):
+            why = self.signals.take_heal()
+            if why is not None:
+                self.heals.append(self._heal(why))
+            elif self.watch is not None and (why := self._dead_stub(self.control)):
+                self.heals.append(self._heal(why, unload=True))
+            else:
+                continue
+            if self.watch is not None:
+                self.watch.stubs, self._dead = {}, None  # the reload's stubs are adopted once it reads ready
+            if (late := self.signals.take_heal()) is not None:  # the same failure, told while it was healed
+                log.info("%s: dropped a heal request made during the heal (%s)", self.model, late)
 
-    def _ready(self, client: grpcclient.InferenceServerClient) -> bool:
-        try:
-            return bool(client.is_model_ready(self.model))
-        except InferenceServerException:
-            return False
+    def _ready(self, client: ModelControl) -> bool:
+        return client.is_model_ready(self.model)
 
-    def _dead_stub(self, client: grpcclient.InferenceServerClient) -> str | None:
+    def _dead_stub(self, client: ModelControl) -> str | None:
         """Why to heal a model whose stub died with nobody to tell: it still reads ready DEAD_STUB_GRACE_S after the
         death was seen (a survivor's own request, read first by _run, wins meanwhile); else None. A model that reads
         ready with no stub at all (they died before the watch saw them) counts as a death of every rank."""
@@ -144,41 +137,38 @@ class Healer:
     def _heal(self, why: str, unload: bool = False) -> Heal:
         began = time.monotonic()
         log.warning("%s: its group failed (%s); reloading it", self.model, why)
-        with grpcclient.InferenceServerClient(self.url) as client:
-            if unload:
-                try:
-                    client.unload_model(self.model, headers=self.admin_headers)
-                except InferenceServerException as exc:
-                    log.warning("%s: unloading it failed: %s", self.model, exc.message())
-            self._wait_unloaded(client)
-            backoff = self.first_backoff_s
-            for attempt in range(1, self.attempts + 1):
-                if self._stop.is_set():
-                    break
-                try:
-                    client.load_model(self.model, headers=self.admin_headers, client_timeout=LOAD_TIMEOUT_S)
-                    if client.is_model_ready(self.model):
-                        took = time.monotonic() - began
-                        log.warning("%s: healed %.1f s after its group failed (load %d of %d)", self.model, took,
-                                    attempt, self.attempts)
-                        return Heal(why, took, attempt, True)
-                except InferenceServerException as exc:
-                    log.warning("%s: reload %d of %d failed: %s", self.model, attempt, self.attempts, exc.message())
-                if attempt < self.attempts and self._stop.wait(backoff):
-                    break
-                backoff *= 2
+        client = self.control
+        if unload:
+            try:
+                client.unload_model(self.model)
+            except ControlError as exc:
+                log.warning("%s: unloading it failed: %s", self.model, exc)
+        self._wait_unloaded(client)
+        backoff = self.first_backoff_s
+        for attempt in range(1, self.attempts + 1):
+            if self._stop.is_set():
+                break
+            try:
+                client.load_model(self.model, LOAD_TIMEOUT_S)
+                if client.is_model_ready(self.model):
+                    took = time.monotonic() - began
+                    log.warning("%s: healed %.1f s after its group failed (load %d of %d)", self.model, took,
+                                attempt, self.attempts)
+                    return Heal(why, took, attempt, True)
+            except ControlError as exc:
+                log.warning("%s: reload %d of %d failed: %s", self.model, attempt, self.attempts, exc)
+            if attempt < self.attempts and self._stop.wait(backoff):
+                break
+            backoff *= 2
         took = time.monotonic() - began
         log.error("%s: not healed after %d loads (%.0f s); it stays unloaded until an operator loads it", self.model,
                   self.attempts, took)
         return Heal(why, took, self.attempts, False)
 
-    def _wait_unloaded(self, client: grpcclient.InferenceServerClient) -> None:
+    def _wait_unloaded(self, client: ModelControl) -> None:
         """Until the failed model reads not ready (a load before its unload would find it serving)."""
         deadline = time.monotonic() + UNLOAD_WAIT_S
         while time.monotonic() < deadline and not self._stop.is_set():
-            try:
-                if not client.is_model_ready(self.model):
-                    return
-            except InferenceServerException:
+            if not client.is_model_ready(self.model):
                 return
             time.sleep(POLL_S)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..api.contract import MODEL_NAME
+from ..api.errors import ConfigError
 from ..api.settings import from_parameters, to_parameters
 from ..parallel.ports import free_port, port_in_use
 from ..engine.validation import checked_spec
@@ -33,7 +34,7 @@ from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
-from .server import ADMIN_HEADER, CPU_ONLY_ARGS, CPU_START_LINES, TritonServer
+from .server import ADMIN_HEADER, CPU_ONLY_ARGS, CPU_START_LINES, TritonServer, Tls
 
 
 def gpu_count() -> int:
@@ -111,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the header value that opens the restricted APIs (model load/unload) here, readable by "
         "its owner only; without it nobody can load or unload models over the network",
     )
+    parser.add_argument("--tls-cert", type=Path, help="gRPC speaks TLS only, with this PEM certificate chain "
+                        "(docs/security.md); with --tls-key")
+    parser.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", type=Path, help="mutual TLS: only clients with a certificate this PEM CA "
+                        "signed may connect")
+    parser.add_argument("--keys-file", type=Path, help="serve these users' keys only (python -m backend.launch.keys "
+                        "makes them); SIGHUP reloads it: removed keys' sessions end, new keys open")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -205,7 +213,27 @@ def write_admin_key(path: Path, key: str) -> None:
         out.write(f"{ADMIN_HEADER}: {key}\n")
 
 
+def tls_of(args: argparse.Namespace) -> Tls | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    return None if args.tls_cert is None else Tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def reload_keys(server: TritonServer) -> None:
+    """SIGHUP: the keys file again; a bad one is refused by line and the keys in force stay."""
+    try:
+        ring = server.reload_keys()
+    except (ConfigError, OSError) as exc:
+        print(f"SIGHUP: the keys file was not reloaded, the keys in force stay: {exc}", file=sys.stderr, flush=True)
+        return
+    if ring is not None:
+        print(f"SIGHUP: keys reloaded from {server.keys_file}: {len(ring.entries)} key(s)", flush=True)
+
+
 def serve(args: argparse.Namespace) -> int:
+    tls = tls_of(args)
     repository, kind, secret = render(args)
     backends = prepare_backends(args.backends_out)
     server = TritonServer(
@@ -221,10 +249,13 @@ def serve(args: argparse.Namespace) -> int:
         die_with_parent=True,  # a launcher killed outright (mpirun's teardown) takes its server along
         heal=True,  # a failed group's model is reloaded (launch/heal.py)
         extra_args=CPU_ONLY_ARGS if kind == "KIND_CPU" else (),
+        tls=tls,
+        keys_file=args.keys_file,
     )
     if args.admin_key_file:
         write_admin_key(args.admin_key_file, server.admin_key)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
+    signal.signal(signal.SIGHUP, lambda *_: reload_keys(server))
     with server, contextlib.ExitStack() as stack:
         if args.agent_port is not None:  # where a balancer reads the group's capacity (launch/fleet.py)
             probe = GroupProbe(server.host, server.http_port, server.metrics_port)
@@ -257,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"run it with LD_LIBRARY_PATH={path.parent}", file=sys.stderr)
         print(path)
         return 0
-    except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as exc:  # ConfigError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

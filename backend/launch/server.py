@@ -14,15 +14,16 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
+from ..api.contract import KEY_HEADER
 from ..parallel.secret import SECRET_VARIABLE
 from ..parallel.ports import free_port
 from ..serving.host_signals import HostSignals
+from ..serving.keys import KeyRing
+from .control import ADMIN_HEADER, ModelControl
 from .heal import Healer
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
@@ -55,7 +56,29 @@ CPU_START_LINES = ('"CUDA memory pool disabled"', '"CudaDriverHelper has not bee
 # files, so Python to run), registering shared memory, and the log and trace settings (file paths). Triton
 # refuses them without this header; its value is a per-launch secret (see docs/security.md).
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
-ADMIN_HEADER = "lingbot-admin-key"
+# With TLS or keys, inference over the HTTP port (plaintext in Triton 2.51, and it forwards no key) is the
+# operator's alone: clients use gRPC, where TLS and the key are. HTTP keeps health and metadata.
+HTTP_RESTRICTED_WITH_TLS_OR_KEYS = RESTRICTED_APIS + ("inference",)
+
+
+@dataclass(frozen=True)
+class Tls:
+    """The gRPC port's TLS (docs/security.md): the server's certificate chain and private key (PEM); with
+    `client_ca`, mutual TLS: only clients with a certificate that CA signed may connect."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def args(self) -> list[str]:
+        for path in (self.cert, self.key, self.client_ca):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"TLS file {path} does not exist")
+        args = ["--grpc-use-ssl=true", f"--grpc-server-cert={Path(self.cert).resolve()}",
+                f"--grpc-server-key={Path(self.key).resolve()}"]
+        if self.client_ca is not None:
+            args += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={Path(self.client_ca).resolve()}"]
+        return args
 
 
 def _libpython_dir() -> Path | None:
@@ -85,6 +108,8 @@ class TritonServer:
     SIGTERM when the process that started it dies (a launcher that mpirun kills). `admin_key` (the restricted
     APIs' header value) and `group_secret` (the ranks' store keys) are fresh secrets unless given. With `heal` the
     model (the repository's one) is reloaded whenever its group fails or one of its stubs dies (launch/heal.py).
+    `tls`: gRPC speaks TLS only. `keys_file`: the model serves the keys of that file only (serving/keys.py; the
+    instances read the copy `reload_keys` publishes, at start and on the launcher's SIGHUP).
     Use as a context manager, or start()/stop().
     """
 
@@ -106,6 +131,8 @@ class TritonServer:
         wheel: PytritonWheel | None = None,
         die_with_parent: bool = False,
         heal: bool = False,
+        tls: Tls | None = None,
+        keys_file: Path | None = None,
     ) -> None:
         self.wheel = wheel or find_pytriton_wheel()
         self.model_repository = Path(model_repository)
@@ -121,11 +148,14 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.die_with_parent = die_with_parent
+        self.tls, self.keys_file = tls, keys_file
+        self.tls_args = tls.args() if tls else []  # names a missing file now, not in the server's log
         self.signals = HostSignals(Path(tempfile.mkdtemp(prefix="lingbot-signals-")))  # mode 0700
+        self.control = ModelControl(f"{self.host}:{self.http_port}", self.admin_key)
         self.healer: Healer | None = None
         if heal:
             (model,) = self.models()
-            self.healer = Healer(self.grpc_url, model, self.signals, self.admin_headers(), stubs=self.stub_pids)
+            self.healer = Healer(self.control, model, self.signals, stubs=self.stub_pids)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -142,7 +172,18 @@ class TritonServer:
         server reads it with its own prefix."""
         return {f"triton-grpc-protocol-{ADMIN_HEADER}" if grpc else ADMIN_HEADER: self.admin_key}
 
+    def reload_keys(self) -> KeyRing | None:
+        """Read the keys file and publish it to the instances (they apply it within a second: revoked keys' sessions
+        end); ConfigError naming the line of a bad file, whose keys are then not published. None without keys."""
+        if self.keys_file is None:
+            return None
+        text = Path(self.keys_file).read_text(encoding="utf-8")
+        ring = KeyRing.parse(text, str(self.keys_file))
+        self.signals.publish_keys(text)
+        return ring
+
     def command(self) -> list[str]:
+        http_restricted = HTTP_RESTRICTED_WITH_TLS_OR_KEYS if self.tls or self.keys_file else RESTRICTED_APIS
         cmd = [
             str(self.wheel.binary),
             f"--model-repository={self.model_repository.resolve()}",
@@ -153,7 +194,7 @@ class TritonServer:
             f"--http-address={self.address}",
             f"--grpc-address={self.address}",
             f"--metrics-address={self.address}",
-            f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+            f"--http-restricted-api={','.join(http_restricted)}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
             # On SIGTERM the server waits this long for open requests (a dead stub's never finish).
             f"--exit-timeout-secs={self.exit_timeout_s}",
@@ -167,7 +208,10 @@ class TritonServer:
             # (tests, multi-host ranks on one machine) otherwise share "triton_python_backend_shm_region_*".
             f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}{self.grpc_port}_",
             *(f"--load-model={name}" for name in self.models()),
+            *self.tls_args,
         ]
+        if self.keys_file is not None:  # the client's key header reaches the model as a request parameter
+            cmd.append(f"--grpc-header-forward-pattern=^{KEY_HEADER}$")
         return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args
 
     def models(self) -> list[str]:
@@ -188,6 +232,7 @@ class TritonServer:
     def start(self) -> TritonServer:
         if self.process is not None:
             raise RuntimeError("this TritonServer was already started")
+        self.reload_keys()  # before the instances load: they read the keys at start
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -242,19 +287,15 @@ class TritonServer:
         """Block until `model` is ready; raise with the log's tail if the server dies or time runs out."""
         process = self._started()
         deadline = time.monotonic() + timeout
-        with grpcclient.InferenceServerClient(self.grpc_url) as client:
-            while time.monotonic() < deadline:
-                if (rc := process.poll()) is not None:
-                    raise RuntimeError(
-                        f"tritonserver exited with code {rc} before {model!r} was ready "
-                        f"(log {self.log_path}):\n{self.log_excerpt()}"
-                    )
-                try:
-                    if client.is_model_ready(model):
-                        return
-                except InferenceServerException:
-                    pass  # server not up yet
-                time.sleep(0.5)
+        while time.monotonic() < deadline:
+            if (rc := process.poll()) is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with code {rc} before {model!r} was ready "
+                    f"(log {self.log_path}):\n{self.log_excerpt()}"
+                )
+            if self.control.is_model_ready(model):
+                return
+            time.sleep(0.5)
         raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_excerpt()}")
 
     def stop(self) -> int | None:

@@ -8,6 +8,7 @@ from ..api.errors import InputError
 from ..api.request import SessionRequest, StepRequest
 from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
 from .config import ServingConfig
+from .keys import ANONYMOUS, Principal
 from .sessions import SharedSession
 
 
@@ -19,10 +20,11 @@ class Admission:
     def __init__(self, limits: ServingConfig, spec: EngineSpec) -> None:
         self.limits, self.spec = limits, spec
 
-    def session(self, request: SessionRequest, session_id: str, owner: int) -> SharedSession:
+    def session(self, request: SessionRequest, session_id: str, owner: int,
+                principal: Principal = ANONYMOUS) -> SharedSession:
         """The session record every rank plans over; raises InputError naming the input."""
         check_limits(request, self.limits)
-        return SharedSession.submitted(session_id, request, request_geometry(self.spec, request), owner)
+        return SharedSession.submitted(session_id, request, request_geometry(self.spec, request), owner, principal)
 
     def step(self, step: StepRequest) -> None:
         """A step's camera against the server's block (4 x block_frames new video frames), and its recache

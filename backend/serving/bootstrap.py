@@ -19,6 +19,7 @@ import torch
 from ..api.codec import parse_request
 from ..api.description import ServerDescription
 from ..api.errors import ConfigError, InputError
+from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
 from ..engine.config import EngineConfig
 from ..engine.rollout import WorldModelEngine
@@ -32,8 +33,10 @@ from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from . import messages
 from .config import ServingConfig
+from . import mail
 from .admission import Admission
 from .intake import Intake
+from .keys import ANONYMOUS, Principal
 from .loop import GroupLoop, LoopHooks
 from .described import check_description
 from .line import LineCounts
@@ -140,15 +143,25 @@ class GroupMember:
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 
     def handle(self, get_input: Callable[[str], np.ndarray | None], parameters_json: str, key: str, flags: int,
-               responder_for: Callable[[SessionRequest | StepRequest | None], Responder]) -> None:
-        """One request as it arrives (named input arrays, its parameters, its Triton sequence key and flags);
-        `responder_for(parsed)` makes its reply channel (parsed None: the request could not be parsed)."""
+               responder_for: Callable[[SessionRequest | StepRequest | None], Responder],
+               principal: Principal = ANONYMOUS) -> None:
+        """One request as it arrives (named input arrays, its parameters without a key, its Triton sequence key and
+        flags), from `principal` (whose key the door let in); `responder_for(parsed)` makes its reply channel
+        (parsed None: the request could not be parsed)."""
         try:
             parsed = parse_request(get_input, parameters_json, key, flags)
         except InputError as exc:
-            self.intake.arrive(key, None, responder_for(None), exc.refusal)
+            self.intake.arrive(key, None, responder_for(None), exc.refusal, principal)
             return
-        self.intake.arrive(key, parsed, responder_for(parsed))
+        self.intake.arrive(key, parsed, responder_for(parsed), principal=principal)
+
+    def refuse(self, responder: Responder, refusal: Refusal) -> None:
+        """A request its door refused (no key, a wrong one): answered by the intake, touching no session."""
+        self.intake.arrive("", None, responder, refusal)
+
+    def revoke(self, tags: set[str]) -> None:
+        """The operator's reload of the keys dropped these keys: their sessions end at the next boundary."""
+        self.loop.post(mail.Revoked(frozenset(tags)))
 
     def end_sessions(self) -> None:
         """The server is stopping: every session ends now (SERVER_STOPPING); this rank's stop travels with its next

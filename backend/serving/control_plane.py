@@ -1,6 +1,6 @@
 """How ranks agree at a block boundary: one small all-gather when nothing changed, a second with the news.
 
-Every rank sends a fixed-size header (its news' size, the doorbell count it read before collecting); only
+Every rank sends a fixed-size header (its news' size, the doorbell count it read before collecting, its clock); only
 when some rank has news does a second all-gather carry the pickled events. Every rank then plans the same
 `Plan` from the same events with its own copy of the scheduler (pure logic), so no broadcast is needed.
 Idle ranks block on the doorbell, and wake at least every `heartbeat_s` to exchange: a dead or hung peer
@@ -31,13 +31,14 @@ class ControlPlane:
             self._next_ring = rings_seen + 1
             return [events]
         payload = pickle.dumps(events) if events else b""
-        headers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(headers, torch.tensor([len(payload), rings_seen]), group=self.group)
+        headers = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+        clock_us = round(events.clock_s * 1e6)
+        dist.all_gather(headers, torch.tensor([len(payload), rings_seen, clock_us]), group=self.group)
         sizes = [int(h[0]) for h in headers]
         # The lowest count any rank read: a ring after it may carry news some rank has not collected yet.
         self._next_ring = min(int(h[1]) for h in headers) + 1
-        if not any(sizes):
-            return [RankEvents() for _ in range(self.world)]
+        if not any(sizes):  # no news: every rank's clock still travels (the scheduler's one clock)
+            return [RankEvents(clock_s=int(h[2]) / 1e6) for h in headers]
         buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.world)]
         mine = torch.zeros(max(sizes), dtype=torch.uint8)
         if payload:

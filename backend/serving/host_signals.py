@@ -1,9 +1,10 @@
 """Signals between a tritonserver's launcher and the model instances it hosts: files in a private directory that
 the launcher makes and names in the server's environment (Triton passes it on to every stub).
 
-Two signals, one writer each: an instance whose group failed asks for a reload (`heal`; the launcher's healer
-reloads the model, see launch/heal.py), and the launcher, about to stop the server, asks the instances to end
-every session now (`stop`), so that Triton finds nothing in flight and exits at once.
+Three signals, one writer each: an instance whose group failed asks for a reload (`heal`; the launcher's healer
+reloads the model, see launch/heal.py); the launcher, about to stop the server, asks the instances to end
+every session now (`stop`), so that Triton finds nothing in flight and exits at once; and the launcher publishes
+the keys file it checked (`keys`, at start and on SIGHUP), which every instance reloads when it changes.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class HostSignals:
         self.directory = Path(directory)
         self.heal_path = self.directory / "heal"
         self.stop_path = self.directory / "stop"
+        self.keys_path = self.directory / "keys"
 
     @classmethod
     def from_environment(cls) -> HostSignals | None:
@@ -55,6 +57,21 @@ class HostSignals:
 
     def stop_asked(self) -> bool:
         return self.stop_path.exists()
+
+    def publish_keys(self, text: str) -> None:
+        """The launcher: the keys file's text, checked (the instances serve these keys only)."""
+        _write(self.keys_path, text)
+
+    def keys_version(self) -> tuple[int, int] | None:
+        """Which publication of the keys is there (each is a new file: its inode and time), None: no keys."""
+        try:
+            stat = self.keys_path.stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns
+
+    def read_keys(self) -> str:
+        return self.keys_path.read_text(encoding="utf-8")
 
 
 def _write(path: Path, text: str) -> None:

@@ -24,6 +24,7 @@ from ..api.request import SessionRequest, StepRequest
 from . import mail, messages
 from .admission import Admission
 from .config import ServingConfig
+from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
 from .scheduler import StepEvent
 from .sessions import OwnerPart
 from .streams import Responder, SteeredStream, WholeStream
@@ -56,9 +57,10 @@ class Intake:
     # -- any thread -------------------------------------------------------------------------------------------
 
     def arrive(self, key: str, request: SessionRequest | StepRequest | None, responder: Responder,
-               refusal: Refusal | None = None) -> None:
-        """A request as Triton handed it over (Triton's execute thread), or its refusal at parse."""
-        self._inbox.put(mail.Arrived(key, request, responder, refusal))
+               refusal: Refusal | None = None, principal: Principal = ANONYMOUS) -> None:
+        """A request as Triton handed it over (Triton's execute thread) with whose key it carries, or its refusal
+        at the door or at parse."""
+        self._inbox.put(mail.Arrived(key, request, responder, refusal, principal))
 
     def post(self, letter: mail.IntakeLetter) -> None:
         """What to answer, from the group loop or the decode sender."""
@@ -115,8 +117,12 @@ class Intake:
                 self._close(reason)
 
     def _arrived(self, letter: mail.Arrived) -> None:
-        key, request, responder = letter.key, letter.request, letter.responder
-        if key and (part := self._steered(key)) is not None:  # a pause of this sequence is answered first
+        key, request, responder, who = letter.key, letter.request, letter.responder, letter.principal
+        part = self._steered(key) if key else None
+        if part is not None and part.principal.tag != who.tag:  # another key's sequence: it touches nothing
+            responder.send_error(KEY_NOT_THE_SESSIONS)
+            return
+        if part is not None:  # a pause of this sequence is answered first
             part.stream.end_pause()
         if self._closed is not None:
             responder.send_error(self._closed)
@@ -125,20 +131,20 @@ class Intake:
         elif isinstance(request, StepRequest):
             self._step(request, responder)
         else:
-            self._submit(request, responder)
+            self._submit(request, responder, who)
 
-    def _submit(self, request: SessionRequest, responder: Responder) -> None:
+    def _submit(self, request: SessionRequest, responder: Responder, who: Principal) -> None:
         key = request.session_key
         if request.steered and key in self._running:
             responder.send_error(messages.session_exists(key))
             return
         try:
-            shared = self._admission.session(request, f"r{self.rank}-{next(self._ids)}", self.rank)
+            shared = self._admission.session(request, f"r{self.rank}-{next(self._ids)}", self.rank, who)
         except InputError as exc:
             responder.send_error(exc.refusal)
             return
         stream = SteeredStream(responder) if request.steered else WholeStream(responder)
-        self._parts[shared.id] = OwnerPart(stream, key if request.steered else None)
+        self._parts[shared.id] = OwnerPart(stream, key if request.steered else None, principal=who)
         if request.steered:
             self._running[key] = shared.id
         self._to_loop(mail.Submitted(shared))
@@ -211,8 +217,8 @@ class Intake:
         return None if sid is None else self._parts[sid]
 
     def _forget_key(self, part: OwnerPart, sid: str, ending: Refusal) -> None:
-        """Sequence `part.key` no longer steers session `sid`; a late request is told `ending`."""
-        key = part.key
+        """Sequence `part.sequence_key` no longer steers session `sid`; a late request is told `ending`."""
+        key = part.sequence_key
         if key is None:
             return
         if self._running.get(key) == sid:

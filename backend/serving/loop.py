@@ -127,7 +127,7 @@ class GroupLoop:
 
     def _collect(self) -> RankEvents:
         """This rank's news for the boundary, from its inbox."""
-        events = RankEvents(failed=self._failed)
+        events = RankEvents(failed=self._failed, clock_s=time.time())  # the boundary's clock: a key's blocks per hour
         self._failed = []
         now = time.monotonic()
         for letter in drain(self._inbox):
@@ -149,6 +149,8 @@ class GroupLoop:
                     events.failed.append((sid, Ending(EndReason.FAILED, messages.DECODE_FAILED)))
                 case mail.SharedDecodeFailed(error):
                     raise RuntimeError(f"a block's shared decode failed: {error}")
+                case mail.Revoked(tags):
+                    events.revoked.extend(sorted(tags))
                 case mail.Stop():
                     events.stop = True
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch): report

@@ -13,6 +13,7 @@ import numpy as np
 from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
 from ..engine.blocks import BlockOutput
+from .keys import ANONYMOUS, Principal
 from .scheduler import StepEvent
 from .sessions import SharedSession
 from .streams import Responder
@@ -72,23 +73,32 @@ class SharedDecodeFailed:
 
 
 @dataclass(frozen=True)
+class Revoked:
+    """The operator's reload of the keys file dropped these keys (their tags): their sessions end."""
+
+    tags: frozenset[str]
+
+
+@dataclass(frozen=True)
 class Stop:
     """The model is unloading or the server stopping: every session ends and the loop returns."""
 
 
-LoopLetter = Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | Stop
+LoopLetter = Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | Revoked | Stop
 
 # -- to the intake ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Arrived:
-    """A request as Triton handed it over: parsed, or refused at parse (`refusal`), with its sequence key."""
+    """A request as Triton handed it over: parsed, or refused at its door or parse (`refusal`), with its sequence
+    key and whose key it carries."""
 
     key: str
     request: SessionRequest | StepRequest | None
     responder: Responder
     refusal: Refusal | None = None
+    principal: Principal = ANONYMOUS
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,21 @@ def session_idle(limit_s: float) -> Refusal:
                    "start a new one")
 
 
-def session_too_long(limit_s: float) -> Refusal:
-    return Refusal(c.EXPIRED, f"the session reached max_session_s={limit_s:g} s and was ended; start a new one")
+def session_too_long(limit_s: float, by_key: bool = False) -> Refusal:
+    """by_key: the limit is its key's session_s (the keys file), shorter than the server's max_session_s."""
+    limit = f"its key's session_s={limit_s:g} s" if by_key else f"max_session_s={limit_s:g} s"
+    return Refusal(c.EXPIRED, f"the session reached {limit} and was ended; start a new one")
+
+
+def user_session_limit(name: str, sessions: int | None, queue: int | None) -> Refusal:
+    limits = ", ".join(f"{k}={v}" for k, v in (("sessions", sessions), ("queue", queue)) if v is not None)
+    return Refusal(c.USER_SESSION_LIMIT, f"key {name} has its limit of sessions running and waiting ({limits}); "
+                   "end one of them first")
+
+
+def quota_exhausted(name: str, blocks_per_hour: int, retry_after_s: float) -> Refusal:
+    return Refusal(c.QUOTA_EXHAUSTED, f"key {name} has used its blocks_per_hour={blocks_per_hour}; retry after "
+                   "retry_after_s", retry_after_s)
 
 
 def queue_full(max_queue: int, max_sessions: int, retry_after_s: float) -> Refusal:

@@ -1,9 +1,10 @@
-"""The group's decisions at a block boundary: slots, limits, steering, fair round-robin batches of sessions, and
-every change of a session's state.
+"""The group's decisions at a block boundary: slots (fair between keys), limits and each key's quotas, steering,
+fair round-robin batches of sessions, and every change of a session's state.
 
 Pure logic on plain data. Every rank keeps its own copy and plans from the same events (every rank's, in rank
 order), so every rank applies the same `Plan` in the same order without a broadcast. The scheduler is the one
-writer of a session's state: a plan carries every session that ended, and why; the group loop only applies it.
+writer of a session's state: a plan carries every session that ended, and why; the group loop only applies it. Its
+one clock is the boundary's time, the latest of the ranks' clocks in the events (a key's blocks per hour).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from ..api.request import Controls
 from ..engine.blocks import BlockControls
 from . import messages
 from .config import ServingConfig
+from .fair import HourlyUsage, fair_order
+from .keys import KEY_REVOKED
 from .sessions import EndReason, Ending, SharedSession, State
 
 
@@ -38,11 +41,13 @@ class RankEvents:
     cancelled: list[str] = field(default_factory=list)
     failed: list[tuple[str, Ending]] = field(default_factory=list)  # sessions this rank could not open or decode
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
+    revoked: list[str] = field(default_factory=list)  # tags of keys this rank's keys file no longer holds
     stop: bool = False
+    clock_s: float = 0.0  # the rank's wall clock (time.time()) as it collected: not news by itself
 
     def __bool__(self) -> bool:
         return bool(self.submissions or self.steps or self.expired or self.cancelled or self.failed
-                    or self.delivered or self.stop)
+                    or self.delivered or self.revoked or self.stop)
 
 
 @dataclass
@@ -71,11 +76,16 @@ class Scheduler:
         self.settings = settings
         # Every session not done, pending ones in arrival order, active ones in round-robin order.
         self.table: OrderedDict[str, SharedSession] = OrderedDict()
+        self.now = 0.0  # the boundary's time: the latest rank clock any events carried
+        self.turn = 0  # slots given so far: a key's last turn says how recently it was served
+        self.last_served: dict[str, int] = {}  # key name -> its last turn, for the keys with a session in the table
+        self.usage = HourlyUsage()
 
     def plan(self, events: list[RankEvents]) -> Plan:
         plan = Plan(stop=any(e.stop for e in events))
         if plan.stop:
             return plan
+        self.now = max([self.now] + [e.clock_s for e in events])
         for e in events:
             for sid, n in e.delivered.items():
                 if (s := self.table.get(sid)) is not None:
@@ -92,8 +102,12 @@ class Scheduler:
         for sid, why in (x for e in events for x in e.expired):
             if (s := self.table.get(sid)) is not None and s.live:
                 self._end(sid, Ending(EndReason.EXPIRED, why), plan)
+        revoked = {tag for e in events for tag in e.revoked}
+        for s in [s for s in self.table.values() if s.principal.tag in revoked]:
+            self._end(s.id, Ending(EndReason.REVOKED, KEY_REVOKED), plan)
         self._next_batch([sid for sid in opened_before if sid in self.table], plan)
         self._admit(plan)
+        self._forget_keys()
         return plan
 
     def abort(self, ending: Ending) -> None:
@@ -125,24 +139,61 @@ class Scheduler:
                 self._end(s.id, Ending(EndReason.ENDED), plan)
 
     def _admit(self, plan: Plan) -> None:
-        """Open waiting sessions while slots last, keep up to max_queue waiting, reject the rest (newest)."""
+        """Open waiting sessions while slots last, fairly between keys; refuse a key's sessions past its limits
+        (newest first), then keep up to max_queue waiting and reject the rest (newest)."""
         settings = self.settings
-        slots = settings.max_sessions - sum(s.admitted for s in self.table.values())
-        waiting = [s for s in self.table.values() if not s.admitted]
-        for s in waiting[:slots]:
+        for s in self._arrived():
+            if (refusal := self._over_quota(s)) is not None:
+                self._end(s.id, Ending(EndReason.REJECTED, refusal), plan)
+        live = [s for s in self.table.values() if s.admitted]
+        slots = settings.max_sessions - len(live)
+        for s in fair_order(self._arrived(), live, self.last_served, slots):
             s.admitted = True
             if s.state is State.PENDING:
                 s.state = State.ACTIVE
             self.table.move_to_end(s.id)  # joins the round robin at its back
+            self.turn += 1
+            self.last_served[s.user] = self.turn
             plan.opens.append(s)
+        waiting = self._arrived()
+        by_key: dict[str, int] = {}
+        for s in waiting:
+            by_key[s.user] = by_key.get(s.user, 0) + 1
+        for s in reversed(waiting):  # a key's newest sessions past its queue limit
+            quota = s.principal.quota
+            if quota.queue is not None and by_key[s.user] > quota.queue:
+                by_key[s.user] -= 1
+                self._end(s.id, Ending(EndReason.REJECTED, messages.user_session_limit(s.user, quota.sessions,
+                                                                                        quota.queue)), plan)
         # Its retry time is its owner's estimate from measured block times (no plan depends on a clock): 0 here.
         full = messages.queue_full(settings.max_queue, settings.max_sessions, retry_after_s=0.0)
-        for s in waiting[max(slots, 0) + settings.max_queue:]:
+        for s in self._arrived()[settings.max_queue:]:
             self._end(s.id, Ending(EndReason.REJECTED, full), plan)
 
-    def waiting(self) -> list[SharedSession]:
-        """The line: sessions waiting for a slot, first first."""
+    def _over_quota(self, s: SharedSession, batched: int = 0) -> Refusal | None:
+        """The session's key has used its blocks for the hour (`batched`: its blocks in the batch being planned)."""
+        limit = s.principal.quota.blocks_per_hour
+        if limit is None or self.usage.used(s.user, self.now) + batched < limit:
+            return None
+        return messages.quota_exhausted(s.user, limit, self.usage.retry_after_s(s.user, limit, self.now))
+
+    def _forget_keys(self) -> None:
+        """Keys with no session left are forgotten: served again, they count as not served recently."""
+        names = {s.user for s in self.table.values()}
+        for name in [n for n in self.last_served if n not in names]:
+            del self.last_served[name]
+        self.usage.forget([n for n in self.usage.entries if n not in names], self.now)
+
+    def _arrived(self) -> list[SharedSession]:
+        """The sessions waiting for a slot, in arrival order."""
         return [s for s in self.table.values() if not s.admitted]
+
+    def waiting(self) -> list[SharedSession]:
+        """The line: sessions waiting for a slot, first first (in the order the fair line gives them slots if
+        nothing else arrives: each one's true place)."""
+        live = [s for s in self.table.values() if s.admitted]
+        return fair_order(self._arrived(), live, self.last_served, self.settings.max_sessions - len(live),
+                          whole_line=True)
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> None:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
@@ -154,7 +205,19 @@ class Scheduler:
             self._recache(ready[0], plan)
             return
         shape = ready[0].block_shape  # the longest-waiting ready session picks the geometry
-        batch = [s for s in ready if s.block_shape == shape and not s.recache_due()][: self.settings.max_batch]
+        batch: list[SharedSession] = []
+        per_key: dict[str, int] = {}
+        for s in (s for s in ready if s.block_shape == shape and not s.recache_due()):
+            if len(batch) == self.settings.max_batch:
+                break
+            if (refusal := self._over_quota(s, per_key.get(s.user, 0))) is not None:
+                self._end(s.id, Ending(EndReason.QUOTA, refusal), plan)
+                continue
+            batch.append(s)
+            if s.principal.quota.blocks_per_hour is not None:  # counted for the keys with a limit only
+                per_key[s.user] = per_key.get(s.user, 0) + 1
+        for name, blocks in per_key.items():
+            self.usage.add(name, self.now, blocks)
         for s in batch:  # served sessions go to the back: fair round robin
             self.table.move_to_end(s.id)
             s.computed += 1

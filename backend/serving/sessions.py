@@ -19,6 +19,7 @@ from ..api.request import Controls, SessionRequest
 from ..engine.geometry import VideoGeometry
 from . import messages
 from .config import ServingConfig
+from .keys import ANONYMOUS, Principal
 from .streams import OwnerStream
 
 
@@ -38,6 +39,8 @@ class EndReason(enum.Enum):
     FAILED = "failed"  # its own decode failed on its owner
     CANCELLED = "cancelled"  # its client went away
     EXPIRED = "expired"  # the owner's idle or lifetime limit
+    REVOKED = "revoked"  # the operator revoked its key
+    QUOTA = "over its key's quota"  # its key used its blocks_per_hour
     ABORTED = "aborted"  # the group loop ended (unload or failure)
 
 
@@ -68,12 +71,19 @@ class SharedSession:
     steps: deque[Controls] = field(default_factory=deque)  # steered: cameras received, not run yet
     requests: int = 1  # steered: requests that want a block (the first one included)
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
+    principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
 
     @classmethod
-    def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int) -> SharedSession:
+    def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int,
+                  principal: Principal = ANONYMOUS) -> SharedSession:
         """A new session as its owner shares it (a steered one with its first block's camera)."""
         steps = deque([request.first_controls]) if request.steered else deque()
-        return cls(id, request, geometry, owner, steps=steps)
+        return cls(id, request, geometry, owner, steps=steps, principal=principal)
+
+    @property
+    def user(self) -> str:
+        """Its key's name ("": a server without keys)."""
+        return self.principal.name
 
     @property
     def steered(self) -> bool:
@@ -119,27 +129,32 @@ class OwnerPart:
     """Only in the intake of the rank that received the session's request."""
 
     stream: OwnerStream
-    key: str | None  # steered: the Triton sequence that carries it
+    sequence_key: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
+    principal: Principal = ANONYMOUS  # whose key it runs on, with that key's limits
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit
 
     @property
     def steered(self) -> bool:
-        return self.key is not None
+        return self.sequence_key is not None
+
+    def lifetime_s(self, settings: ServingConfig) -> float:
+        """How long it may run: the server's max_session_s, or its key's session_s where that is shorter."""
+        return min(settings.max_session_s, self.principal.quota.session_s or settings.max_session_s)
 
     def deadline(self, settings: ServingConfig) -> float:
         """When a steered session is ended for its idle or lifetime limit (monotonic seconds). The idle clock
         runs only while the server waits on the client (every request answered)."""
-        lifetime = self.started_s + settings.max_session_s
+        lifetime = self.started_s + self.lifetime_s(settings)
         waiting = self.stream.waits_on_client_since()
         return lifetime if waiting is None else min(lifetime, waiting + settings.session_idle_timeout_s)
 
     def expiry(self, settings: ServingConfig, now: float) -> Refusal | None:
         """Why the session must end now, or None."""
-        if now - self.started_s >= settings.max_session_s:
-            return messages.session_too_long(settings.max_session_s)
+        if now - self.started_s >= (limit := self.lifetime_s(settings)):
+            return messages.session_too_long(limit, by_key=limit < settings.max_session_s)
         waiting = self.stream.waits_on_client_since()
         if waiting is not None and now - waiting >= settings.session_idle_timeout_s:
             return messages.session_idle(settings.session_idle_timeout_s)

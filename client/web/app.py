@@ -7,13 +7,16 @@ JPEG messages, then {"type": "ended", frames, recorded} or {"type": "error", mes
 the schema gets an error and the websocket closes.
 
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
-set, while fewer than `max_pages` pages are open; videos are served by session id from this bridge's own table.
+set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
+short-lived token cookie; GET /whoami says whether the page must sign in), while fewer than `max_pages` pages are
+open; videos are served by session id from this bridge's own table.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
+import json
 import secrets
 import shutil
 import tempfile
@@ -22,13 +25,17 @@ from pathlib import Path
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from client.connection import Connection
 from client.web.bridge import Player, recording_path, start_request
 from client.web.schema import MAX_MESSAGE_BYTES, parse_message
+from client.web.signin import COOKIE, Tokens, check_key
 
 STATIC = Path(__file__).parent / "static"
 VIDEOS = web.AppKey("videos", Path)
 SESSIONS = web.AppKey("sessions", dict)  # session id -> its video, for the open pages' sessions (this bridge's own)
 SETTINGS = web.AppKey("settings", dict)
+TOKENS = web.AppKey("tokens", Tokens)  # sign-in tokens (present when the bridge asks pages to sign in)
+MAX_KEY_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -82,9 +89,59 @@ async def recording(request: web.Request) -> web.FileResponse:
     return web.FileResponse(recording_path(path), headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
+def signed_in_key(request: web.Request) -> str | None:
+    """The key of the page's live sign-in token; HTTPForbidden when the bridge asks for sign-in and it has none."""
+    tokens = request.app.get(TOKENS)
+    if tokens is None:
+        return None
+    grant = tokens.grant(request.cookies.get(COOKIE))
+    if grant is None:
+        raise web.HTTPForbidden(text="sign in with your key first (a sign-in lasts a while, then it expires)")
+    return grant.key
+
+
+async def whoami(request: web.Request) -> web.Response:
+    tokens = request.app.get(TOKENS)
+    grant = None if tokens is None else tokens.grant(request.cookies.get(COOKIE))
+    return web.json_response({"sign_in": tokens is not None, "signed_in": grant is not None,
+                              "expires_s": None if grant is None else grant.expires_s})
+
+
+async def signin(request: web.Request) -> web.Response:
+    """A user's key, checked with the server once, for a token cookie: the page never sees the key again."""
+    if (refusal := request.app[ACCESS].refusal(request)) is not None:
+        raise web.HTTPForbidden(text=refusal)
+    try:
+        key = (await request.json(loads=_loads_small)).get("key")
+    except ValueError:
+        key = None
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+        raise web.HTTPBadRequest(text="send your key as {\"key\": \"...\"}")
+    settings = request.app[SETTINGS]
+    refused = await asyncio.to_thread(check_key, settings["url"], settings["model"],
+                                      settings["connection"].with_key(key))
+    if refused is not None:
+        raise web.HTTPForbidden(text=refused.sentence)
+    token, grant = request.app[TOKENS].issue(key)
+    response = web.json_response({"signed_in": True, "expires_s": grant.expires_s})
+    response.set_cookie(COOKIE, token, max_age=int(request.app[TOKENS].ttl_s), httponly=True, samesite="Strict",
+                        secure=request.secure, path="/")
+    return response
+
+
+def _loads_small(text: str) -> dict:
+    if len(text) > 4 * MAX_KEY_CHARS:
+        raise ValueError("too long")
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
 async def websocket(request: web.Request) -> web.WebSocketResponse:
     if (refusal := request.app[ACCESS].refusal(request)) is not None:
         raise web.HTTPForbidden(text=refusal)
+    key = signed_in_key(request)
     ws = web.WebSocketResponse(heartbeat=30, max_msg_size=MAX_MESSAGE_BYTES)
     await ws.prepare(request)
 
@@ -99,7 +156,9 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     sid = secrets.token_hex(16)
     path = request.app[VIDEOS] / f"{sid}.mp4"
     sessions[sid] = path
-    player = Player(video_path=path, send=send, **request.app[SETTINGS])
+    settings = request.app[SETTINGS]
+    player = Player(video_path=path, send=send, **settings | {"connection": settings["connection"].with_key(key)
+                                                              if key else settings["connection"]})
     task: asyncio.Task | None = None
     try:
         await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4",
@@ -112,6 +171,8 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                     raise ValueError("the bridge takes JSON text messages only")
                 message = parse_message(msg.data)
                 if message["type"] == "start" and task is None:
+                    if key is not None and request.app[TOKENS].grant(request.cookies.get(COOKIE)) is None:
+                        raise ValueError("your sign-in expired: sign in again")  # a socket kept past it starts nothing
                     task = asyncio.create_task(player.play(start_request(message)))
                 elif message["type"] == "keys":
                     player.hold(message.get("keys") or "")
@@ -134,14 +195,20 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-def make_app(url: str, model: str, timeout: float, access: Access, lookahead: int = 1) -> web.Application:
+def make_app(url: str, model: str, timeout: float, access: Access, lookahead: int = 1,
+             connection: Connection = Connection(), tokens: Tokens | None = None) -> web.Application:
+    """connection: how the bridge reaches the server (TLS, its own key); tokens: pages must sign in with a key."""
     app = web.Application()
-    app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead}
+    app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead, "connection": connection}
     app[ACCESS], app[SESSIONS] = access, {}
+    if tokens is not None:
+        app[TOKENS] = tokens
     app[VIDEOS] = Path(tempfile.mkdtemp(prefix="lingbot-player-"))
     app.on_cleanup.append(lambda app: asyncio.to_thread(shutil.rmtree, app[VIDEOS], True))
     app.router.add_get("/", index)
     app.router.add_get("/ws", websocket)
+    app.router.add_get("/whoami", whoami)
+    app.router.add_post("/signin", signin)
     app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/sessions/{sid}/video.mp4", video)
     app.router.add_get("/sessions/{sid}/recording.npz", recording)

@@ -17,6 +17,7 @@ from typing import Any
 from backend.api.codec import Place
 from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest, check_prompt
+from client.connection import Connection
 from client.images import synthetic_image
 from client.pace import DeliveryRate
 from client.recording import Recorder
@@ -65,9 +66,12 @@ class Player:
     uses too (serving files), and stall each other and the page itself.
     """
 
-    def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float, lookahead: int = 1) -> None:
-        """lookahead: steps sent ahead of the block on screen (0: each step waits for the block before it)."""
+    def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float, lookahead: int = 1,
+                 connection: Connection = Connection()) -> None:
+        """lookahead: steps sent ahead of the block on screen (0: each step waits for the block before it);
+        connection: TLS and the key the page's sessions run on (its user's, from its sign-in)."""
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
+        self.connection = connection
         self.lookahead = lookahead
         self.recording_path = recording_path(video_path)
         self.keys = ""
@@ -111,7 +115,7 @@ class Player:
             message = {"type": "place", "position": place.position, "wait_s": place.wait_s, "text": show_place(place)}
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(message)))
 
-        self._session = SteeredSession(self.url, model_name=self.model, on_place=on_place)
+        self._session = SteeredSession(self.url, model_name=self.model, on_place=on_place, connection=self.connection)
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
         recorder = Recorder(request)
 

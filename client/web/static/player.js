@@ -199,3 +199,21 @@ setInterval(() => {
     bitmap.close();
   }
 }, 1000 / FPS);
+
+// Sign-in (a bridge started with --sign-in): the key goes to the bridge once, which keeps it and gives this page a
+// short-lived HttpOnly cookie instead; the page never stores the key.
+async function showSignIn() {
+  const who = await (await fetch("/whoami")).json();
+  $("signin").hidden = !who.sign_in || who.signed_in;
+  $("setup").hidden = who.sign_in && !who.signed_in;
+}
+$("signin").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  $("error").hidden = true;
+  const answer = await fetch("/signin", {method: "POST", headers: {"Content-Type": "application/json"},
+                                         body: JSON.stringify({key: $("key").value})});
+  $("key").value = "";
+  if (!answer.ok) fail(await answer.text());
+  await showSignIn();
+});
+showSignIn();

@@ -1,0 +1,137 @@
+"""The fair line and the keys' quotas, as every rank's scheduler plans them: slots round-robin between keys, each
+waiting session told its true place, a key's caps on sessions and places, its blocks per hour on the boundary's
+clock, and a revoked key's sessions ending. Pure: no engine."""
+from __future__ import annotations
+
+import pytest
+
+from backend.api import contract as c
+from backend.serving.config import ServingConfig
+from backend.serving.fair import HOUR_S, HourlyUsage
+from backend.serving.keys import Principal, Quota
+from backend.serving.line import Clocks, line_waits
+from backend.serving.scheduler import RankEvents, Scheduler
+from backend.serving.sessions import EndReason, SharedSession
+from test_scheduler import geometry
+from factories import tiny_request
+
+
+def of(name: str, sid: str, blocks: int = 100, **limits) -> SharedSession:
+    principal = Principal(name, f"tag-{name}", Quota(**limits))
+    return SharedSession.submitted(sid, tiny_request(num_frames=9), geometry(blocks=blocks), owner=0,
+                                   principal=principal)
+
+
+def ids(sessions) -> list[str]:
+    return [s.id for s in sessions]
+
+
+def test_key_b_gets_the_next_free_slot_after_key_a_queued_ten() -> None:
+    s = Scheduler(ServingConfig(max_sessions=2, max_queue=16))
+    opened = s.plan([RankEvents(submissions=[of("A", f"a{i}") for i in range(10)])]).opens
+    assert ids(opened) == ["a0", "a1"]  # A's first two take the slots; eight wait
+    s.plan([RankEvents(submissions=[of("B", "b0")])])
+    assert ids(s.waiting())[0] == "b0"  # its true place: first, ahead of A's eight
+    assert ids(s.plan([RankEvents(cancelled=["a0"])]).opens) == ["b0"]
+    assert ids(s.plan([RankEvents(cancelled=["a1"])]).opens) == ["a2"]  # then A again, oldest first
+
+
+def test_slots_alternate_between_keys_and_each_waiting_session_knows_its_place() -> None:
+    s = Scheduler(ServingConfig(max_sessions=1, max_queue=16))
+    s.plan([RankEvents(submissions=[of("C", "c0")])])  # holds the one slot
+    s.plan([RankEvents(submissions=[of("A", "a0"), of("A", "a1"), of("A", "a2"), of("B", "b0"), of("B", "b1")])])
+    line = ids(s.waiting())
+    assert line == ["a0", "b0", "a1", "b1", "a2"]  # round robin, oldest first within a key
+    served = []
+    for sid in ["c0", *line]:
+        served += ids(s.plan([RankEvents(cancelled=[sid])]).opens)
+    assert served == line  # the places told were the true order
+
+
+def test_without_keys_the_line_is_first_come_first_served() -> None:
+    s = Scheduler(ServingConfig(max_sessions=1, max_queue=8))
+    s.plan([RankEvents(submissions=[of("", f"s{i}") for i in range(4)])])
+    assert ids(s.waiting()) == ["s1", "s2", "s3"]
+
+
+def test_a_key_at_its_session_cap_waits_for_its_own_while_another_key_is_served_at_once() -> None:
+    s = Scheduler(ServingConfig(max_sessions=4, max_queue=8))
+    plan = s.plan([RankEvents(submissions=[of("A", f"a{i}", sessions=2, queue=1) for i in range(4)])])
+    assert ids(plan.opens) == ["a0", "a1"]  # its cap, though two slots are free
+    (sid, ending), = plan.ended  # a3: past sessions + queue
+    assert sid == "a3" and ending.error.code == c.USER_SESSION_LIMIT and "sessions=2, queue=1" in ending.error.sentence
+    assert ids(s.plan([RankEvents(submissions=[of("B", "b0")])]).opens) == ["b0"]  # served at once
+    assert ids(s.waiting()) == ["a2"]
+    assert ids(s.plan([RankEvents(cancelled=["b0"])]).opens) == []  # a free slot, but A is at its cap
+    assert ids(s.plan([RankEvents(cancelled=["a0"])]).opens) == ["a2"]
+
+
+def test_a_capped_keys_place_counts_the_sessions_that_overtake_it() -> None:
+    s = Scheduler(ServingConfig(max_sessions=2, max_queue=8))
+    s.plan([RankEvents(submissions=[of("A", "a0", sessions=1), of("C", "c0")])])
+    s.plan([RankEvents(submissions=[of("A", "a1", sessions=1), of("B", "b0"), of("B", "b1")])])
+    # a0 frees first in the round robin's order: B (never served) takes it, A (served before C) the next; A's a1
+    # waits for its own a0 whichever frees first.
+    assert ids(s.waiting()) == ["b0", "a1", "b1"]
+    assert ids(s.plan([RankEvents(cancelled=["c0"])]).opens) == ["b0"]
+
+
+def test_the_line_waits_follow_the_fair_order() -> None:
+    s = Scheduler(ServingConfig(max_sessions=1, max_queue=8))
+    s.plan([RankEvents(submissions=[of("A", "a0", blocks=2)])])
+    s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks=2) for i in (1, 2)] + [of("B", "b0", blocks=2)])])
+    clocks = Clocks()
+    clocks.batch.observe(2.0)  # a0 has one block left (2 s); each waiting session holds its slot for two (4 s)
+    assert ids(s.waiting()) == ["b0", "a1", "a2"]
+    assert line_waits(s, clocks, {}, 0.0) == [2.0, 6.0, 10.0]
+
+
+def test_blocks_per_hour_ends_a_running_session_and_refuses_new_ones_until_blocks_age_out() -> None:
+    s = Scheduler(ServingConfig(max_sessions=4, max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[of("A", "a0", blocks_per_hour=3), of("B", "b0")], clock_s=1000.0)])
+    batches = [s.plan([RankEvents(clock_s=1000.0 + 10 * i)]) for i in range(1, 5)]
+    assert [p.batch for p in batches[:3]] == [["a0", "b0"]] * 3
+    (sid, ending), = batches[3].ended  # its fourth block is over the quota: it ends, B runs on
+    assert sid == "a0" and ending.reason is EndReason.QUOTA and ending.error.code == c.QUOTA_EXHAUSTED
+    assert ending.error.retry_after_s == pytest.approx(1010.0 + HOUR_S - 1040.0)  # the first block ages out
+    assert batches[3].batch == ["b0"]
+    refused = s.plan([RankEvents(submissions=[of("A", "a1", blocks_per_hour=3)], clock_s=1100.0)])
+    assert refused.ended[0][1].error.code == c.QUOTA_EXHAUSTED and not refused.opens
+    later = s.plan([RankEvents(submissions=[of("A", "a2", blocks_per_hour=3)], clock_s=1010.0 + HOUR_S)])
+    assert ids(later.opens) == ["a2"]
+
+
+def test_a_batch_never_takes_a_key_past_its_quota() -> None:
+    s = Scheduler(ServingConfig(max_sessions=4, max_batch=4, max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks_per_hour=2) for i in range(3)], clock_s=5.0)])
+    plan = s.plan([RankEvents(clock_s=6.0)])
+    assert plan.batch == ["a0", "a1"] and plan.ended_by(EndReason.QUOTA) == ["a2"]
+
+
+def test_the_boundary_clock_is_the_latest_rank_clock_and_never_goes_back() -> None:
+    s = Scheduler(ServingConfig())
+    s.plan([RankEvents(clock_s=50.0), RankEvents(clock_s=70.0)])
+    s.plan([RankEvents(clock_s=60.0)])
+    assert s.now == 70.0
+
+
+def test_a_revoked_keys_sessions_end_running_and_waiting_on_every_rank_alike() -> None:
+    ranks = [Scheduler(ServingConfig(max_sessions=1, max_queue=4)) for _ in range(2)]
+    for s in ranks:  # each rank its own copy, as unpickled from the events
+        s.plan([RankEvents(submissions=[of("A", "a0"), of("B", "b0"), of("A", "a1")])])
+    plans = [s.plan([RankEvents(), RankEvents(revoked=["tag-A"])]) for s in ranks]
+    for plan in plans:
+        assert sorted(plan.ended_by(EndReason.REVOKED)) == ["a0", "a1"]
+        assert plan.ended[0][1].error.code == c.AUTH_INVALID and "revoked" in plan.ended[0][1].error.sentence
+        assert ids(plan.opens) == ["b0"]
+
+
+def test_the_hourly_usage_ages_blocks_out_and_forgets_idle_keys() -> None:
+    usage = HourlyUsage()
+    usage.add("A", 0.0, 2)
+    usage.add("A", 100.0, 1)
+    assert usage.used("A", 100.0) == 3
+    assert usage.retry_after_s("A", 2, 100.0) == HOUR_S - 100.0  # two must age out: the first entry holds both
+    assert usage.used("A", HOUR_S + 1.0) == 1
+    usage.forget(["A"], 2 * HOUR_S)
+    assert usage.entries == {}
