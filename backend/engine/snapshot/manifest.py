@@ -83,7 +83,7 @@ class Manifest:
     snapshot_id: str
     created_unix_s: float
     settings_used: str  # the engine's (api/provenance): a resume on other settings is refused
-    model: dict[str, int]  # num_layers, num_heads, head_dim: the K/V geometry
+    model: dict[str, int]  # num_layers, num_heads, head_dim (the K/V's geometry), z_dim (the latents')
     layout: dict[str, int]  # tp_degree, sp_degree, latent_rows (the session's; decode bands split them)
     files: tuple[FileEntry, ...]
 
@@ -160,7 +160,7 @@ class Snapshot:
     manifest: Manifest
 
 
-MODEL_KEYS = {"num_layers", "num_heads", "head_dim"}
+MODEL_KEYS = {"num_layers", "num_heads", "head_dim", "z_dim"}
 LAYOUT_KEYS = {"tp_degree", "sp_degree", "latent_rows"}
 
 

@@ -75,7 +75,8 @@ def decode_rows(engine: WorldModelEngine, latent_rows: int, decodes: bool, split
 
 def model_facts(engine: WorldModelEngine) -> dict[str, int]:
     tcfg = engine.ckpt.transformer
-    return {"num_layers": tcfg.num_layers, "num_heads": tcfg.num_heads, "head_dim": tcfg.head_dim}
+    return {"num_layers": tcfg.num_layers, "num_heads": tcfg.num_heads, "head_dim": tcfg.head_dim,
+            "z_dim": engine.ckpt.vae.z_dim}
 
 
 def manifest(engine: WorldModelEngine, snapshot_id: str, session: Session, files: list[FileEntry]) -> Manifest:

@@ -74,6 +74,7 @@ class SnapshotStore:
             staging = self.root / f"{STAGING}{snapshot_id}"
             staging.mkdir()
             _write_durably(staging / RESERVATION, json.dumps({"bytes": nbytes}).encode())
+            self._stamp(staging / RESERVATION)
         return snapshot_id
 
     def staging(self, snapshot_id: str) -> Path:
@@ -100,8 +101,7 @@ class SnapshotStore:
         with self._locked():
             final = self.root / snapshot_id
             os.rename(staging, final)
-            now = self.clock()
-            os.utime(final, (now, now))
+            self._stamp(final)
             fsync_folder(self.root)
         return manifest.total_bytes + len(text)
 
@@ -149,6 +149,7 @@ class SnapshotStore:
         for age, path in sorted(((now - p.stat().st_mtime, p) for p in self._published()), reverse=True):
             if age >= self.ttl_s:
                 _write_durably(self.root / f"{EXPIRED}{path.name}", b"")
+                self._stamp(self.root / f"{EXPIRED}{path.name}")
                 trash = self.root / f"{TRASH}{secrets.token_hex(8)}"
                 os.rename(path, trash)
                 shutil.rmtree(trash, ignore_errors=True)
@@ -178,6 +179,11 @@ class SnapshotStore:
 
     def _published(self) -> list[Path]:
         return [p for p in self.root.iterdir() if ID_PATTERN.fullmatch(p.name) and _is_folder(p)]
+
+    def _stamp(self, path: Path) -> None:
+        """Its mtime is now, by the store's clock: the times to live count from it."""
+        now = self.clock()
+        os.utime(path, (now, now))
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
