@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from ...model.memory import commit_record_bytes
 
 GENERATOR_STATE_BYTES = 5056  # torch.Generator("cpu").get_state(): the mt19937 state
-CAMERA_BYTES = 3 * 64 + 128  # the camera track's first inverse, last latent and last video pose (float32 4 x 4), last motion (float64)
+# The camera track's first inverse, last latent and last video pose (float32 4 x 4), its last motion (float64).
+CAMERA_BYTES = 3 * 64 + 128
 # safetensors headers (a JSON line per tensor: name, dtype, shape, offsets) and the manifest's line per tensor:
 # about 150 bytes a tensor; the manifest's and shared file's own text (a prompt of MAX_PROMPT_BYTES and the
 # request's fields at most) within the fixed part.
