@@ -216,10 +216,16 @@ def save_in_group(engine: WorldModelEngine, session, store) -> str:
 
 def resume_and_play(engine: WorldModelEngine, store, snapshot_id: str, steps: list, fork_seed: int | None = None,
                     owner: int = 0) -> dict:
-    """The rest of `steps` from a snapshot (resumed on this engine's layout)."""
+    """The rest of `steps` from a snapshot (resumed on this engine's layout): the owner opens it, the others
+    build it from its manifest's text (as the serving loop shares it)."""
+    import torch.distributed as dist
+
     from backend.engine.snapshot.restore import read_request
 
-    snapshot = store.open(snapshot_id)
+    text = [store.open(snapshot_id).manifest.to_text() if engine.sp.rank == owner else None]
+    if engine.sp.group is not None:
+        dist.broadcast_object_list(text, group_src=owner, group=engine.sp.group)
+    snapshot = store.from_manifest(snapshot_id, text[0])
     geometry = engine.geometry_of(read_request(snapshot))
     session = engine.resume_session(snapshot, geometry, owner=owner, fork_seed=fork_seed)
     try:
@@ -240,4 +246,32 @@ def snapshot_roundtrip(groups: GroupHandles, config: EngineConfig, request: Sess
     with engine.session(request, keep_commits=True) as session:
         whole = play(engine, session, steps, 0, save_after, lambda s: save_in_group(engine, s, store))
     resumed = {sid: resume_and_play(engine, store, sid, steps) for sid in [whole["saved"], *resume_ids]}
-    return {"whole": whole, "resumed": resumed, "snapshot_id": whole["saved"]}
+    return {"whole": whole, "resumed": resumed, "snapshot_id": whole["saved"],
+            "damaged": damaged_resume(engine, store, whole["saved"], steps)}
+
+
+def damaged_resume(engine: WorldModelEngine, store, snapshot_id: str, steps: list) -> str:
+    """A byte of the last rank's kv file flipped: the code every rank's resume raises (only that rank reads the
+    file), then the file mended and the resume run again (the group goes on)."""
+    import torch.distributed as dist
+
+    from backend.engine.snapshot.manifest import SnapshotError
+
+    path = store.root / snapshot_id / f"kv-{engine.sp.degree - 1}.safetensors"
+    pristine = path.read_bytes()
+    if engine.sp.rank == 0:
+        damaged = bytearray(pristine)
+        damaged[len(damaged) // 2] ^= 1
+        path.write_bytes(bytes(damaged))
+    dist.barrier(group=engine.sp.group)
+    try:
+        resume_and_play(engine, store, snapshot_id, steps)
+        code = "none"
+    except SnapshotError as exc:
+        code = exc.refusal.code
+    dist.barrier(group=engine.sp.group)
+    if engine.sp.rank == 0:
+        path.write_bytes(pristine)
+    dist.barrier(group=engine.sp.group)
+    resume_and_play(engine, store, snapshot_id, steps)
+    return code

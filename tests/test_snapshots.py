@@ -177,7 +177,7 @@ def copy(saved: Saved, tmp_path: Path) -> tuple[SnapshotStore, str]:
                                  "0" * 33, "0" * 31 + "\n", "0" * 16 + "\x00" + "0" * 15, "~" * 32])
 def test_an_id_not_of_the_exact_form_is_refused_before_any_path(bad: str, tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "store", QUOTA, TTL_S)
-    for call in (store.open, store.staging, store.abandon):
+    for call in (store.open, store.staging, store.abandon, lambda bad: store.from_manifest(bad, "{}")):
         with refused(INVALID_INPUT):
             call(bad)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["store"]
@@ -359,6 +359,7 @@ def test_sp1_and_sp2_resume_each_others_snapshots_bit_for_bit(engine: WorldModel
     assert same(from_sp1["latents"], saved.whole["latents"][rest])
     # A whole-frame decoder state split into bands decodes as the split decoder does: to its rounding.
     assert frames_distance(from_sp1["frames"], sp2["whole"]["frames"][rest], "SP1 -> SP2") <= 1
+    assert sp2["damaged"] == SNAPSHOT_INVALID  # a byte only rank 1 reads: every rank refuses, none hangs
     at_sp1 = resume_and_play(engine, saved.store, sp2["snapshot_id"], saved.steps)
     assert same(at_sp1["latents"], saved.whole["latents"][rest])
     assert frames_distance(at_sp1["frames"], saved.whole["frames"][rest], "SP2 -> SP1") <= 1
@@ -368,6 +369,7 @@ def test_sp1_and_sp2_resume_each_others_snapshots_bit_for_bit(engine: WorldModel
 def test_tp2_x_sp2_resumes_its_own_bit_for_bit_and_sp2s_to_float_rounding(layouts: dict[str, dict]) -> None:
     """Each rank reads the 1 of 4 heads it holds from the file that has it (SP2's files hold 2 each)."""
     tp, rest = layouts["tp2_sp2"], slice(SAVE_AFTER + 1, None)
+    assert tp["damaged"] == SNAPSHOT_INVALID
     own = tp["resumed"][tp["snapshot_id"]]
     assert same(own["latents"], tp["whole"]["latents"][rest])
     assert same(own["frames"], tp["whole"]["frames"][rest])

@@ -131,6 +131,12 @@ class SnapshotStore:
                 raise invalid(f"{entry.name} is missing or not its {entry.bytes} bytes (truncated or replaced)")
         return Snapshot(folder, manifest)
 
+    def from_manifest(self, snapshot_id: str, manifest_text: str) -> Snapshot:
+        """The snapshot the owner opened, from its manifest's text (`snapshot.manifest.to_text()`, shared with the
+        group), without touching the disk: every rank of a resume builds the same one and raises nothing here; a
+        file gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on."""
+        return Snapshot(self.root / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id))
+
     # -- limits -----------------------------------------------------------------------------------
 
     def sweep(self) -> None:
