@@ -378,3 +378,47 @@ def test_tp2_x_sp2_resumes_its_own_bit_for_bit_and_sp2s_to_float_rounding(layout
     print(f"SP2 -> TP2 x SP2: latents differ by at most {distance:.3g} (TP's all-reduces round differently)")
     assert distance < 1e-5
     assert frames_distance(from_sp2["frames"], tp["whole"]["frames"][rest], "SP2 -> TP2 x SP2") <= 1
+
+
+WEIRD = [None, -1, 0, 2**70, 1.5, True, "", "x" * 300, [], [0], [1, 0], {}, {"a": 1}]
+
+
+def replaced(tree: object, path: tuple, value: object) -> object:
+    """A copy of a JSON tree with the value at `path` replaced."""
+    if not path:
+        return value
+    copy = list(tree) if isinstance(tree, list) else dict(tree)
+    copy[path[0]] = replaced(tree[path[0]], path[1:], value)
+    return copy
+
+
+def paths(tree: object, prefix: tuple = ()) -> list[tuple]:
+    found = [prefix]
+    items = enumerate(tree) if isinstance(tree, list) else tree.items() if isinstance(tree, dict) else []
+    for key, child in items:
+        found += paths(child, (*prefix, key))
+    return found
+
+
+def test_a_manifest_of_any_other_form_is_refused_with_its_code_and_nothing_else(saved: Saved) -> None:
+    """Every value of a real manifest (the entries' meta besides, which the readers check) replaced in turn by
+    values of other types and ranges: parsing gives the manifest or SNAPSHOT_INVALID, never another error."""
+    import json
+
+    from backend.engine.snapshot.manifest import Manifest
+
+    raw = json.loads((saved.store.root / saved.snapshot_id / MANIFEST_NAME).read_text())
+    tried = refused_count = 0
+    for path in paths(raw):
+        if "meta" in path[2:3]:
+            continue
+        for value in WEIRD:
+            text = json.dumps(replaced(raw, path, value)).encode()
+            tried += 1
+            try:
+                Manifest.parse(text, saved.snapshot_id)
+            except SnapshotError as exc:
+                assert exc.refusal.code == SNAPSHOT_INVALID
+                refused_count += 1
+    print(f"{tried} altered manifests, {refused_count} refused")
+    assert refused_count > 0.9 * tried

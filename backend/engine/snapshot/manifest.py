@@ -119,7 +119,7 @@ class Manifest:
             raise invalid(f"manifest: not JSON ({exc.__class__.__name__})") from None
         top = _object(raw, "manifest", {"format", "version", "id", "created_unix_s", "settings_used", "model",
                                         "layout", "files"})
-        if top["format"] != FORMAT or top["version"] != VERSION:
+        if top["format"] != FORMAT or _integer(top["version"], "version") != VERSION:
             raise invalid(f"manifest: not {FORMAT} version {VERSION}")
         if top["id"] != snapshot_id:
             raise invalid("manifest: its id is not its folder's")
@@ -130,7 +130,7 @@ class Manifest:
             raise invalid("manifest: files is not a list")
         entries = tuple(FileEntry.from_json(f, f"files[{i}]") for i, f in enumerate(files))
         created = top["created_unix_s"]
-        if not isinstance(created, (int, float)):
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise invalid("manifest: created_unix_s is not a number")
         manifest = cls(snapshot_id, float(created), _string(top["settings_used"], "settings_used"), model, layout,
                        entries)
