@@ -111,7 +111,8 @@ def rank_rows() -> list[list[str]]:
         kv = self_cache_bytes(cfg, tokens, ranks, BF16)
         band = decoder * (-(-latent_h // ranks)) // latent_h  # the top band: the largest (rows 60 / ranks, rounded up)
         rank0 = kv + band + shared + condition
-        cells = [f"{b / MIB:,.0f}" for b in (kv, band, shared, condition, settled, rank0, kv + band)]
+        cells = [f"{b / MIB:,.0f}" for b in (kv, band, shared, condition, settled, rank0)]
+        cells.append(f"{(kv + band) / MIB:,.0f}" if ranks > 1 else "-")
         total = ranks * (kv + band) + shared + condition + HEADER_BYTES_FIXED
         rows.append([f"TP{tp} x SP{sp}", *cells, f"{total / MIB:,.0f}"])
     return rows
