@@ -147,17 +147,14 @@ class WorldModelEngine:
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
-                     owner: int = 0, keep_commits: bool = False) -> Session:
+                     owner: int = 0, keep_commits: bool = False, prompt: str | None = None) -> Session:
         """A session of an admitted request (`geometry`: its `geometry_of`, checked once); owner: the rank that
         answers the request (its decoded frames come back there); keep_commits: keep what each cached block was
-        made of, so that `recache` can recompute its K/V (refused under global attention)."""
+        made of, so that `recache` can recompute its K/V (refused under global attention); prompt: the prompt in
+        force when it is not the request's (a resumed session's). A collective (the prompt's text K/V)."""
         if keep_commits and self.window_frames == GLOBAL_WINDOW:
             raise InputError(GLOBAL_RECACHE)
-        return self._new_session(request, geometry, request.prompt, session_id, owner, keep_commits)
-
-    def _new_session(self, request: SessionRequest, geometry: VideoGeometry, prompt: str, session_id: str | None,
-                     owner: int, keep_commits: bool) -> Session:
-        """A session at its start under `prompt` (its text K/V: a collective)."""
+        prompt = request.prompt if prompt is None else prompt
         tcfg = self.ckpt.transformer
         image = torch.tensor(request.image)  # a copy: the caller's array may be read-only
         mesh = self.mesh

@@ -28,7 +28,7 @@ from ..geometry import VideoGeometry
 from ..session import CommitRecord, Session
 from . import capture, size
 from .files import Part
-from .manifest import FileEntry, Manifest, Snapshot, SnapshotError, invalid
+from .manifest import DECODE, FileEntry, Manifest, Snapshot, SnapshotError, invalid
 from .restore import KvShard, SharedState, faults_as_invalid, read_condition, read_decode, read_kv, read_shared
 
 if TYPE_CHECKING:
@@ -126,8 +126,8 @@ def resume(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry
     if not engine.sp.all_true(error is None, engine.device):
         raise error or invalid("another rank of the group could not read its part of the snapshot")
     shared = state.shared
-    session = engine._new_session(shared.request, geometry, shared.prompt, session_id, owner,
-                                  keep_commits=shared.commits is not None)
+    session = engine.open_session(shared.request, geometry, session_id, owner, keep_commits=shared.commits is not None,
+                                  prompt=shared.prompt)
     for buffers, saved in ((session.cache.keys, state.kv.keys), (session.cache.values, state.kv.values)):
         for buffer, layer in zip(buffers, saved):
             buffer[0, : state.kv.length] = layer.to(engine.device)
@@ -164,7 +164,7 @@ def read_rank(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeome
     if engine.conditions is not None:
         vae_device = next(engine.conditions.vae.parameters()).device
         condition = _to(read_condition(snapshot), vae_device)
-    decodes = bool(snapshot.manifest.entries("decode")) and engine.config.decode_frames and request.decode
+    decodes = bool(snapshot.manifest.entries(DECODE)) and engine.config.decode_frames and request.decode
     split = decodes and engine.vae.splits(geometry.latent_height)
     rows = decode_rows(engine, geometry.latent_height, decodes, split, owner)
     decode = None
