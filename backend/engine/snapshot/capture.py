@@ -42,7 +42,7 @@ def kv_part(session: Session, rank: int, heads: tuple[int, int]) -> Part:
 def shared_part(session: Session, rank: int) -> Part:
     """The session's own state, the same on every rank: written once, by its owner."""
     request, camera = session.request, session.camera
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(getattr(request, name)))
+    tensors = {name: torch.from_numpy(np.array(getattr(request, name)))  # a copy: a request's arrays may be read-only
                for name in REQUEST_ARRAYS if getattr(request, name) is not None}
     tensors["generator"] = session.generator.get_state()
     if camera.started:
