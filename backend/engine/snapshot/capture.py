@@ -106,4 +106,5 @@ def cache_tensors(cache: list, prefix: str) -> tuple[dict[str, torch.Tensor], li
 def request_fields(request: SessionRequest) -> dict:
     """The request's fields besides its arrays (JSON: its strings, numbers and flags)."""
     skip = REQUEST_ARRAYS + REQUEST_NOT_KEPT
-    return {f.name: getattr(request, f.name) for f in dataclasses.fields(request) if f.name not in skip}
+    values = {f.name: getattr(request, f.name) for f in dataclasses.fields(request) if f.name not in skip}
+    return {name: v.item() if isinstance(v, np.generic) else v for name, v in values.items()}  # numpy scalars too
