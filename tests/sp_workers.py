@@ -157,3 +157,122 @@ def planned_blocks(member) -> dict[str, int]:
 def weight_bytes(member) -> int:
     """The transformer weights this member holds."""
     return member.engine.transformer.weight_bytes()
+
+
+# -- snapshots (tests/test_snapshots.py): a steered session saved after a block and resumed, on any layout --
+
+
+def play(engine: WorldModelEngine, session, steps: list, first: int, save_after: int | None = None,
+         save=None) -> dict:
+    """`steps[first:]` of a steered session (a step's world event set, and recached if it asks, before its block),
+    each block decoded; after block `save_after`, `save(session)`. Returns each block's latents and, on the
+    session's owner, its frames, and what `save` returned."""
+    from backend.engine.blocks import BlockControls
+
+    latents, frames, saved = [], [], None
+    for index in range(first, len(steps)):
+        controls = steps[index]
+        if controls.prompt is not None:
+            engine.set_prompt(session, controls.prompt)
+            if controls.recache:
+                engine.recache(session)
+        (out,) = engine.run_block([session], {session.id: BlockControls(controls, recached=controls.recache)})
+        latents.append(out.latents.numpy())
+        block_frames = engine.decode(session, out)
+        if block_frames is not None:
+            frames.append(block_frames)
+        if index == save_after:
+            saved = save(session)
+    return {"latents": latents, "frames": frames, "saved": saved}
+
+
+def save_in_group(engine: WorldModelEngine, session, store) -> str:
+    """Every rank writes its parts into the owner's reservation; the owner publishes them (the entries gathered
+    here by torch.distributed; the serving loop brings them to the owner in its own messages)."""
+    import torch.distributed as dist
+
+    from backend.engine.snapshot.files import write_part
+
+    rank, group = engine.sp.rank, engine.sp.group
+    size = engine.snapshot_size(session.request, session.geometry, session.block_index, session.commits is not None)
+    snapshot_id = [store.reserve(size.total) if rank == session.owner else None]
+    if group is not None:
+        dist.broadcast_object_list(snapshot_id, group_src=session.owner, group=group)
+    folder = store.staging(snapshot_id[0])
+    parts = engine.snapshot_parts(session)
+    if (decode := engine.snapshot_decode_part(session)) is not None:
+        parts.append(decode)
+    entries = [write_part(folder, part) for part in parts]
+    every = [entries]
+    if group is not None:
+        every = [None] * engine.sp.degree
+        dist.all_gather_object(every, entries, group=group)
+    if rank == session.owner:
+        files = [entry for rank_entries in every for entry in rank_entries]
+        store.publish(snapshot_id[0], engine.snapshot_manifest(snapshot_id[0], session, files))
+    if group is not None:
+        dist.barrier(group=group)
+    return snapshot_id[0]
+
+
+def resume_and_play(engine: WorldModelEngine, store, snapshot_id: str, steps: list, fork_seed: int | None = None,
+                    owner: int = 0) -> dict:
+    """The rest of `steps` from a snapshot (resumed on this engine's layout): the owner opens it, the others
+    build it from its manifest's text (as the serving loop shares it)."""
+    import torch.distributed as dist
+
+    from backend.engine.snapshot.restore import read_request
+
+    text = [store.open(snapshot_id).manifest.to_text() if engine.sp.rank == owner else None]
+    if engine.sp.group is not None:
+        dist.broadcast_object_list(text, group_src=owner, group=engine.sp.group)
+    snapshot = store.from_manifest(snapshot_id, text[0])
+    geometry = engine.geometry_of(read_request(snapshot))
+    session = engine.resume_session(snapshot, geometry, owner=owner, fork_seed=fork_seed)
+    try:
+        return play(engine, session, steps, session.block_index)
+    finally:
+        engine.close_session(session)
+
+
+def snapshot_roundtrip(groups: GroupHandles, config: EngineConfig, request: SessionRequest, steps: list,
+                       save_after: int, store_root: str, resume_ids: list[str]) -> dict:
+    """On every rank of a tp_degree x sp_degree group: the steered session through `steps`, saved after block
+    `save_after`; then its own snapshot and each of `resume_ids` resumed and played to the end."""
+    from backend.engine.snapshot.store import SnapshotStore
+
+    sp = SequenceParallel(groups.data)
+    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    store = SnapshotStore(store_root, quota_bytes=1 << 30, ttl_s=3600)
+    with engine.session(request, keep_commits=True) as session:
+        whole = play(engine, session, steps, 0, save_after, lambda s: save_in_group(engine, s, store))
+    resumed = {sid: resume_and_play(engine, store, sid, steps) for sid in [whole["saved"], *resume_ids]}
+    return {"whole": whole, "resumed": resumed, "snapshot_id": whole["saved"],
+            "damaged": damaged_resume(engine, store, whole["saved"], steps)}
+
+
+def damaged_resume(engine: WorldModelEngine, store, snapshot_id: str, steps: list) -> str:
+    """A byte of the last rank's kv file flipped: the code every rank's resume raises (only that rank reads the
+    file), then the file mended and the resume run again (the group goes on)."""
+    import torch.distributed as dist
+
+    from backend.engine.snapshot.manifest import SnapshotError
+
+    path = store.root / snapshot_id / f"kv-{engine.sp.degree - 1}.safetensors"
+    pristine = path.read_bytes()
+    if engine.sp.rank == 0:
+        damaged = bytearray(pristine)
+        damaged[len(damaged) // 2] ^= 1
+        path.write_bytes(bytes(damaged))
+    dist.barrier(group=engine.sp.group)
+    try:
+        resume_and_play(engine, store, snapshot_id, steps)
+        code = "none"
+    except SnapshotError as exc:
+        code = exc.refusal.code
+    dist.barrier(group=engine.sp.group)
+    if engine.sp.rank == 0:
+        path.write_bytes(pristine)
+    dist.barrier(group=engine.sp.group)
+    resume_and_play(engine, store, snapshot_id, steps)
+    return code

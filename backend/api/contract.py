@@ -238,6 +238,10 @@ AUTH_REQUIRED = "AUTH_REQUIRED"
 AUTH_INVALID = "AUTH_INVALID"
 USER_SESSION_LIMIT = "USER_SESSION_LIMIT"
 QUOTA_EXHAUSTED = "QUOTA_EXHAUSTED"
+SNAPSHOT_UNKNOWN = "SNAPSHOT_UNKNOWN"
+SNAPSHOT_EXPIRED = "SNAPSHOT_EXPIRED"
+SNAPSHOT_INVALID = "SNAPSHOT_INVALID"
+SNAPSHOT_STORE_FULL = "SNAPSHOT_STORE_FULL"
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the line is full (max_queue sessions wait)",
@@ -245,7 +249,9 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(INVALID_INPUT, "an input or a request parameter is wrong (the sentence names it and what is "
               "expected), or the request does not fit this server's limits", "fix the request"),
     ErrorCode(SETTINGS_MISMATCH, "request parameter expect_settings differs from this server's settings_used (a "
-              "replay against another checkpoint or settings)", "replay on a server with those settings"),
+              "replay against another checkpoint or settings), or a snapshot to resume was saved on other settings "
+              "or another model (the sentence names each difference)", "replay or resume on a server with those "
+              "settings"),
     ErrorCode(SESSION_EXISTS, "a start flag on a sequence whose session still runs", "end it first, or use a new "
               "sequence id"),
     ErrorCode(SESSION_UNKNOWN, "a step of a sequence with no running session: it never started here, or it ended "
@@ -272,6 +278,17 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
               "`queue` wait for one (the keys file)", "end one of the key's sessions first"),
     ErrorCode(QUOTA_EXHAUSTED, "the key has used its `blocks_per_hour` (the keys file); a session of the key that "
               "meets it ends with it", "retry after retry_after_s, when enough of the hour's blocks have aged out",
+              retry_after=True),
+    ErrorCode(SNAPSHOT_UNKNOWN, "no snapshot with this id in the server's snapshot store: it was never saved there, "
+              "its save failed, or it expired so long ago that the store forgot it", "check the id and the server; "
+              "else start a new session"),
+    ErrorCode(SNAPSHOT_EXPIRED, "the snapshot outlived the store's time to live and was deleted",
+              "start a new session (resume snapshots within the time to live)"),
+    ErrorCode(SNAPSHOT_INVALID, "a file of the snapshot is missing, truncated, corrupted or altered (its size or "
+              "SHA-256 differs from its manifest's), or its manifest is malformed: nothing was served from it",
+              "resume another snapshot, or start a new session; tell the operator"),
+    ErrorCode(SNAPSHOT_STORE_FULL, "saving this snapshot would exceed the store's size quota (nothing was written)",
+              "save again after retry_after_s, when older snapshots have expired; the session goes on meanwhile",
               retry_after=True),
 )
 ERROR_CODE_SPECS: dict[str, ErrorCode] = {c.name: c for c in ERROR_CODES}

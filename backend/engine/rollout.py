@@ -42,6 +42,10 @@ from .geometry import VideoGeometry
 from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
 from .session import CommitRecord, Session
+from .snapshot import sessions as snapshots
+from .snapshot.files import Part
+from .snapshot.manifest import FileEntry, Manifest, Snapshot
+from .snapshot.size import SnapshotSize
 from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,7 @@ class WorldModelEngine:
                            else None)
         if self.conditions is None:
             parts.vae.encoder = None  # never runs here
+        self.vae_config = dict(parts.vae.config)  # the VAE's architecture (a snapshot's size: snapshot/size)
         steps = config.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
@@ -126,17 +131,19 @@ class WorldModelEngine:
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
-                     owner: int = 0, keep_commits: bool = False) -> Session:
+                     owner: int = 0, keep_commits: bool = False, prompt: str | None = None) -> Session:
         """A session of an admitted request (`geometry`: its `geometry_of`, checked once); owner: the rank that
         answers the request (its decoded frames come back there); keep_commits: keep what each cached block was
-        made of, so that `recache` can recompute its K/V (refused under global attention)."""
+        made of, so that `recache` can recompute its K/V (refused under global attention); prompt: the prompt in
+        force when it is not the request's (a resumed session's). A collective (the prompt's text K/V)."""
         if keep_commits and self.window_frames == GLOBAL_WINDOW:
             raise InputError(GLOBAL_RECACHE)
+        prompt = request.prompt if prompt is None else prompt
         tcfg = self.ckpt.transformer
         image = torch.tensor(request.image)  # a copy: the caller's array may be read-only
         mesh = self.mesh
         tp_heads = tcfg.num_heads // mesh.tp.degree
-        text = self._text_caches(request.prompt)
+        text = self._text_caches(prompt)
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
             window_tokens=self.session_window_frames(request, geometry) * geometry.tokens_per_frame,
@@ -159,7 +166,7 @@ class WorldModelEngine:
             planned=[] if request.steered else split_blocks(request.poses, geometry.block_frames),
             condition=(self.conditions.start(prepare_image(image, request.height, request.width))
                        if self.conditions is not None else None),
-            prompt=request.prompt,
+            prompt=prompt,
             text=text,
             cache=cache,
             decode_state=decode_state,
@@ -218,6 +225,46 @@ class WorldModelEngine:
         mesh = self.mesh
         tp_heads = self.ckpt.transformer.num_heads // mesh.tp.degree
         return self.transformer.text_caches(self.prompts.states(prompt), mesh.sp.head_slice(tp_heads), mesh.tp)
+
+    # -- snapshots (docs/worlds.md) ------------------------------------------------------------------
+
+    def snapshot_parts(self, session: Session) -> list[Part]:
+        """This rank's parts of a session at the block boundary after its last block (on the group loop's thread,
+        before its next block): its head shard of the K/V (copied), and on the owner the session's own state, on
+        ENCODER_RANK the condition encoder's (by reference: nothing writes into them again). Write each with
+        snapshot.files.write_part (any thread)."""
+        return snapshots.session_parts(self, session)
+
+    def snapshot_decode_part(self, session: Session) -> Part | None:
+        """This rank's part of a session's decoder state, after the decode of its last block (on the decode
+        thread, before its next decode): its band of rows under a split decode, else the owner's whole frame;
+        None where this rank holds none or the session decodes nothing."""
+        return snapshots.decode_part(self, session)
+
+    def snapshot_manifest(self, snapshot_id: str, session: Session, files: list[FileEntry]) -> Manifest:
+        """The manifest of a session's snapshot from every rank's written files (on the owner)."""
+        return snapshots.manifest(self, snapshot_id, session, files)
+
+    def snapshot_size(self, request: SessionRequest, geometry: VideoGeometry, blocks: int,
+                      keep_commits: bool) -> SnapshotSize:
+        """The bytes of a session's snapshot after `blocks` blocks, before anything is written (the store's
+        quota check); the same on every rank."""
+        return snapshots.snapshot_size(self, request, geometry, blocks, keep_commits)
+
+    def check_snapshot(self, snapshot: Snapshot) -> None:
+        """Refuse a snapshot saved on other settings or another model (SnapshotError SETTINGS_MISMATCH, naming
+        each difference); resume_session checks it too."""
+        snapshots.check_fits(self, snapshot)
+
+    @torch.no_grad()
+    def resume_session(self, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,
+                       owner: int = 0, fork_seed: int | None = None) -> Session:
+        """The saved session, where it stood, on this engine's layout (any TP x SP): its next block is the block
+        the saved session would have made next. geometry: `geometry_of(snapshot.restore.read_request(...))`,
+        checked once; fork_seed: draw the noise from this seed from the next block on (None: the saved
+        generator's). A collective, every rank alike (the text K/V of the prompt in force is recomputed).
+        Raises SnapshotError on every rank alike (SNAPSHOT_INVALID, SETTINGS_MISMATCH)."""
+        return snapshots.resume(self, snapshot, geometry, session_id, owner, fork_seed)
 
     # -- rollout ----------------------------------------------------------------------------------
 

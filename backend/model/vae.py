@@ -53,6 +53,11 @@ class StreamingVae:
         """Whether blocks of this height are decoded in bands: every rank needs at least one latent row."""
         return self.group is not None and latent_rows >= dist.get_world_size(self.group)
 
+    def band(self, latent_rows: int) -> tuple[int, int]:
+        """This rank's latent rows [first, end) when blocks of this height are decoded in bands (`splits`)."""
+        bands = RowBands(self.group, latent_rows)
+        return bands.start, bands.start + bands.sizes[bands.rank]
+
     @torch.no_grad()
     def decode_block(self, latents: torch.Tensor, state: DecodeState, owner: int = 0) -> np.ndarray | None:
         """Normalised latents [1, z, F, h, w] of the next block -> uint8 frames [n, H, W, 3] on rank `owner`.

@@ -38,6 +38,14 @@ class SequenceParallel:
             dist.broadcast(x, group_src=src, group=self.group)
         return x
 
+    def all_true(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on every rank (a collective; `device`: where this group's tensors live)."""
+        if self.degree == 1:
+            return flag
+        agreed = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(agreed.item())
+
     def head_slice(self, num_heads: int) -> slice:
         local = num_heads // self.degree
         return slice(self.rank * local, (self.rank + 1) * local)

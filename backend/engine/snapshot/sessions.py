@@ -1,0 +1,228 @@
+"""One rank of an engine saving a session into parts and opening one from a snapshot (the engine's snapshot
+methods call these; docs/worlds.md).
+
+Resuming is a collective, every rank alike: each rank first reads and checks what it needs (local: files, no
+exchange), then the group agrees that every rank could (one all-reduce), and only then computes the prompt's text
+K/V (a broadcast from ENCODER_RANK, as `open_session`). So a rank that finds a file bad refuses the resume on every
+rank (SNAPSHOT_INVALID) and no rank is left waiting in an exchange.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...api.contract import SETTINGS_MISMATCH
+from ...api.provenance import parse_settings, setting_differences
+from ...api.refusal import Refusal
+from ...api.request import SessionRequest
+from ...model.condition import ConditionState
+from ...model.feature_caches import condition_encoder_state, tiny_decoder_state, vae_decoder_state
+from ...model.tiny_vae import TinyDecodeState
+from ...model.vae import DecodeState, StreamingVae
+from ..camera_track import CameraTrack
+from ..geometry import VideoGeometry
+from ..session import CommitRecord, Session
+from . import capture, size
+from .files import Part
+from .manifest import DECODE, FileEntry, Manifest, Snapshot, SnapshotError, invalid
+from .restore import KvShard, SharedState, faults_as_invalid, read_condition, read_decode, read_kv, read_shared
+
+if TYPE_CHECKING:
+    from ..rollout import WorldModelEngine
+
+log = logging.getLogger(__name__)
+
+
+def head_range(engine: WorldModelEngine) -> tuple[int, int]:
+    """The global heads this rank's K/V caches hold: its TP slice's heads, then its SP shard of those."""
+    heads, mesh = engine.ckpt.transformer.num_heads, engine.mesh
+    tp_first = mesh.tp.part(heads).start
+    local = mesh.sp.head_slice(heads // mesh.tp.degree)
+    return tp_first + local.start, tp_first + local.stop
+
+
+def session_parts(engine: WorldModelEngine, session: Session) -> list[Part]:
+    rank = engine.sp.rank
+    parts = [capture.kv_part(session, rank, head_range(engine))]
+    if rank == session.owner:
+        parts.append(capture.shared_part(session, rank))
+    if session.condition is not None:
+        parts.append(capture.condition_part(session.condition, rank))
+    return parts
+
+
+def decode_part(engine: WorldModelEngine, session: Session) -> Part | None:
+    rows = decode_rows(engine, session.geometry.latent_height, session.decode_state is not None,
+                       session.split_decode, session.owner)
+    return None if rows is None else capture.decode_part(session, engine.sp.rank, rows)
+
+
+def decode_rows(engine: WorldModelEngine, latent_rows: int, decodes: bool, split: bool,
+                owner: int) -> tuple[int, int] | None:
+    """The latent rows of a session's decoder state this rank holds: its band under a split decode, the whole
+    height on the owner otherwise, None on the other ranks or without a decode."""
+    if not decodes:
+        return None
+    if split:
+        assert isinstance(engine.vae, StreamingVae)
+        return engine.vae.band(latent_rows)
+    return (0, latent_rows) if engine.sp.rank == owner else None
+
+
+def model_facts(engine: WorldModelEngine) -> dict[str, int]:
+    tcfg = engine.ckpt.transformer
+    return {"num_layers": tcfg.num_layers, "num_heads": tcfg.num_heads, "head_dim": tcfg.head_dim,
+            "z_dim": engine.ckpt.vae.z_dim}
+
+
+def manifest(engine: WorldModelEngine, snapshot_id: str, session: Session, files: list[FileEntry]) -> Manifest:
+    layout = {"tp_degree": engine.mesh.tp.degree, "sp_degree": engine.mesh.sp.degree,
+              "latent_rows": session.geometry.latent_height}
+    return Manifest(snapshot_id, time.time(), engine.settings_used, model_facts(engine), layout, tuple(files))
+
+
+def check_fits(engine: WorldModelEngine, snapshot: Snapshot) -> None:
+    """SnapshotError SETTINGS_MISMATCH naming each setting (and the model's geometry) that differs."""
+    saved = snapshot.manifest
+    with faults_as_invalid("the manifest's settings_used"):
+        theirs = parse_settings(saved.settings_used, "the snapshot's settings_used")
+    differ = setting_differences(theirs, parse_settings(engine.settings_used, "settings_used"))
+    ours = model_facts(engine)
+    if saved.model != ours:
+        differ.append(f"model: the snapshot's {saved.model}, this server's {ours}")
+    if differ:
+        raise SnapshotError(Refusal(SETTINGS_MISMATCH, f"the snapshot was saved on other settings: "
+                                    f"{'; '.join(differ)} (expected: the snapshot's)"))
+
+
+@dataclass
+class RankState:
+    """What this rank read for a resume, on the engine's devices, before any exchange."""
+
+    shared: SharedState
+    generator: torch.Generator
+    camera: CameraTrack
+    commits: list[CommitRecord] | None
+    kv: KvShard
+    condition: ConditionState | None  # ENCODER_RANK only
+    decode: DecodeState | TinyDecodeState | None  # None: the resumed session decodes no frames
+
+
+def resume(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None,
+           owner: int, fork_seed: int | None) -> Session:
+    check_fits(engine, snapshot)
+    state, error = None, None
+    try:
+        state = read_rank(engine, snapshot, geometry, owner, fork_seed)
+    except SnapshotError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - a fault of this rank's: told to every rank, logged here
+        log.exception("rank %d could not read its part of snapshot %s", engine.sp.rank, snapshot.manifest.snapshot_id)
+        error = invalid(f"rank {engine.sp.rank} could not read its part ({exc.__class__.__name__})")
+    if not engine.sp.all_true(error is None, engine.device):
+        raise error or invalid("another rank of the group could not read its part of the snapshot")
+    shared = state.shared
+    session = engine.open_session(shared.request, geometry, session_id, owner, keep_commits=shared.commits is not None,
+                                  prompt=shared.prompt)
+    for buffers, saved in ((session.cache.keys, state.kv.keys), (session.cache.values, state.kv.values)):
+        for buffer, layer in zip(buffers, saved):
+            buffer[0, : state.kv.length] = layer.to(engine.device)
+    session.cache.length, session.cache.evicted_tokens = state.kv.length, state.kv.evicted_tokens
+    session.generator, session.camera, session.commits = state.generator, state.camera, state.commits
+    session.block_index = shared.block_index
+    if session.condition is not None:
+        session.condition = state.condition
+    session.decode_state = state.decode
+    session.split_decode = state.decode is not None and engine.vae.splits(geometry.latent_height)
+    return session
+
+
+def read_rank(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry, owner: int,
+              fork_seed: int | None) -> RankState:
+    """This rank's part of a resume: every read and check, no exchange."""
+    shared = read_shared(snapshot)
+    request, device = shared.request, engine.device
+    tcfg = engine.ckpt.transformer
+    kv = read_kv(snapshot, head_range(engine), tcfg.num_layers, tcfg.head_dim, engine.dtype)
+    capacity = engine.session_window_frames(request, geometry) * geometry.tokens_per_frame
+    if kv.capacity != capacity or kv.length > capacity:
+        raise invalid(f"the kv files were saved for a window of {kv.capacity} tokens, this session's is {capacity}")
+    with faults_as_invalid("the shared file's generator and camera"):
+        generator = torch.Generator("cpu")
+        generator.set_state(shared.generator)
+        if fork_seed is not None:
+            generator.manual_seed(fork_seed)
+        camera = camera_track(shared, request, geometry.block_frames)
+    commits = None if shared.commits is None else [
+        CommitRecord(r.first_frame, r.latents.to(device), r.timestep, r.poses, r.condition.to(device))
+        for r in shared.commits]
+    condition = None
+    if engine.conditions is not None:
+        vae_device = next(engine.conditions.vae.parameters()).device
+        condition = _to(read_condition(snapshot), vae_device)
+    decodes = bool(snapshot.manifest.entries(DECODE)) and engine.config.decode_frames and request.decode
+    split = decodes and engine.vae.splits(geometry.latent_height)
+    rows = decode_rows(engine, geometry.latent_height, decodes, split, owner)
+    decode = None
+    if rows is not None:
+        decode = _to(read_decode(snapshot, rows), engine.vae.device)
+    elif decodes:
+        decode = engine.vae.new_decode_state()  # a rank that helps no decode of this session holds an empty one
+    return RankState(shared, generator, camera, commits, kv, condition, decode)
+
+
+def camera_track(shared: SharedState, request: SessionRequest, block_frames: int) -> CameraTrack:
+    """The session's camera track where the saved one stood."""
+    saved, tensors = shared.camera, shared.camera_tensors
+    track = CameraTrack(request.camera_intrinsics(), block_frames, saved["fixed_scale"])
+    track.running_scale = saved["running_scale"]
+    if saved["started"]:
+        track.first_inverse, track.last_latent = tensors["camera.first_inverse"], tensors["camera.last_latent"]
+        track.last_video = tensors["camera.last_video"].numpy()
+        track.last_motion = tensors["camera.last_motion"].numpy()
+    return track
+
+
+def _to(state: ConditionState | DecodeState | TinyDecodeState, device: torch.device):
+    """A restored encoder or decoder state with its tensors on `device` (strides kept)."""
+    if isinstance(state, TinyDecodeState):
+        state.memory = {k: t.to(device) for k, t in state.memory.items()}
+    elif isinstance(state, DecodeState):
+        state.feature_cache = [s.to(device) if isinstance(s, torch.Tensor) else s for s in state.feature_cache]
+    else:
+        for name in ("image", "previous", "steady"):
+            if (t := getattr(state, name)) is not None:
+                setattr(state, name, t.to(device))
+        if state.feature_cache is not None:
+            state.feature_cache = [s.to(device) if isinstance(s, torch.Tensor) else s for s in state.feature_cache]
+    return state
+
+
+def snapshot_size(engine: WorldModelEngine, request: SessionRequest, geometry: VideoGeometry, blocks: int,
+                  keep_commits: bool) -> size.SnapshotSize:
+    """The bytes of this session's snapshot after `blocks` blocks (the same on every rank)."""
+    g, tcfg, z = geometry, engine.ckpt.transformer, engine.ckpt.vae.z_dim
+    capacity = engine.session_window_frames(request, g) * g.tokens_per_frame
+    tokens = size.kv_tokens(blocks, g.block_tokens, capacity)
+    records = size.kept_records(blocks, g.block_tokens, capacity,
+                                engine.sink_frames * g.tokens_per_frame) if keep_commits else 0
+    encoder_bytes, encoder_tensors = condition_encoder_state(engine.vae_config, g.height, g.width)
+    decode_bytes, decode_tensors = 0, 0
+    if engine.config.decode_frames and request.decode:
+        if engine.config.decoder == "tiny":
+            decode_bytes, decode_tensors = tiny_decoder_state(g.latent_height, g.latent_width)
+        else:
+            decode_bytes, decode_tensors = vae_decoder_state(engine.vae_config, g.latent_height, g.latent_width)
+    ranks = engine.sp.degree
+    poses = 0 if request.poses is None else len(request.poses)
+    tensors = ranks * (2 * tcfg.num_layers + decode_tensors) + encoder_tensors + 3 * records + 16
+    return size.SnapshotSize(
+        kv=size.kv_bytes(tcfg.num_layers, tcfg.num_heads, tcfg.head_dim, tokens, engine.dtype.itemsize),
+        commits=size.commit_bytes(records, z, g.block_frames, g.latent_height, g.latent_width),
+        shared=size.shared_bytes(request.image.shape[0], request.image.shape[1], poses),
+        condition=size.condition_bytes(encoder_bytes, z, g.height, g.width, g.latent_height, g.latent_width),
+        decode=decode_bytes, tensors=tensors)
