@@ -90,7 +90,13 @@ GROUP_IDLE_S = 4.0  # session_idle_timeout_s of the shared local SP2 group (sp2_
 
 
 @pytest.fixture(scope="session")
-def sp2_group(tiny_checkpoint: str):
+def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The snapshot store the shared servers and groups save into and resume from (one world across them)."""
+    return str(tmp_path_factory.mktemp("snapshots"))
+
+
+@pytest.fixture(scope="session")
+def sp2_group(tiny_checkpoint: str, snapshot_dir: str):
     """One SP2 serving group of two local processes (serving/local_group, no tritonserver) for the whole run:
     one session per forward (latents compare bit for bit with SP1), no frame decode, a short steered-session
     idle limit."""
@@ -98,6 +104,7 @@ def sp2_group(tiny_checkpoint: str):
     from backend.serving.local_group import LocalGroup
     from factories import tiny_config
 
-    serving = ServingConfig(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0)
+    serving = ServingConfig(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,
+                            snapshot_dir=snapshot_dir)
     with LocalGroup(tiny_config(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, world=2) as group:
         yield group

@@ -5,9 +5,10 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
-from backend.api.request import SessionRequest, StepRequest
+from backend.api.request import ResumeRequest, SessionRequest, StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.serving.admission import Admission
+from backend.serving.bootstrap import snapshot_store
 from backend.serving.config import ServingConfig
 from backend.serving.intake import Intake
 from backend.serving.line import LineCounts
@@ -27,9 +28,10 @@ class OneRank:
         self.loop = GroupLoop(engine, settings, None, inbox.put,
                               LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line),
                               threads=threads, cpu=cpu)
-        self.intake = Intake(0, settings, Admission(settings, engine.spec), self.loop.post, inbox)
+        admission = Admission(settings, engine.spec, engine.snapshot_facts, snapshot_store(settings))
+        self.intake = Intake(0, settings, admission, self.loop.post, inbox)
 
-    def submit(self, request: SessionRequest | StepRequest, responder: Responder) -> None:
+    def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder) -> None:
         """A request as the member hands it over (its sequence's open pause is answered first)."""
         self.intake.arrive(request.session_key, request, responder)
 

@@ -53,9 +53,14 @@ class StreamMetrics:
             family("lingbot_world_key_requests_total", "requests a key opened the door for", family.COUNTER),
             family("lingbot_world_key_blocks_total", "AR blocks sent to a key's sessions", family.COUNTER),
             family("lingbot_world_key_refusals_total", "error responses to a key's requests, by code", family.COUNTER),
+            # Saved worlds (docs/worlds.md), of the sessions this instance owns.
+            family("lingbot_world_snapshots_total", "snapshots of this instance's sessions by event: saved, failed "
+                   "(a save that could not be written), resumed (a session opened from one)", family.COUNTER),
+            family("lingbot_world_drains_total", "drains this instance took part in (its launcher's restart or "
+                   "move; each of its steered sessions then ends 'moved')", family.COUNTER),
         ]
         (blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits, ended, refusals, queued,
-         sessions, depth, free, *by_key) = self._families
+         sessions, depth, free, *by_key, snapshots, drains) = self._families
         self._by_key = dict(zip(("requests", "blocks", "refusals"), by_key))
         self._key_metrics: dict[tuple[str, ...], object] = {}  # (family, key name[, code]) -> its metric, on first use
         self.blocks = blocks.Metric(labels=labels)
@@ -77,6 +82,10 @@ class StreamMetrics:
         self._refusals_family = refusals
         self._refusals = {}  # code -> its metric, made on its first use
         self.queue_seconds = queued.Metric(labels=labels, buckets=QUEUE_BUCKETS_S)
+        # Made up front: the writer's thread and the group loop's count into them.
+        self._snapshots = {event: snapshots.Metric(labels={**labels, "event": event})
+                           for event in ("saved", "failed", "resumed")}
+        self.drains = drains.Metric(labels=labels)
         self.group = rank == 0
         if self.group:
             self.sessions = {state: sessions.Metric(labels={**labels, "state": state}) for state in SESSION_STATES}
@@ -100,15 +109,19 @@ class StreamMetrics:
         self.blocks_run.increment(blocks)
 
     def prompts(self, events: int, hits: int) -> None:
-        """The group loop's report after a world event (GroupCoordinator's on_prompts)."""
+        """The group loop's report after a world event (LoopHooks.on_prompts)."""
         self.prompt_events.increment(events)
         self.prompt_cache_hits.increment(hits)
 
     def session_ended(self, reason: str) -> None:
-        """A session this instance owned ended (GroupCoordinator's on_ended): finished, cancelled, expired, ..."""
+        """A session this instance owned ended (LoopHooks.on_ended): finished, cancelled, expired, ..."""
         if reason not in self._ended:
             self._ended[reason] = self._ended_family.Metric(labels={**self._labels, "reason": reason})
         self._ended[reason].increment(1)
+
+    def snapshot(self, event: str) -> None:
+        """A snapshot of a session this instance owns: saved, failed or resumed (LoopHooks.on_snapshot)."""
+        self._snapshots[event].increment(1)
 
     def refused(self, code: str, user: str = "") -> None:
         """An error response went out with `code` (contract.ERROR_CODES), to key `user` ("": none known)."""
@@ -134,7 +147,7 @@ class StreamMetrics:
         return self._key_metrics[index]
 
     def line(self, counts: LineCounts) -> None:
-        """The group loop's report after a plan that changed the counts (GroupCoordinator's on_line)."""
+        """The group loop's report after a plan that changed the counts (LoopHooks.on_line)."""
         for waited in counts.waited_s:
             self.queue_seconds.observe(waited)
         if self.group:

@@ -45,12 +45,13 @@ class TritonPythonModel:
         self.member = GroupMember(engine_config, serving, place, Hooks(
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
-            on_loop_block=self.metrics.loop_block, on_line=self.metrics.line,
+            on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, on_snapshot=self.metrics.snapshot,
         ), description)
         # The launcher's signals (serving/host_signals): a stop ends every session at once, so Triton's exit need
         # not wait out its timeout for them; a failed group asks the launcher for a reload.
         self.signals = HostSignals.from_environment()
-        self._stop_watch = StopWatch(self.signals, self.member.end_sessions) if self.signals else None
+        self._stop_watch = (StopWatch(self.signals, self.member.end_sessions, self._drain) if self.signals
+                            else None)
         # The door (serving/keys): the launcher's keys file, reloaded whenever the launcher publishes it again.
         self.gate = gate_of(self.signals)
         self._key_watch = (KeyWatch(self.signals, self.gate, self.member.revoke) if self.gate.ring is not None
@@ -78,6 +79,10 @@ class TritonPythonModel:
         steered = isinstance(parsed, StepRequest) or parsed.steered
         used = self.member.settings_used if parsed.return_used else None
         return TritonResponder(sender, parsed.return_latents, self.metrics, steered, used, user)
+
+    def _drain(self) -> None:
+        self.metrics.drains.increment(1)
+        self.member.drain()
 
     def finalize(self) -> None:
         for watch in (self._stop_watch, self._key_watch):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..api.codec import BlockUsed, block_outputs, place_outputs
+from ..api.codec import BlockUsed, SnapshotNotice, block_outputs, place_outputs, snapshot_outputs
 from ..api.provenance import latents_sha256
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
@@ -89,6 +89,10 @@ class TritonResponder:
 
     def send_place(self, position: int, wait_s: float) -> None:
         tensors = place_outputs(position, wait_s)
+        self._send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]), 0)
+
+    def send_notice(self, notice: SnapshotNotice) -> None:
+        tensors = snapshot_outputs(notice)
         self._send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]), 0)
 
     def finish(self) -> None:

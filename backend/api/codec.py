@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import numpy as np
 from . import contract as c
 from .controls import NO_KEYS, parse_keys
 from .errors import InputError, ResponseError
-from .request import Controls, SessionRequest, StepRequest, check_request
+from .request import Controls, ResumeRequest, SessionRequest, StepRequest, check_request, check_snapshot_id
 
 
 def _keys_array(keys: str) -> np.ndarray:
@@ -29,8 +30,19 @@ def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
 
 
 def controls_parameters(controls: Controls) -> dict[str, bool]:
-    """The request parameters a step's camera adds (a world event's recache)."""
-    return {c.PARAM_RECACHE: True} if controls.recache else {}
+    """The request parameters a step's camera adds (a world event's recache, a save after its block)."""
+    return ({c.PARAM_RECACHE: True} if controls.recache else {}) | ({c.PARAM_SAVE: True} if controls.save else {})
+
+
+def resume_parameters(resume: ResumeRequest) -> dict[str, bool | int | str]:
+    """The request parameters of a start that resumes a snapshot (with controls_arrays of its controls)."""
+    params: dict[str, bool | int | str] = {c.PARAM_RESUME: resume.snapshot_id,
+                                           c.PARAM_RETURN_LATENTS: resume.return_latents}
+    if resume.fork_seed != c.NO_FORK:
+        params[c.PARAM_FORK_SEED] = resume.fork_seed
+    if resume.return_used:
+        params[c.PARAM_RETURN_USED] = True
+    return params | controls_parameters(resume.controls)
 
 
 def request_arrays(request: SessionRequest) -> dict[str, np.ndarray]:
@@ -63,6 +75,8 @@ def request_parameters(request: SessionRequest) -> dict[str, bool | int | str]:
         params[c.PARAM_RETURN_USED] = True
     if request.expect_settings:
         params[c.PARAM_EXPECT_SETTINGS] = request.expect_settings
+    if request.save:
+        params[c.PARAM_SAVE] = True
     return params
 
 
@@ -119,7 +133,8 @@ def _controls(values: dict[str, np.ndarray]) -> Controls | None:
     return None
 
 
-_PAUSE = next(p for p in c.REQUEST_PARAMETERS if p.name == c.PARAM_PAUSE)
+_PAUSE, _SAVE, _RESUME = (next(p for p in c.REQUEST_PARAMETERS if p.name == name)
+                          for name in (c.PARAM_PAUSE, c.PARAM_SAVE, c.PARAM_RESUME))
 
 
 def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: bool, whole: bool) -> StepRequest:
@@ -139,7 +154,7 @@ def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: b
 
 def parse_request(
     get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_key: str = "", flags: int = 0
-) -> SessionRequest | StepRequest:
+) -> SessionRequest | ResumeRequest | StepRequest:
     """A whole trajectory, a steered session's first request, or a step, from named input arrays (None when
     absent), the request's parameters and its Triton sequence (correlation id and start/end flags), each input
     checked against the contract (dtype, shape, choices, range, value). How the request fits this server (its
@@ -163,8 +178,17 @@ def parse_request(
         raise InputError(f"request parameters are not valid JSON: {exc}") from exc
     start, end = bool(flags & c.SEQUENCE_START), bool(flags & c.SEQUENCE_END)
     whole = c.NUM_FRAMES in values
+    save = _parameter(params, _SAVE)
     if _parameter(params, _PAUSE):
+        if save:
+            raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: a pause carries "
+                             "none (send it on a step)")
         return _pause(values, sequence_key, start, end, whole)
+    if save and whole:
+        raise InputError(f"request parameter '{c.PARAM_SAVE}' saves a steered session's world; a whole trajectory "
+                         f"('{c.NUM_FRAMES}' set) is not saved")
+    if start and (resume := _parameter(params, _RESUME)):
+        return _resume(values, params, sequence_key, resume, save, end, whole)
     if sequence_key and not start and not whole:
         # The session's own inputs (image, seed, ...) are ignored on a step: tools such as perf_analyzer
         # repeat every input on every request of a sequence. A prompt on a step is a world event.
@@ -179,8 +203,11 @@ def parse_request(
         step = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
                 if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_RECACHE)}
         if controls is not None:
-            controls.recache = step[c.PARAM_RECACHE]
+            controls.recache, controls.save = step[c.PARAM_RECACHE], save
             controls.check()
+        elif save:
+            raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: send it with the "
+                             f"step's '{c.CAMERA_POSES}' or '{c.ACTION}'")
         return StepRequest(sequence_key, controls, end, step[c.PARAM_RETURN_LATENTS], step[c.PARAM_RETURN_USED])
     if whole and c.ACTION in values:
         raise InputError(f"input '{c.ACTION}' steers a session block by block; a whole trajectory "
@@ -212,9 +239,37 @@ def parse_request(
         return_used=settings[c.PARAM_RETURN_USED],
         expect_settings=settings[c.PARAM_EXPECT_SETTINGS],
         pose_scale=settings[c.PARAM_POSE_SCALE],
+        save=save,
     )
     check_request(request)
     return request
+
+
+RESUMED_INPUTS = (c.IMAGE, c.PROMPT, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # the snapshot's own
+
+
+def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool, end: bool,
+            whole: bool) -> ResumeRequest:
+    """A steered session's start from a snapshot: its id and the next block's camera; the rest is the snapshot's."""
+    name = f"request parameter '{c.PARAM_RESUME}'"
+    if whole or not sequence_key:
+        raise InputError(f"{name} opens a steered session from its snapshot; a whole trajectory ('{c.NUM_FRAMES}' "
+                         "set) cannot resume")
+    if end:
+        raise InputError(f"{name} starts a session: send its end flag on a later step")
+    if extra := [n for n in RESUMED_INPUTS if n in values]:
+        raise InputError(f"{name}: a resumed session's {extra} are the snapshot's; send only the next block's "
+                         f"'{c.CAMERA_POSES}' or '{c.ACTION}'")
+    controls = _controls(values)
+    if controls is None:
+        raise InputError(f"{name} needs the next block's '{c.CAMERA_POSES}' (12 new frames at 3 latent frames a block) "
+                         f"or '{c.ACTION}'")
+    controls.save = save
+    controls.check()
+    chosen = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
+              if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_FORK_SEED)}
+    return ResumeRequest(check_snapshot_id(snapshot_id), controls, sequence_key, chosen[c.PARAM_FORK_SEED],
+                         chosen[c.PARAM_RETURN_LATENTS], chosen[c.PARAM_RETURN_USED])
 
 
 def block_outputs(
@@ -248,6 +303,12 @@ def place_outputs(position: int, wait_s: float) -> dict[str, np.ndarray]:
     return _typed({c.QUEUE_POSITION: [position], c.WAIT_S: [wait_s]})
 
 
+def snapshot_outputs(notice: SnapshotNotice) -> dict[str, np.ndarray]:
+    """The output tensors of a save's outcome (a response without a block)."""
+    return _typed({c.SNAPSHOT_ID: [notice.snapshot_id.encode()],
+                   c.SNAPSHOT_ERROR: None if notice.error is None else [notice.error.encode("utf-8")]})
+
+
 def _typed(values: dict[str, object]) -> dict[str, np.ndarray]:
     """Each given output in its contract dtype, in the contract's order (None: not sent)."""
     return {
@@ -263,6 +324,25 @@ class Place:
 
     position: int
     wait_s: float  # estimated seconds until its slot; negative: not estimated yet (no block measured)
+
+
+@dataclass(frozen=True)
+class SnapshotNotice:
+    """A save's outcome as its client reads it: the snapshot is durable (error None), or why it failed."""
+
+    snapshot_id: str
+    error: str | None = None  # a refusal's wire text
+
+
+def parse_snapshot(output: Callable[[str], np.ndarray | None]) -> SnapshotNotice | None:
+    """The save's outcome of a response that carries one and no block; None for any other response."""
+    if output(c.SNAPSHOT_ID) is None or output(c.BLOCK_INDEX) is not None:
+        return None
+    snapshot_id = _response_text(output, c.SNAPSHOT_ID)
+    if not re.fullmatch(c.SNAPSHOT_ID_PATTERN, snapshot_id):
+        raise ResponseError(f"server response's {c.SNAPSHOT_ID!r} is not a snapshot id: {snapshot_id[:40]!r}")
+    error = None if output(c.SNAPSHOT_ERROR) is None else _response_text(output, c.SNAPSHOT_ERROR)
+    return SnapshotNotice(snapshot_id, error)
 
 
 def parse_place(output: Callable[[str], np.ndarray | None]) -> Place | None:

@@ -93,6 +93,8 @@ SETTINGS_USED = "settings_used"
 RECACHED = "recached"
 QUEUE_POSITION = "queue_position"
 WAIT_S = "wait_s"
+SNAPSHOT_ID = "snapshot_id"
+SNAPSHOT_ERROR = "snapshot_error"
 
 # One response per AR block; the last block's response carries the final flag.
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -119,10 +121,17 @@ OUTPUTS: tuple[TensorSpec, ...] = (
           "block; 0: it has a slot now and its first block is being computed"),
     _spec(WAIT_S, np.float32, (1,), "with queue_position: the estimated seconds until a slot, from measured block "
           "times (sessions without a set length are counted at their lifetime limit, so it is an upper bound)"),
+    # A save asked for with request parameter `save` is told in a response of its own (no block), on the session's
+    # open request, once its snapshot is durable: its id, or why it failed.
+    _spec(SNAPSHOT_ID, np.object_, (1,), "a saved snapshot of this steered session, durable now (in a response "
+          "without a block): resume or fork the world from it with request parameter resume"),
+    _spec(SNAPSHOT_ERROR, np.object_, (1,), "with snapshot_id: the save failed, and why (a refusal's text: [CODE] "
+          "sentence); nothing of it can be resumed"),
 )
 
 QUEUE_OUTPUTS = (QUEUE_POSITION, WAIT_S)
-BLOCK_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name not in QUEUE_OUTPUTS)
+SNAPSHOT_OUTPUTS = (SNAPSHOT_ID, SNAPSHOT_ERROR)
+BLOCK_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name not in QUEUE_OUTPUTS + SNAPSHOT_OUTPUTS)
 INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
 OUTPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in OUTPUTS}
 WHOLE_TRAJECTORY_INPUTS = (IMAGE, PROMPT, CAMERA_POSES, NUM_FRAMES, SEED, HEIGHT, WIDTH)
@@ -147,6 +156,11 @@ PARAM_EXPECT_SETTINGS = "expect_settings"
 PARAM_POSE_SCALE = "pose_scale"
 PARAM_PAUSE = "pause"
 PARAM_RECACHE = "recache"
+PARAM_SAVE = "save"
+PARAM_RESUME = "resume"
+PARAM_FORK_SEED = "fork_seed"
+NO_FORK = -1  # fork_seed's default: the saved noise goes on
+SNAPSHOT_ID_PATTERN = "[0-9a-f]{32}"  # a snapshot id: 128 random bits, a capability (docs/worlds.md)
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
 POSE_SCALES = ("clip", "running")  # a whole trajectory's translation scale: the clip's largest, or the largest so far
 
@@ -173,6 +187,16 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
                   "the client sends nothing: held without a block until the sequence's next request (then answered "
                   "empty, first) or the session's end; the idle limit does not run meanwhile, and a client that "
                   "disconnects ends the session at once. No camera, prompt, start or end flag"),
+    ParameterSpec(PARAM_SAVE, False, "steered: save the world after this request's block, a snapshot in the "
+                  "server's snapshot_dir (refused at once, the block not run, when the store has no room); its id "
+                  "comes in a later response of its own (snapshot_id) once it is durable (docs/worlds.md)"),
+    ParameterSpec(PARAM_RESUME, "", "a steered session's start: open the world of this snapshot id where it was "
+                  "saved, on any group with the same settings (its image, prompt, seed, size and session "
+                  "parameters are the snapshot's: send none of them, only the next block's camera_poses (12 new "
+                  "frames at 3 latent frames a block) or action); its first response is the block after the "
+                  "snapshot's"),
+    ParameterSpec(PARAM_FORK_SEED, NO_FORK, "with resume: draw the noise from this seed from the resumed block "
+                  f"on, so the same steps make another world ({NO_FORK}: the saved noise goes on)", minimum=NO_FORK),
 )
 
 # A client's key (docs/security.md) travels in this gRPC header; tritonserver forwards it to the model as a request
@@ -219,6 +243,7 @@ class ErrorCode:
     doc: str  # when a client gets it
     action: str  # what the client does
     retry_after: bool = False  # its text carries retry_after_s
+    snapshot: bool = False  # its text carries snapshot_id (where the session's world was saved)
 
 
 CAPACITY_EXHAUSTED = "CAPACITY_EXHAUSTED"
@@ -242,6 +267,8 @@ SNAPSHOT_UNKNOWN = "SNAPSHOT_UNKNOWN"
 SNAPSHOT_EXPIRED = "SNAPSHOT_EXPIRED"
 SNAPSHOT_INVALID = "SNAPSHOT_INVALID"
 SNAPSHOT_STORE_FULL = "SNAPSHOT_STORE_FULL"
+SNAPSHOT_SAVE_FAILED = "SNAPSHOT_SAVE_FAILED"
+MOVED = "MOVED"
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the line is full (max_queue sessions wait)",
@@ -290,5 +317,10 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(SNAPSHOT_STORE_FULL, "saving this snapshot would exceed the store's size quota (nothing was written)",
               "save again after retry_after_s, when older snapshots have expired; the session goes on meanwhile",
               retry_after=True),
+    ErrorCode(SNAPSHOT_SAVE_FAILED, "writing a snapshot failed after its block ran (snapshot_error; the server log "
+              "says why): nothing of it can be resumed", "save again; the session goes on"),
+    ErrorCode(MOVED, "the group is draining (an operator's restart or move): the session was saved and ended here; "
+              "its text carries snapshot_id", "resume it with request parameter resume=snapshot_id on the same address "
+              "(another group takes it), then send again the steps sent after its last block", snapshot=True),
 )
 ERROR_CODE_SPECS: dict[str, ErrorCode] = {c.name: c for c in ERROR_CODES}

@@ -5,11 +5,13 @@ request carries the first block's camera, each step the next block's, as poses o
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import MAX_PROMPT_BYTES, ON_STARVE, PARAM_RECACHE, POSE_SCALES, PROMPT, block_video_frames
+from .contract import (MAX_PROMPT_BYTES, NO_FORK, ON_STARVE, PARAM_RECACHE, PARAM_RESUME, POSE_SCALES, PROMPT,
+                       SNAPSHOT_ID_PATTERN, block_video_frames)
 from .errors import InputError
 from .provenance import parse_settings
 
@@ -33,6 +35,8 @@ class Controls:
     keys: str | None = None  # normalised held keys ("" holds none)
     prompt: str | None = None  # a step's world event: the session's prompt from this block on
     recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
+    save: bool = False  # save the world after this block (request parameter save)
+    snapshot_id: str | None = None  # the save's snapshot, reserved by the owner's admission (the server's, not sent)
 
     def check(self) -> None:
         """Each input on its own (at parse); the frame count is the server's to check (`check_frames`)."""
@@ -70,6 +74,7 @@ class SessionRequest:
     return_used: bool = False  # send what each block was made from (api/provenance)
     expect_settings: str = ""  # refuse unless the server's settings_used equal these ("": no check)
     pose_scale: str = POSE_SCALES[0]  # a whole trajectory's translation scale: "clip" or "running" (as steered)
+    save: bool = False  # steered: save the world after the first block
 
     @property
     def steered(self) -> bool:
@@ -77,7 +82,7 @@ class SessionRequest:
 
     @property
     def first_controls(self) -> Controls:
-        return Controls(poses=self.poses, keys=self.keys)
+        return Controls(poses=self.poses, keys=self.keys, save=self.save)
 
     def camera_intrinsics(self) -> np.ndarray:
         """[fx, fy, cx, cy] of the first frame, in output pixels."""
@@ -97,6 +102,30 @@ class StepRequest:
     return_latents: bool = True
     return_used: bool = False
     pause: bool = False
+
+
+@dataclass
+class ResumeRequest:
+    """A steered session's start that opens a saved world where it stood: the snapshot's id and the next block's
+    camera (the rest of the session is the snapshot's)."""
+
+    snapshot_id: str
+    controls: Controls
+    session_key: str
+    fork_seed: int = NO_FORK
+    return_latents: bool = True
+    return_used: bool = False
+
+    @property
+    def steered(self) -> bool:
+        return True
+
+
+def check_snapshot_id(snapshot_id: str) -> str:
+    if not re.fullmatch(SNAPSHOT_ID_PATTERN, snapshot_id):
+        raise InputError(f"request parameter '{PARAM_RESUME}' must be a snapshot id ({SNAPSHOT_ID_PATTERN}); got "
+                         f"{snapshot_id[:40]!r}")
+    return snapshot_id
 
 
 def check_prompt(prompt: str) -> None:

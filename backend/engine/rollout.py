@@ -46,7 +46,7 @@ from .snapshot import sessions as snapshots
 from .snapshot.files import Part
 from .snapshot.manifest import FileEntry, Manifest, Snapshot
 from .snapshot.size import SnapshotSize
-from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry
+from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry, session_window_frames
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class WorldModelEngine:
         if self.conditions is None:
             parts.vae.encoder = None  # never runs here
         self.vae_config = dict(parts.vae.config)  # the VAE's architecture (a snapshot's size: snapshot/size)
+        # What a snapshot's size and fit depend on, for callers that hold no engine (the owner's admission).
+        self.snapshot_facts = snapshots.SnapshotFacts(spec, self.vae_config, self.sp.degree, self.dtype.itemsize)
         steps = config.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
@@ -122,12 +124,8 @@ class WorldModelEngine:
         return settings_of(self.config)
 
     def session_window_frames(self, request: SessionRequest, geometry: VideoGeometry) -> int:
-        """The latent frames a session's cache holds: the window, or a clip's (or a bounded steered session's)
-        frames when they are fewer or attention is global."""
-        frames = request.max_blocks * geometry.block_frames if request.steered else geometry.latent_frames
-        if self.window_frames == GLOBAL_WINDOW:
-            return frames
-        return self.window_frames if request.steered else min(self.window_frames, frames)
+        """The latent frames a session's cache holds (validation.session_window_frames)."""
+        return session_window_frames(self.spec, request, geometry)
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
@@ -249,12 +247,12 @@ class WorldModelEngine:
                       keep_commits: bool) -> SnapshotSize:
         """The bytes of a session's snapshot after `blocks` blocks, before anything is written (the store's
         quota check); the same on every rank."""
-        return snapshots.snapshot_size(self, request, geometry, blocks, keep_commits)
+        return self.snapshot_facts.snapshot_size(request, geometry, blocks, keep_commits)
 
     def check_snapshot(self, snapshot: Snapshot) -> None:
         """Refuse a snapshot saved on other settings or another model (SnapshotError SETTINGS_MISMATCH, naming
         each difference); resume_session checks it too."""
-        snapshots.check_fits(self, snapshot)
+        self.snapshot_facts.check_fits(snapshot)
 
     @torch.no_grad()
     def resume_session(self, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,

@@ -177,3 +177,12 @@ def request_geometry(spec: EngineSpec, request: SessionRequest) -> VideoGeometry
         raise InputError("window_frames=-1 (global attention) keeps every frame of a session: a steered session "
                          "needs request parameter 'max_blocks' > 0 to bound its cache")
     return geometry
+
+
+def session_window_frames(spec: EngineSpec, request: SessionRequest, geometry: VideoGeometry) -> int:
+    """The latent frames a session's cache holds: the window, or a clip's (or a bounded steered session's) frames
+    when they are fewer or attention is global."""
+    frames = request.max_blocks * geometry.block_frames if request.steered else geometry.latent_frames
+    if spec.window_frames == GLOBAL_WINDOW:
+        return frames
+    return spec.window_frames if request.steered else min(spec.window_frames, frames)

@@ -3,22 +3,32 @@ server (its limits, then the engine's settings and geometry) once, on the rank t
 resolves travels in the shared session record, so no other rank checks it again."""
 from __future__ import annotations
 
-from ..api.contract import PARAM_RECACHE, block_video_frames
+import dataclasses
+
+from ..api.contract import NO_FORK, PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
-from ..api.request import SessionRequest, StepRequest
+from ..api.request import ResumeRequest, SessionRequest, StepRequest
+from ..engine.geometry import VideoGeometry
+from ..engine.snapshot.restore import read_shared
+from ..engine.snapshot.sessions import SnapshotFacts
+from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
+from . import messages
 from .config import ServingConfig
 from .keys import ANONYMOUS, Principal
-from .sessions import SharedSession
+from .sessions import ResumeFrom, SharedSession
 
 
 class Admission:
     """This server's checks of a request (the intake's, on the owning rank): its limits, then the engine's
-    settings and geometry. Holds the engine's spec, not the engine: the weights may go while requests still
-    arrive."""
+    settings and geometry; a save's room in the snapshot store, and a resume's snapshot. Holds the engine's spec
+    and what a snapshot's size and fit depend on, not the engine: the weights may go while requests arrive."""
 
-    def __init__(self, limits: ServingConfig, spec: EngineSpec) -> None:
-        self.limits, self.spec = limits, spec
+    def __init__(self, limits: ServingConfig, spec: EngineSpec, facts: SnapshotFacts | None = None,
+                 store: SnapshotStore | None = None) -> None:
+        """facts: engine.snapshot_facts; store: the snapshot store, where snapshot_dir is set (else saving and
+        resuming are refused)."""
+        self.limits, self.spec, self.facts, self.store = limits, spec, facts, store
 
     def session(self, request: SessionRequest, session_id: str, owner: int,
                 principal: Principal = ANONYMOUS) -> SharedSession:
@@ -37,6 +47,40 @@ class Admission:
             raise InputError(f"request parameter '{PARAM_RECACHE}' needs a sliding window: this server runs "
                              f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute "
                              "every frame of the session")
+
+    def resume(self, resume: ResumeRequest, session_id: str, owner: int, principal: Principal) -> SharedSession:
+        """A session opened from its snapshot: the store finds it (its id's form checked before any path is
+        built), its settings must be this server's, its own file is read (its SHA-256 checked) for the saved
+        request, which then meets this server's limits like a new one. SnapshotError or InputError, with its
+        code."""
+        snapshot = self._store().open(resume.snapshot_id)
+        self.facts.check_fits(snapshot)
+        saved = read_shared(snapshot)
+        if 0 < saved.request.max_blocks <= saved.block_index:
+            raise InputError(f"snapshot {resume.snapshot_id} was saved after its session's last block "
+                             f"(max_blocks={saved.request.max_blocks}): there is nothing left to play")
+        request = dataclasses.replace(saved.request, session_key=resume.session_key, save=False,
+                                      return_latents=resume.return_latents, return_used=resume.return_used)
+        check_limits(request, self.limits)
+        geometry = request_geometry(self.spec, request)
+        resume.controls.check_frames(block_video_frames(self.spec.config.block_frames, first=False))
+        fork = None if resume.fork_seed == NO_FORK else resume.fork_seed
+        start = ResumeFrom(resume.snapshot_id, snapshot.manifest.to_text(), saved.block_index, fork)
+        return SharedSession.resumed(session_id, request, geometry, owner, principal, start, resume.controls)
+
+    def reserve(self, request: SessionRequest, geometry: VideoGeometry) -> str:
+        """A save's snapshot id, its bytes reserved in the store: refused at once (SnapshotError
+        SNAPSHOT_STORE_FULL with its retry time) when the store has no room, before anything is written. The
+        reservation is the session's largest snapshot (its window full)."""
+        facts = self.facts
+        keep_commits = self.spec.window_frames != GLOBAL_WINDOW  # what a steered session keeps (the group loop's)
+        blocks = facts.most_blocks(request, geometry)
+        return self._store().reserve(facts.snapshot_size(request, geometry, blocks, keep_commits).total)
+
+    def _store(self) -> SnapshotStore:
+        if self.store is None:
+            raise InputError(messages.NO_SNAPSHOT_DIR.sentence)
+        return self.store
 
 
 def check_limits(request: SessionRequest, limits: ServingConfig) -> None:

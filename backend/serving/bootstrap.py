@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
 from ..engine.config import EngineConfig
 from ..engine.rollout import WorldModelEngine
+from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
@@ -66,6 +68,7 @@ class Hooks:
     on_prompts: Callable[[int, int], None] | None = None  # see LoopHooks
     on_ended: Callable[[str], None] | None = None  # see LoopHooks
     on_line: Callable[[LineCounts], None] | None = None  # see LoopHooks
+    on_snapshot: Callable[[str], None] | None = None  # see LoopHooks
     on_loop_block: Report | None = None  # LoopCpu's report
 
 
@@ -131,8 +134,10 @@ class GroupMember:
             self.loop = GroupLoop(
                 self.engine, serving, groups.control, intake_inbox.put, LoopHooks(
                     on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
-                    on_line=hooks.on_line), doorbell=doorbell, threads=threads, cpu=LoopCpu(hooks.on_loop_block))
-            self.intake = Intake(rank, serving, Admission(serving, spec), self.loop.post, intake_inbox)
+                    on_line=hooks.on_line, on_snapshot=hooks.on_snapshot), doorbell=doorbell, threads=threads,
+                cpu=LoopCpu(hooks.on_loop_block))
+            admission = Admission(serving, spec, self.engine.snapshot_facts, snapshot_store(serving))
+            self.intake = Intake(rank, serving, admission, self.loop.post, intake_inbox)
         except BaseException as exc:
             if groups is not None:
                 with contextlib.suppress(Exception):  # the store may be gone with rank 0
@@ -158,6 +163,11 @@ class GroupMember:
     def refuse(self, responder: Responder, refusal: Refusal) -> None:
         """A request its door refused (no key, a wrong one): answered by the intake, touching no session."""
         self.intake.arrive("", None, responder, refusal)
+
+    def drain(self) -> None:
+        """The server drains (its launcher's signal): no new session is taken; every steered session is saved
+        where it stands and ends MOVED with its snapshot's id, for its client to resume elsewhere."""
+        self.intake.post(mail.Drain())
 
     def revoke(self, tags: set[str]) -> None:
         """The operator's reload of the keys dropped these keys: their sessions end at the next boundary."""
@@ -196,6 +206,13 @@ class GroupMember:
             self.hooks.on_failure(exc)
         leave_group()
         self._release()
+
+
+def snapshot_store(serving: ServingConfig) -> SnapshotStore | None:
+    """The snapshot store of this server's settings (None: snapshot_dir is not set, so worlds are not saved)."""
+    if not serving.snapshot_dir:
+        return None
+    return SnapshotStore(Path(serving.snapshot_dir), serving.snapshot_quota_bytes, serving.snapshot_ttl_s)
 
 
 def rss() -> str:

@@ -30,6 +30,12 @@ class ServingConfig:
     session_idle_timeout_s: float = 60.0  # a steered session without a step this long is ended
     max_session_s: float = 3600.0  # a steered session is ended after this long in all
     sequence_slots: int = 4096  # Triton sequences held at once (a refused or abandoned start holds one a while)
+    snapshot_dir: str = ""  # where saved worlds live (docs/worlds.md), shared by every group that resumes them; "":
+    # saving and resuming are off (the launcher sets <its model repository>/../snapshots unless told otherwise)
+    snapshot_quota_bytes: int = 200 * 2**30  # the most the snapshots take: about 7 worlds of the 14B model at
+    # 480x832 (27 GiB each, docs/worlds.md); a save past it is refused at once
+    snapshot_ttl_s: float = 86400.0  # how long a snapshot lives after its save: a day, so a player who left may come
+    # back the next day; the oldest go first
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_rank < self.host_count:

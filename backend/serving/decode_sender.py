@@ -1,6 +1,7 @@
 """Each rank's decode thread: runs the VAE decode of every block it takes part in (its own sessions', and its band
 of every shared decode), off the group loop, and hands its own sessions' frames to the intake in order, each
-session's ending after its last block."""
+session's ending after its last block, and a saved session's decoder state to the snapshot writer after the
+decode of the block it was saved after."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,9 @@ from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
+from ..engine.snapshot.files import Part
 from . import mail
+from .snapshot_writer import SnapshotWriter
 from .threads import use_threads
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,15 @@ class DecodeSender:
                                              final))
 
         self._queue.put(decode)
+
+    def snapshot(self, session: Session, snapshot_id: str, parts: list[Part], writer: SnapshotWriter) -> None:
+        """After the blocks handed over so far are decoded: the session's decoder state joins this rank's parts of
+        a snapshot, which the writer writes."""
+        def capture() -> None:
+            decoder_part = self.engine.snapshot_decode_part(session)
+            writer.write(snapshot_id, parts if decoder_part is None else [*parts, decoder_part])
+
+        self._queue.put(capture)
 
     def end(self, session_id: str, error: Refusal | None, told: Refusal) -> None:
         """The session this rank owns ended: the intake learns it after the session's last decoded block."""

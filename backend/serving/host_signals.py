@@ -1,10 +1,12 @@
 """Signals between a tritonserver's launcher and the model instances it hosts: files in a private directory that
 the launcher makes and names in the server's environment (Triton passes it on to every stub).
 
-Three signals, one writer each: an instance whose group failed asks for a reload (`heal`; the launcher's healer
+Four signals, one writer each: an instance whose group failed asks for a reload (`heal`; the launcher's healer
 reloads the model, see launch/heal.py); the launcher, about to stop the server, asks the instances to end
-every session now (`stop`), so that Triton finds nothing in flight and exits at once; and the launcher publishes
-the keys file it checked (`keys`, at start and on SIGHUP), which every instance reloads when it changes.
+every session now (`stop`), so that Triton finds nothing in flight and exits at once; the launcher, to restart or
+move the group, asks the instances to drain (`drain`: take no new session, save every steered one and end it
+MOVED, for its client to resume elsewhere); and the launcher publishes the keys file it checked (`keys`, at start
+and on SIGHUP), which every instance reloads when it changes.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class HostSignals:
         self.directory = Path(directory)
         self.heal_path = self.directory / "heal"
         self.stop_path = self.directory / "stop"
+        self.drain_path = self.directory / "drain"
         self.keys_path = self.directory / "keys"
 
     @classmethod
@@ -58,6 +61,13 @@ class HostSignals:
     def stop_asked(self) -> bool:
         return self.stop_path.exists()
 
+    def ask_drain(self) -> None:
+        """The launcher: the group is being restarted or moved."""
+        _write(self.drain_path, "drain")
+
+    def drain_asked(self) -> bool:
+        return self.drain_path.exists()
+
     def publish_keys(self, text: str) -> None:
         """The launcher: the keys file's text, checked (the instances serve these keys only)."""
         _write(self.keys_path, text)
@@ -82,16 +92,22 @@ def _write(path: Path, text: str) -> None:
 
 
 class StopWatch:
-    """An instance's watch for the stop signal: `on_stop` runs once, on the watch's thread, when it appears."""
+    """An instance's watch for the launcher's drain and stop signals: `on_drain`, then `on_stop`, each runs once,
+    on the watch's thread, when its signal appears."""
 
-    def __init__(self, signals: HostSignals, on_stop: Callable[[], None]) -> None:
-        self.signals, self.on_stop = signals, on_stop
+    def __init__(self, signals: HostSignals, on_stop: Callable[[], None], on_drain: Callable[[], None]) -> None:
+        self.signals, self.on_stop, self.on_drain = signals, on_stop, on_drain
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lingbot-stop-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        drained = False
         while not self._done.wait(STOP_POLL_S):
+            if not drained and self.signals.drain_asked():
+                log.info("the server drains: no new session; every steered one is saved and moved")
+                self.on_drain()
+                drained = True
             if self.signals.stop_asked():
                 log.info("the server is stopping: every session ends now")
                 self.on_stop()

@@ -18,9 +18,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from ..api.codec import SnapshotNotice
 from ..api.errors import InputError
 from ..api.refusal import Refusal
-from ..api.request import SessionRequest, StepRequest
+from ..api.request import ResumeRequest, SessionRequest, StepRequest
+from ..engine.snapshot.manifest import SnapshotError
 from . import mail, messages
 from .admission import Admission
 from .config import ServingConfig
@@ -50,6 +52,7 @@ class Intake:
         self._running: dict[str, str] = {}  # Triton sequence key -> its steered session that takes the steps
         self._ended_keys: OrderedDict[str, Refusal] = OrderedDict()  # key -> what a late step of it is told
         self._closed: Refusal | None = None  # the group loop has ended: what every request gets
+        self._draining = False  # no new session is taken: the group moves its worlds elsewhere
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="lingbot-intake", daemon=True)
         self._thread.start()
@@ -110,9 +113,15 @@ class Intake:
                 if (part := self._parts.get(sid)) is not None:
                     part.opened = True
             case mail.Ended(sid, error, told):
-                if (part := self._parts.pop(sid, None)) is not None:
+                if (part := self._parts.get(sid)) is not None:
                     self._forget_key(part, sid, told)
-                    part.stream.finish() if error is None else part.stream.send_error(error)
+                    part.ending = (error, told)
+                    self._finish(sid, part)
+            case mail.Saved(sid, snapshot_id, error):
+                if (part := self._parts.get(sid)) is not None:
+                    self._saved(sid, part, snapshot_id, error)
+            case mail.Drain():
+                self._drain()
             case mail.Closed(reason):
                 self._close(reason)
 
@@ -130,23 +139,35 @@ class Intake:
             responder.send_error(letter.refusal)
         elif isinstance(request, StepRequest):
             self._step(request, responder)
+        elif self._draining:
+            responder.send_error(messages.DRAINING)
         else:
             self._submit(request, responder, who)
 
-    def _submit(self, request: SessionRequest, responder: Responder, who: Principal) -> None:
+    def _submit(self, request: SessionRequest | ResumeRequest, responder: Responder, who: Principal) -> None:
         key = request.session_key
         if request.steered and key in self._running:
             responder.send_error(messages.session_exists(key))
             return
+        sid = f"r{self.rank}-{next(self._ids)}"
         try:
-            shared = self._admission.session(request, f"r{self.rank}-{next(self._ids)}", self.rank, who)
-        except InputError as exc:
+            shared = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
+                      else self._admission.session(request, sid, self.rank, who))
+            first = shared.steps[0] if shared.steps else None
+            saving = first.save if first is not None else False
+            if saving:  # the first block's save: its snapshot is reserved now, or the start is refused
+                first.snapshot_id = self._admission.reserve(shared.request, shared.geometry)
+        except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
         stream = SteeredStream(responder) if request.steered else WholeStream(responder)
-        self._parts[shared.id] = OwnerPart(stream, key if request.steered else None, principal=who)
+        part = OwnerPart(stream, key if request.steered else None, principal=who, request=shared.request,
+                         geometry=shared.geometry)
+        if saving:
+            part.saves.add(first.snapshot_id)
+        self._parts[sid] = part
         if request.steered:
-            self._running[key] = shared.id
+            self._running[key] = sid
         self._to_loop(mail.Submitted(shared))
 
     def _step(self, step: StepRequest, responder: Responder) -> None:
@@ -163,10 +184,14 @@ class Intake:
             return
         try:
             self._admission.step(step)
-        except InputError as exc:
+            if step.controls is not None and step.controls.save:  # reserved now, or the step is refused whole
+                step.controls.snapshot_id = self._admission.reserve(part.request, part.geometry)
+        except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
         sid = self._running[key]
+        if step.controls is not None and step.controls.snapshot_id is not None:
+            part.saves.add(step.controls.snapshot_id)
         if step.end:  # no step may follow: the sequence's next request is told so
             self._forget_key(part, sid, messages.ENDED_BY_FLAG)
         sent = stream.sent
@@ -182,9 +207,48 @@ class Intake:
         if part.stream.sent > sent_before:
             self._to_loop(mail.Delivered(sid, part.stream.sent))
 
+    def _saved(self, sid: str, part: OwnerPart, snapshot_id: str, error: Refusal | None) -> None:
+        """A save of the session is over: its client is told (on a request it has open, else its next); a session
+        the group drained ends with MOVED only when its snapshot is durable."""
+        part.saves.discard(snapshot_id)
+        if snapshot_id != part.moved_to:  # a save its client asked for (a move's id comes with MOVED)
+            part.stream.send_notice(SnapshotNotice(snapshot_id, None if error is None else error.message))
+        elif error is not None and part.ending is not None:  # nothing to resume: it only ends
+            part.ending = (messages.DRAINING, messages.DRAINING)
+        if part.ending is not None:
+            self._finish(sid, part)
+
+    def _finish(self, sid: str, part: OwnerPart) -> None:
+        """An ended session's stream closes once its client has been told of every save it asked for."""
+        if part.saves:
+            return
+        error, _ = part.ending
+        del self._parts[sid]
+        part.stream.finish() if error is None else part.stream.send_error(error)
+
+    def _drain(self) -> None:
+        """The server drains: no new session is taken, and every steered session this rank owns is saved where it
+        stands (its snapshot reserved here) and moved: it ends MOVED with its snapshot's id. A whole trajectory
+        runs to its end."""
+        self._draining = True
+        for sid, part in self._parts.items():
+            if not part.steered or part.ending is not None:
+                continue
+            try:
+                snapshot_id = self._admission.reserve(part.request, part.geometry)
+            except (InputError, SnapshotError) as exc:  # no store, or no room: it only ends
+                log.warning("rank %d: session %s cannot be saved as the server drains: %s", self.rank, sid,
+                            exc.refusal)
+                snapshot_id = None
+            if snapshot_id is not None:
+                part.saves.add(snapshot_id)
+                part.moved_to = snapshot_id
+            self._to_loop(mail.Moving(sid, snapshot_id))
+
     def _watch_cancellations(self) -> None:
         for sid, part in self._parts.items():
-            self._cancelled(sid, part)
+            if part.ending is None:
+                self._cancelled(sid, part)
 
     def _cancelled(self, sid: str, part: OwnerPart) -> bool:
         """Whether the session's client went away (read before each block it would be sent, and every
@@ -201,7 +265,7 @@ class Intake:
         """The owner's clock decides a steered session's limits; the decision travels as news, so every rank's
         scheduler ends it alike."""
         for sid, part in self._parts.items():
-            if part.opened and part.steered and not part.expiry_told and (
+            if part.opened and part.steered and not part.expiry_told and part.ending is None and (
                     why := part.expiry(self.settings, now)) is not None:
                 part.expiry_told = True
                 self._to_loop(mail.Expired(sid, why))
@@ -209,7 +273,8 @@ class Intake:
     def _next_deadline(self) -> float:
         """The soonest idle or lifetime limit of the open steered sessions (monotonic seconds; inf: none)."""
         return min((part.deadline(self.settings) for part in self._parts.values()
-                    if part.opened and part.steered and not part.expiry_told), default=float("inf"))
+                    if part.opened and part.steered and not part.expiry_told and part.ending is None),
+                   default=float("inf"))
 
     def _steered(self, key: str) -> OwnerPart | None:
         """The steered session that takes the steps of Triton sequence `key`."""

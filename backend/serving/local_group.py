@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from ..api.codec import controls_arrays, controls_parameters, request_arrays, request_parameters
+from ..api.codec import (SnapshotNotice, controls_arrays, controls_parameters, request_arrays, request_parameters,
+                         resume_parameters)
 from ..api.contract import PARAM_PAUSE, PARAM_RETURN_USED, SEQUENCE_END, SEQUENCE_START
 from ..api.errors import InputError
-from ..api.request import Controls, SessionRequest
+from ..api.request import Controls, ResumeRequest, SessionRequest
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from ..engine.config import EngineConfig
@@ -87,6 +88,9 @@ class _QueueResponder:
 
     def send_place(self, position: int, wait_s: float) -> None:
         self._send("place", LocalPlace(position, wait_s), False)
+
+    def send_notice(self, notice: SnapshotNotice) -> None:
+        self._send("notice", notice, False)
 
     def finish(self) -> None:
         self._send("finish", None, True)
@@ -151,11 +155,13 @@ class LocalCall:
         self.group, self.rank, self.call = group, rank, call
         self.responses: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.places: list[LocalPlace] = []  # the places in line it was told, in order
+        self.notices: list[SnapshotNotice] = []  # the saves' outcomes it was told, in order
         self.done = False
 
-    def next(self, timeout_s: float = DEFAULT_TIMEOUT_S, places: bool = False) -> LocalBlock | LocalPlace | None:
-        """The next block (or, with `places`, the next place in line too); None when the request ended without
-        one. Raises LocalStreamError on an error."""
+    def next(self, timeout_s: float = DEFAULT_TIMEOUT_S, places: bool = False,
+             notices: bool = False) -> LocalBlock | LocalPlace | SnapshotNotice | None:
+        """The next block (or, with `places` or `notices`, the next place in line or save's outcome too); None when
+        the request ended without one. Raises LocalStreamError on an error."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.done:
@@ -170,6 +176,11 @@ class LocalCall:
             if kind == "place":
                 self.places.append(payload)
                 if places:
+                    return payload
+                continue
+            if kind == "notice":
+                self.notices.append(payload)
+                if notices:
                     return payload
                 continue
             self.done = kind == "finish" or payload.final
@@ -191,10 +202,12 @@ class LocalCall:
 class LocalSteered:
     """A steered session on one member, one request per block, as a Triton sequence."""
 
-    def __init__(self, group: LocalGroup, rank: int, request: SessionRequest, key: str) -> None:
+    def __init__(self, group: LocalGroup, rank: int, key: str, arrays: dict[str, np.ndarray], parameters: dict,
+                 return_used: bool) -> None:
+        """Its first request: a new world's (request_arrays) or a snapshot's (resume_parameters)."""
         self.group, self.rank, self.key = group, rank, key
-        self.return_used = request.return_used
-        self.call = group.request(rank, request_arrays(request), request_parameters(request), key, SEQUENCE_START)
+        self.return_used = return_used
+        self.call = group.request(rank, arrays, parameters, key, SEQUENCE_START)
 
     def next_block(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalBlock | None:
         return self.call.next(timeout_s)
@@ -264,7 +277,13 @@ class LocalGroup:
     def steered(self, request: SessionRequest, rank: int = 0) -> LocalSteered:
         if not request.steered:
             raise InputError("a steered session's first request has no num_frames")
-        return LocalSteered(self, rank, request, self.new_key())
+        return LocalSteered(self, rank, self.new_key(), request_arrays(request), request_parameters(request),
+                            request.return_used)
+
+    def resumed(self, resume: ResumeRequest, rank: int = 0) -> LocalSteered:
+        """A steered session that opens the world of a snapshot (`resume.session_key` is this group's own)."""
+        return LocalSteered(self, rank, self.new_key(), controls_arrays(resume.controls), resume_parameters(resume),
+                            resume.return_used)
 
     def new_key(self) -> str:
         return str(next(self._keys))
@@ -313,7 +332,7 @@ class LocalGroup:
                 kind, tag, payload = self._outbox.get()
             except (EOFError, OSError):
                 return
-            if kind in ("block", "place", "error", "finish"):
+            if kind in ("block", "place", "notice", "error", "finish"):
                 self._calls[tag].responses.put((kind, payload))
             else:
                 self._control.put((kind, tag, payload))

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -25,6 +26,8 @@ from ..api import contract as c
 from ..api.refusal import Refusal
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
+from ..engine.snapshot.manifest import SnapshotError
+from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import mail, messages
@@ -35,6 +38,7 @@ from .line import MAX_RETRY_S, UNMEASURED_RETRY_S, Clocks, LineCounts, line_wait
 from .loop_cpu import LoopCpu
 from .scheduler import Plan, RankEvents, Scheduler
 from .sessions import EndReason, Ending, SharedSession
+from .snapshot_writer import SnapshotWriter
 from .threads import CoreSplit, use_threads
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,18 @@ class LoopHooks:
     on_prompts: Callable[[int, int], None] | None = None  # (world events applied, prompt cache hits) since the last
     on_ended: Callable[[str], None] | None = None  # (why) when a session this rank owns ends, as logged
     on_line: Callable[[LineCounts], None] | None = None  # the group's sessions by state, after a plan that changed them
+    # a snapshot of a session this rank owns: "saved" or "failed" (on the writer's thread), "resumed" (a session
+    # opened from one)
+    on_snapshot: Callable[[str], None] | None = None
+
+
+@dataclasses.dataclass
+class Saving:
+    """A snapshot of a session this rank owns, until every rank has written its files."""
+
+    session_id: str
+    session: Session  # its geometry makes the manifest (the session may have ended meanwhile)
+    reports: dict[int, mail.SnapshotWritten] = dataclasses.field(default_factory=dict)  # by rank
 
 
 class GroupLoop:
@@ -74,6 +90,13 @@ class GroupLoop:
         self._to_intake = to_intake
         self._inbox: queue.SimpleQueue[mail.LoopLetter] = queue.SimpleQueue()
         self.decoder = DecodeSender(engine, to_intake, self.post, threads.decode if threads else None)
+        # Saved worlds (docs/worlds.md): this rank writes its parts in the background; where snapshot_dir is set.
+        self.store = (SnapshotStore(Path(settings.snapshot_dir), settings.snapshot_quota_bytes, settings.snapshot_ttl_s)
+                      if settings.snapshot_dir else None)
+        self.writer = (SnapshotWriter(self.store, self.rank, self.post, to_intake, self.hooks.on_snapshot)
+                       if self.store else None)
+        self.saving: dict[str, Saving] = {}  # the snapshots of sessions this rank owns, until every rank wrote its files
+        self.moving: dict[str, str] = {}  # owned sessions the group drains: the snapshot reserved for each
         # What this rank holds per session, until the session ends (the session's state is the scheduler's):
         self.sessions: dict[str, Session] = {}  # its engine session, from its opening on
         self.opened_s: dict[str, float] = {}  # when it was opened here: a wait estimate's clock, never a plan's
@@ -109,7 +132,9 @@ class GroupLoop:
         try:
             while True:
                 rings = self.control.doorbell.count()  # before collecting: a later ring ends the next wait
-                plan = self.scheduler.plan(self.control.exchange(self._collect(), rings))
+                events = self.control.exchange(self._collect(), rings)
+                plan = self.scheduler.plan(events)
+                self._publish_written([w for e in events for w in e.written])
                 if plan.stop:
                     self._close(messages.MODEL_UNLOADING)
                     return
@@ -151,6 +176,12 @@ class GroupLoop:
                     raise RuntimeError(f"a block's shared decode failed: {error}")
                 case mail.Revoked(tags):
                     events.revoked.extend(sorted(tags))
+                case mail.SnapshotWritten():
+                    events.written.append(letter)
+                case mail.Moving(sid, snapshot_id):
+                    events.moving.append((sid, snapshot_id))
+                    if snapshot_id is not None:
+                        self.moving[sid] = snapshot_id
                 case mail.Stop():
                     events.stop = True
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch): report
@@ -162,6 +193,8 @@ class GroupLoop:
         return events
 
     def _apply(self, plan: Plan) -> None:
+        for sid, snapshot_id in plan.moves:  # saved where they stand, then ended (below) with MOVED
+            self._save(sid, snapshot_id)
         for sid, ending in plan.ended:
             self._end(sid, ending)
         if plan.opens:
@@ -193,8 +226,39 @@ class GroupLoop:
             owned = sid in self.submitted_s
             if owned or session.split_decode:
                 self.decoder.block(session, output, final=sid in finishing, owned=owned)
+            if (step := plan.controls.get(sid)) is not None and step.controls and step.controls.snapshot_id:
+                self._save(sid, step.controls.snapshot_id)
         for sid, ending in plan.finishing:
             self._end(sid, ending)
+
+    def _save(self, sid: str, snapshot_id: str) -> None:
+        """A session's snapshot at this block boundary: this rank copies its parts out now (the group's pause) and
+        writes them in the background, its decoder's after the decode of its last block; the owner publishes the
+        snapshot once every rank's files are in (`_publish_written`)."""
+        session = self.sessions[sid]
+        start = time.perf_counter()
+        parts = self.engine.snapshot_parts(session)
+        log.info("rank %d: session %s saved at block %d into snapshot %s (pause %.1f ms)", self.rank, sid,
+                 session.block_index, snapshot_id, (time.perf_counter() - start) * 1000.0)
+        self.decoder.snapshot(session, snapshot_id, parts, self.writer)
+        if sid in self.submitted_s:
+            self.saving[snapshot_id] = Saving(sid, session)
+            self.moving.pop(sid, None)
+
+    def _publish_written(self, written: list[mail.SnapshotWritten]) -> None:
+        """The ranks' reports of their files (news every rank sees): an owner publishes its snapshot once every
+        rank's are in, or drops it when a rank failed."""
+        for report in written:
+            if (saving := self.saving.get(report.snapshot_id)) is None:
+                continue
+            saving.reports[report.rank] = report
+            if len(saving.reports) < self.control.world:
+                continue
+            del self.saving[report.snapshot_id]
+            failed = next((r.error for r in saving.reports.values() if r.error is not None), None)
+            manifest = None if failed else self.engine.snapshot_manifest(
+                report.snapshot_id, saving.session, [f for r in saving.reports.values() for f in r.files])
+            self.writer.publish(saving.session_id, report.snapshot_id, manifest, failed)
 
     def _tell_line(self, plan: Plan) -> None:
         """After a plan: each session this rank owns whose place in line changed is told its new place (0: it has
@@ -245,17 +309,31 @@ class GroupLoop:
         scheduler ends it (it joins no batch before: a session runs from the boundary after its opening)."""
         for shared in opens:
             try:
-                # A steered session keeps what its cached blocks were made of, for a world event's recache.
-                self.sessions[shared.id] = self.engine.open_session(
-                    shared.request, shared.geometry, shared.id, shared.owner,
-                    keep_commits=shared.steered and self.keep_commits)
+                self.sessions[shared.id] = self._open(shared)
                 self.opened_s[shared.id] = time.monotonic()
+            except SnapshotError as exc:  # refused by every rank alike (a damaged file, other settings)
+                log.warning("rank %d: resuming session %s failed: %s", self.rank, shared.id, exc.refusal)
+                self._failed.append((shared.id, Ending(EndReason.REJECTED, exc.refusal)))
+                continue
             except Exception as exc:  # e.g. out of memory for this request: the session fails, not the group
                 log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
                 self._failed.append((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))
                 continue
             if shared.id in self.submitted_s:
                 self._to_intake(mail.Opened(shared.id))
+                if shared.resume is not None and self.hooks.on_snapshot is not None:
+                    self.hooks.on_snapshot("resumed")
+
+    def _open(self, shared: SharedSession) -> Session:
+        """A new session, or one resumed from its snapshot (a collective either way)."""
+        if (resume := shared.resume) is None:
+            # A steered session keeps what its cached blocks were made of, for a world event's recache.
+            return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
+                                            keep_commits=shared.steered and self.keep_commits)
+        session = self.engine.resume_session(self.store.from_manifest(resume.snapshot_id, resume.manifest),
+                                             shared.geometry, shared.id, shared.owner, resume.fork_seed)
+        session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
+        return session
 
     def _end(self, sid: str, ending: Ending) -> None:
         """The scheduler ended a session: free its caches here; if this rank owns it, its intake answers what
@@ -266,6 +344,8 @@ class GroupLoop:
                 record.pop(sid, None)
             if self.hooks.on_ended is not None:
                 self.hooks.on_ended(ending.reason.value)
+            if (unused := self.moving.pop(sid, None)) is not None:  # drained before it had a slot: nothing to save
+                self.writer.publish(sid, unused, None, messages.DRAINING)
             self.decoder.end(sid, None if ending.error is None else told, told)
         opened_s = self.opened_s.pop(sid, None)
         session = self.sessions.pop(sid, None)
@@ -292,6 +372,8 @@ class GroupLoop:
         self.sessions.clear()
         self.submitted_s.clear()
         self.decoder.close()
+        if self.writer is not None:  # what was handed over is written; a snapshot left unpublished expires
+            self.writer.close()
         self._to_intake(mail.Closed(reason))
         self.engine = self.decoder.engine = None  # the weights go now: a reload may need the memory
         self.control.doorbell = LocalDoorbell()  # close the store connections too

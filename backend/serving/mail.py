@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..api.refusal import Refusal
-from ..api.request import SessionRequest, StepRequest
+from ..api.request import ResumeRequest, SessionRequest, StepRequest
 from ..engine.blocks import BlockOutput
+from ..engine.snapshot.manifest import FileEntry
 from .keys import ANONYMOUS, Principal
 from .scheduler import StepEvent
 from .sessions import SharedSession
@@ -73,6 +74,26 @@ class SharedDecodeFailed:
 
 
 @dataclass(frozen=True)
+class SnapshotWritten:
+    """This rank wrote its files of a snapshot (or could not): news for the snapshot's owner, which publishes it
+    once every rank's files are in."""
+
+    snapshot_id: str
+    rank: int
+    files: tuple[FileEntry, ...]
+    error: Refusal | None = None
+
+
+@dataclass(frozen=True)
+class Moving:
+    """The group drains: the session is saved at the next boundary into `snapshot_id` (reserved by its owner) and
+    ends with MOVED; None: its owner could not reserve one, so it only ends."""
+
+    session_id: str
+    snapshot_id: str | None
+
+
+@dataclass(frozen=True)
 class Revoked:
     """The operator's reload of the keys file dropped these keys (their tags): their sessions end."""
 
@@ -84,7 +105,8 @@ class Stop:
     """The model is unloading or the server stopping: every session ends and the loop returns."""
 
 
-LoopLetter = Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | Revoked | Stop
+LoopLetter = (Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | SnapshotWritten
+              | Moving | Revoked | Stop)
 
 # -- to the intake ----------------------------------------------------------------------------------------------
 
@@ -95,7 +117,7 @@ class Arrived:
     key and whose key it carries."""
 
     key: str
-    request: SessionRequest | StepRequest | None
+    request: SessionRequest | ResumeRequest | StepRequest | None
     responder: Responder
     refusal: Refusal | None = None
     principal: Principal = ANONYMOUS
@@ -139,10 +161,24 @@ class Ended:
 
 
 @dataclass(frozen=True)
+class Saved:
+    """A save of the session is over: its snapshot is durable (error None), or it failed."""
+
+    session_id: str
+    snapshot_id: str
+    error: Refusal | None = None
+
+
+@dataclass(frozen=True)
+class Drain:
+    """The server drains (an operator's restart or move): refuse new sessions, save and move every open one."""
+
+
+@dataclass(frozen=True)
 class Closed:
     """The group loop has ended: every open stream and every later request gets `reason`."""
 
     reason: Refusal
 
 
-IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | Closed
+IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | Saved | Drain | Closed

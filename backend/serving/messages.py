@@ -83,3 +83,23 @@ def no_session(key: str, ending: Refusal, pause: bool = False) -> Refusal:
     began), whose code and retry time it keeps."""
     prefix = f"request parameter '{c.PARAM_PAUSE}': " if pause else ""
     return dataclasses.replace(ending, sentence=f"{prefix}no running session {key}: {ending.sentence}")
+
+
+DRAIN_RETRY_S = 1.0  # a draining group has left the balancer's rotation: a retry through it lands elsewhere
+DRAINING = Refusal(c.SERVER_STOPPING, "this group is draining (an operator's restart or move) and takes no new "
+                   "session; retry through the same address, which sends you to another group", DRAIN_RETRY_S)
+
+
+def moved(snapshot_id: str) -> Refusal:
+    return Refusal(c.MOVED, "this group is draining (an operator's restart or move): your world was saved and goes "
+                   f"on where you resume it (request parameter resume={snapshot_id}), then send again the steps "
+                   "after its last block", snapshot_id=snapshot_id)
+
+
+def save_failed(snapshot_id: str) -> Refusal:
+    return Refusal(c.SNAPSHOT_SAVE_FAILED, f"snapshot {snapshot_id} could not be written (the server log says why); "
+                   "the session goes on: save again")
+
+
+NO_SNAPSHOT_DIR = Refusal(c.INVALID_INPUT, "this server keeps no snapshots (its snapshot_dir is not set): request "
+                          "parameters 'save' and 'resume' need one")

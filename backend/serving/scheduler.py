@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..api.refusal import Refusal
 from ..api.request import Controls
@@ -20,6 +21,9 @@ from .config import ServingConfig
 from .fair import HourlyUsage, fair_order
 from .keys import KEY_REVOKED
 from .sessions import EndReason, Ending, SharedSession, State
+
+if TYPE_CHECKING:
+    from .mail import SnapshotWritten
 
 
 @dataclass
@@ -42,12 +46,14 @@ class RankEvents:
     failed: list[tuple[str, Ending]] = field(default_factory=list)  # sessions this rank could not open or decode
     delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
     revoked: list[str] = field(default_factory=list)  # tags of keys this rank's keys file no longer holds
+    moving: list[tuple[str, str | None]] = field(default_factory=list)  # (session id, its snapshot): the group drains
+    written: list[SnapshotWritten] = field(default_factory=list)  # this rank's files of snapshots, for their owners
     stop: bool = False
     clock_s: float = 0.0  # the rank's wall clock (time.time()) as it collected: not news by itself
 
     def __bool__(self) -> bool:
         return bool(self.submissions or self.steps or self.expired or self.cancelled or self.failed
-                    or self.delivered or self.revoked or self.stop)
+                    or self.delivered or self.revoked or self.moving or self.written or self.stop)
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Plan:
     finishing: list[tuple[str, Ending]] = field(default_factory=list)  # the batch's sessions that end after it
     # (session id, its world event's prompt): set the prompt, then recompute the cache; a boundary of its own
     recaches: list[tuple[str, str]] = field(default_factory=list)
+    # (session id, snapshot id): save the session where it stands, first (its ending, MOVED, is in `ended`)
+    moves: list[tuple[str, str]] = field(default_factory=list)
     stop: bool = False
 
     @property
@@ -105,6 +113,8 @@ class Scheduler:
         revoked = {tag for e in events for tag in e.revoked}
         for s in [s for s in self.table.values() if s.principal.tag in revoked]:
             self._end(s.id, Ending(EndReason.REVOKED, KEY_REVOKED), plan)
+        for sid, snapshot_id in (x for e in events for x in e.moving):
+            self._move(sid, snapshot_id, plan)
         self._next_batch([sid for sid in opened_before if sid in self.table], plan)
         self._admit(plan)
         self._forget_keys()
@@ -125,6 +135,18 @@ class Scheduler:
             plan.ended.append((sid, ending))
         else:
             plan.finishing.append((sid, ending))
+
+    def _move(self, sid: str, snapshot_id: str | None, plan: Plan) -> None:
+        """The group drains: a session with a slot is saved where it stands and ends MOVED, carrying its snapshot's
+        id; one still in line (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued steps are
+        its client's to send again where it resumes."""
+        if (s := self.table.get(sid)) is None:
+            return
+        if s.admitted and snapshot_id is not None:
+            plan.moves.append((sid, snapshot_id))
+            self._end(sid, Ending(EndReason.MOVED, messages.moved(snapshot_id)), plan)
+        else:
+            self._end(sid, Ending(EndReason.ABORTED, messages.DRAINING), plan)
 
     def _step(self, step: StepEvent, plan: Plan) -> None:
         s = self.table.get(step.session_id)

@@ -39,6 +39,7 @@ class EndReason(enum.Enum):
     FAILED = "failed"  # its own decode failed on its owner
     CANCELLED = "cancelled"  # its client went away
     EXPIRED = "expired"  # the owner's idle or lifetime limit
+    MOVED = "moved"  # the group drained: saved, to go on elsewhere
     REVOKED = "revoked"  # the operator revoked its key
     QUOTA = "over its key's quota"  # its key used its blocks_per_hour
     ABORTED = "aborted"  # the group loop ended (unload or failure)
@@ -52,6 +53,17 @@ class Ending:
     def told(self) -> Refusal:
         """What a step that comes after the end is told: the ending's own refusal, or that it ended."""
         return self.error or Refusal(c.SESSION_UNKNOWN, f"it {self.reason.value}")
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """Where a resumed session opens: its snapshot (the manifest's text travels, so no rank but the owner reads the
+    store before the collective open), the blocks it had made, and a fork's new noise seed."""
+
+    snapshot_id: str
+    manifest: str
+    block_index: int
+    fork_seed: int | None = None  # None: the saved noise goes on
 
 
 @dataclass
@@ -72,13 +84,24 @@ class SharedSession:
     requests: int = 1  # steered: requests that want a block (the first one included)
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
+    resume: ResumeFrom | None = None  # opened from a snapshot, where it was saved
 
     @classmethod
     def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int,
-                  principal: Principal = ANONYMOUS) -> SharedSession:
-        """A new session as its owner shares it (a steered one with its first block's camera)."""
-        steps = deque([request.first_controls]) if request.steered else deque()
+                  principal: Principal = ANONYMOUS, first: Controls | None = None) -> SharedSession:
+        """A new session as its owner shares it (a steered one with its first block's camera: `first`, by default
+        the request's)."""
+        steps = deque([first or request.first_controls]) if request.steered else deque()
         return cls(id, request, geometry, owner, steps=steps, principal=principal)
+
+    @classmethod
+    def resumed(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int, principal: Principal,
+                resume: ResumeFrom, first: Controls) -> SharedSession:
+        """A session opened from a snapshot: its blocks go on from the snapshot's (its first request asks for the
+        next one)."""
+        done = resume.block_index
+        return cls(id, request, geometry, owner, computed=done, delivered=done, steps=deque([first]),
+                   requests=done + 1, principal=principal, resume=resume)
 
     @property
     def user(self) -> str:
@@ -132,6 +155,11 @@ class OwnerPart:
     sequence_key: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
     principal: Principal = ANONYMOUS  # whose key it runs on, with that key's limits
+    request: SessionRequest | None = None  # steered: what a save's size is made of
+    geometry: VideoGeometry | None = None
+    saves: set[str] = field(default_factory=set)  # its snapshots under way: asked for, or its move's
+    moved_to: str | None = None  # the snapshot the group drains it into
+    ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until `saves` are told
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit

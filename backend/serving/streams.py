@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..api.codec import SnapshotNotice
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 
@@ -25,6 +26,8 @@ class Responder(Protocol):
     def send_error(self, refusal: Refusal) -> None: ...
 
     def send_place(self, position: int, wait_s: float) -> None: ...  # a non-final response without a block
+
+    def send_notice(self, notice: SnapshotNotice) -> None: ...  # a save's outcome: a non-final response, no block
 
     def finish(self) -> None: ...  # close the stream without data (after a cancellation)
 
@@ -85,6 +88,7 @@ class SteeredStream(CountedStream):
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
         self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes
         self._pause: Responder | None = None  # the open pause
+        self._notices: deque[SnapshotNotice] = deque()  # saves' outcomes told when the client next has a request open
         self._answered_s = time.monotonic()  # when its last waiting request was answered
 
     def waits_on_client_since(self) -> float | None:
@@ -100,6 +104,7 @@ class SteeredStream(CountedStream):
 
     def add(self, responder: Responder) -> None:
         """A step's request: answered by the next block (at once if one is ready)."""
+        self._tell_notices(responder)
         if self._ready:
             self._deliver(responder, *self._ready.popleft(), True)
         else:
@@ -108,6 +113,7 @@ class SteeredStream(CountedStream):
     def pause(self, responder: Responder) -> None:
         """A pause: held open until `end_pause` (a second pause ends the first) or the session's end."""
         self.end_pause()
+        self._tell_notices(responder)
         self._pause = responder
 
     def end_pause(self) -> None:
@@ -122,6 +128,7 @@ class SteeredStream(CountedStream):
 
     def add_closing(self, responder: Responder) -> None:
         """An end flag without a camera: answered when the session closes."""
+        self._tell_notices(responder)
         self._closing.append(responder)
 
     def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
@@ -137,6 +144,18 @@ class SteeredStream(CountedStream):
         """The session's place in line, on its first request (the one a slot will answer)."""
         if self._waiting:
             self._waiting[0].send_place(position, wait_s)
+
+    def send_notice(self, notice: SnapshotNotice) -> None:
+        """A save's outcome, on a request the client has open (else on its next one)."""
+        unanswered = self._unanswered()
+        if unanswered:
+            unanswered[0].send_notice(notice)
+        else:
+            self._notices.append(notice)
+
+    def _tell_notices(self, responder: Responder) -> None:
+        while self._notices:
+            responder.send_notice(self._notices.popleft())
 
     def finish(self) -> None:
         """The session ended: requests still waiting (an end flag without a camera) close without a block."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...api.contract import SETTINGS_MISMATCH
-from ...api.provenance import parse_settings, setting_differences
+from ...api.provenance import parse_settings, setting_differences, settings_of
 from ...api.refusal import Refusal
 from ...api.request import SessionRequest
 from ...model.condition import ConditionState
@@ -26,6 +26,7 @@ from ...model.vae import DecodeState, StreamingVae
 from ..camera_track import CameraTrack
 from ..geometry import VideoGeometry
 from ..session import CommitRecord, Session
+from ..validation import EngineSpec, session_window_frames
 from . import capture, size
 from .files import Part
 from .manifest import DECODE, FileEntry, Manifest, Snapshot, SnapshotError, invalid
@@ -73,30 +74,71 @@ def decode_rows(engine: WorldModelEngine, latent_rows: int, decodes: bool, split
     return (0, latent_rows) if engine.sp.rank == owner else None
 
 
-def model_facts(engine: WorldModelEngine) -> dict[str, int]:
-    tcfg = engine.ckpt.transformer
-    return {"num_layers": tcfg.num_layers, "num_heads": tcfg.num_heads, "head_dim": tcfg.head_dim,
-            "z_dim": engine.ckpt.vae.z_dim}
-
-
 def manifest(engine: WorldModelEngine, snapshot_id: str, session: Session, files: list[FileEntry]) -> Manifest:
     layout = {"tp_degree": engine.mesh.tp.degree, "sp_degree": engine.mesh.sp.degree,
               "latent_rows": session.geometry.latent_height}
-    return Manifest(snapshot_id, time.time(), engine.settings_used, model_facts(engine), layout, tuple(files))
+    return Manifest(snapshot_id, time.time(), engine.settings_used, engine.snapshot_facts.model(), layout,
+                    tuple(files))
 
 
-def check_fits(engine: WorldModelEngine, snapshot: Snapshot) -> None:
-    """SnapshotError SETTINGS_MISMATCH naming each setting (and the model's geometry) that differs."""
-    saved = snapshot.manifest
-    with faults_as_invalid("the manifest's settings_used"):
-        theirs = parse_settings(saved.settings_used, "the snapshot's settings_used")
-    differ = setting_differences(theirs, parse_settings(engine.settings_used, "settings_used"))
-    ours = model_facts(engine)
-    if saved.model != ours:
-        differ.append(f"model: the snapshot's {saved.model}, this server's {ours}")
-    if differ:
-        raise SnapshotError(Refusal(SETTINGS_MISMATCH, f"the snapshot was saved on other settings: "
-                                    f"{'; '.join(differ)} (expected: the snapshot's)"))
+@dataclass(frozen=True)
+class SnapshotFacts:
+    """What a snapshot's size and its fit to a server depend on: the engine's spec, its VAE's architecture, the
+    group's ranks and the DiT's bytes per value. Holds no engine: the owner's admission checks with it while the
+    group loop runs the engine."""
+
+    spec: EngineSpec
+    vae_config: dict
+    ranks: int
+    itemsize: int
+
+    def model(self) -> dict[str, int]:
+        tcfg = self.spec.checkpoint.transformer
+        return {"num_layers": tcfg.num_layers, "num_heads": tcfg.num_heads, "head_dim": tcfg.head_dim,
+                "z_dim": self.spec.checkpoint.vae.z_dim}
+
+    def check_fits(self, snapshot: Snapshot) -> None:
+        """SnapshotError SETTINGS_MISMATCH naming each setting (and the model's geometry) that differs."""
+        saved = snapshot.manifest
+        with faults_as_invalid("the manifest's settings_used"):
+            theirs = parse_settings(saved.settings_used, "the snapshot's settings_used")
+        differ = setting_differences(theirs, parse_settings(settings_of(self.spec.config), "settings_used"))
+        if saved.model != (ours := self.model()):
+            differ.append(f"model: the snapshot's {saved.model}, this server's {ours}")
+        if differ:
+            raise SnapshotError(Refusal(SETTINGS_MISMATCH, f"the snapshot was saved on other settings: "
+                                        f"{'; '.join(differ)} (expected: the snapshot's)"))
+
+    def snapshot_size(self, request: SessionRequest, geometry: VideoGeometry, blocks: int,
+                      keep_commits: bool) -> size.SnapshotSize:
+        """The bytes of a session's snapshot after `blocks` blocks (the same on every rank)."""
+        g, spec = geometry, self.spec
+        tcfg, z = spec.checkpoint.transformer, spec.checkpoint.vae.z_dim
+        capacity = session_window_frames(spec, request, g) * g.tokens_per_frame
+        tokens = size.kv_tokens(blocks, g.block_tokens, capacity)
+        records = size.kept_records(blocks, g.block_tokens, capacity,
+                                    spec.sink_frames * g.tokens_per_frame) if keep_commits else 0
+        encoder_bytes, encoder_tensors = condition_encoder_state(self.vae_config, g.height, g.width)
+        decode_bytes, decode_tensors = 0, 0
+        if spec.config.decode_frames and request.decode:
+            if spec.config.decoder == "tiny":
+                decode_bytes, decode_tensors = tiny_decoder_state(g.latent_height, g.latent_width)
+            else:
+                decode_bytes, decode_tensors = vae_decoder_state(self.vae_config, g.latent_height, g.latent_width)
+        poses = 0 if request.poses is None else len(request.poses)
+        tensors = self.ranks * (2 * tcfg.num_layers + decode_tensors) + encoder_tensors + 3 * records + 16
+        return size.SnapshotSize(
+            kv=size.kv_bytes(tcfg.num_layers, tcfg.num_heads, tcfg.head_dim, tokens, self.itemsize),
+            commits=size.commit_bytes(records, z, g.block_frames, g.latent_height, g.latent_width),
+            shared=size.shared_bytes(request.image.shape[0], request.image.shape[1], poses),
+            condition=size.condition_bytes(encoder_bytes, z, g.height, g.width, g.latent_height, g.latent_width),
+            decode=decode_bytes, tensors=tensors)
+
+    def most_blocks(self, request: SessionRequest, geometry: VideoGeometry) -> int:
+        """Blocks after which the session's snapshot stops growing (its window is full and its kept records are
+        as many as they get): a save's size at this count bounds any save of the session."""
+        capacity = session_window_frames(self.spec, request, geometry) * geometry.tokens_per_frame
+        return -(-capacity // geometry.block_tokens) + self.spec.sink_frames // geometry.block_frames + 2
 
 
 @dataclass
@@ -114,7 +156,7 @@ class RankState:
 
 def resume(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None,
            owner: int, fork_seed: int | None) -> Session:
-    check_fits(engine, snapshot)
+    engine.snapshot_facts.check_fits(snapshot)
     state, error = None, None
     try:
         state = read_rank(engine, snapshot, geometry, owner, fork_seed)
@@ -200,29 +242,3 @@ def _to(state: ConditionState | DecodeState | TinyDecodeState, device: torch.dev
         if state.feature_cache is not None:
             state.feature_cache = [s.to(device) if isinstance(s, torch.Tensor) else s for s in state.feature_cache]
     return state
-
-
-def snapshot_size(engine: WorldModelEngine, request: SessionRequest, geometry: VideoGeometry, blocks: int,
-                  keep_commits: bool) -> size.SnapshotSize:
-    """The bytes of this session's snapshot after `blocks` blocks (the same on every rank)."""
-    g, tcfg, z = geometry, engine.ckpt.transformer, engine.ckpt.vae.z_dim
-    capacity = engine.session_window_frames(request, g) * g.tokens_per_frame
-    tokens = size.kv_tokens(blocks, g.block_tokens, capacity)
-    records = size.kept_records(blocks, g.block_tokens, capacity,
-                                engine.sink_frames * g.tokens_per_frame) if keep_commits else 0
-    encoder_bytes, encoder_tensors = condition_encoder_state(engine.vae_config, g.height, g.width)
-    decode_bytes, decode_tensors = 0, 0
-    if engine.config.decode_frames and request.decode:
-        if engine.config.decoder == "tiny":
-            decode_bytes, decode_tensors = tiny_decoder_state(g.latent_height, g.latent_width)
-        else:
-            decode_bytes, decode_tensors = vae_decoder_state(engine.vae_config, g.latent_height, g.latent_width)
-    ranks = engine.sp.degree
-    poses = 0 if request.poses is None else len(request.poses)
-    tensors = ranks * (2 * tcfg.num_layers + decode_tensors) + encoder_tensors + 3 * records + 16
-    return size.SnapshotSize(
-        kv=size.kv_bytes(tcfg.num_layers, tcfg.num_heads, tcfg.head_dim, tokens, engine.dtype.itemsize),
-        commits=size.commit_bytes(records, z, g.block_frames, g.latent_height, g.latent_width),
-        shared=size.shared_bytes(request.image.shape[0], request.image.shape[1], poses),
-        condition=size.condition_bytes(encoder_bytes, z, g.height, g.width, g.latent_height, g.latent_width),
-        decode=decode_bytes, tensors=tensors)

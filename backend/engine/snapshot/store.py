@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ...api.contract import INVALID_INPUT, SNAPSHOT_EXPIRED, SNAPSHOT_STORE_FULL, SNAPSHOT_UNKNOWN
+from ...api.contract import INVALID_INPUT, SNAPSHOT_EXPIRED, SNAPSHOT_ID_PATTERN, SNAPSHOT_STORE_FULL, SNAPSHOT_UNKNOWN
 from ...api.refusal import Refusal
 from .files import fsync_folder
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, Snapshot, SnapshotError, invalid
 
 ID_BYTES = 16  # 128 random bits
-ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+ID_PATTERN = re.compile(SNAPSHOT_ID_PATTERN)
 STAGING, EXPIRED, TRASH, RESERVATION, LOCK = ".staging-", ".expired-", ".trash-", ".reservation", ".lock"
 
 
