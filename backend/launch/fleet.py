@@ -202,6 +202,8 @@ def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
         grpc, http, metrics, agent = (free_port() for _ in range(4))
         # Its own rendezvous port, SP1 too: a server's instances claim their rank on this host by that port.
         params = [f"{k}={v}" for k, v in args.param] + [f"rendezvous_port={free_port()}"]
+        if "snapshot_dir" not in dict(args.param):  # one store for every group: a world resumes on any of them
+            params.append(f"snapshot_dir={(args.out / 'snapshots').resolve()}")
         command = [sys.executable, "-m", "backend.launch", "--sp", str(args.sp), "--kind", "gpu" if on_gpu else "cpu",
                    "--address", LOOPBACK, "--grpc-port", str(grpc), "--http-port", str(http),
                    "--metrics-port", str(metrics), "--agent-port", str(agent), "--backends-out", str(backends),

@@ -162,10 +162,17 @@ def check_rendezvous_port(parameters: dict[str, str], hosts: int) -> None:
         )
 
 
+def default_snapshot_dir(repository: Path) -> Path:
+    """Where a served group saves worlds unless `--param snapshot_dir=...` says (docs/worlds.md)."""
+    return repository.resolve().parent / "snapshots"
+
+
 def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
     """The model repository, the instance kind, and the group secret MPI shared (None: this server makes one)."""
     kind, device_ids = resolve_placement(args.kind, args.sp)
     parameters = dict(args.param)
+    if not args.render_only:  # saving works out of the box on one host: a folder beside the model repository
+        parameters.setdefault("snapshot_dir", str(default_snapshot_dir(args.repository_out)))
     secret = None
     if args.mpi:
         shared = {"sp": str(args.sp), "kind": kind, **parameters}
