@@ -23,6 +23,7 @@ from backend.engine.blocks import BlockOutput
 from backend.engine.rollout import WorldModelEngine
 from backend.serving.config import ServingConfig
 from factories import tiny_request
+from backend.serving.bootstrap import snapshot_store
 from one_rank import OneRank
 from polling import wait_until
 
@@ -62,7 +63,9 @@ class Client:
         self.closed.set()
 
     def is_cancelled(self) -> bool:
-        return False
+        return self.cancelled
+
+    cancelled = False
 
     def answered(self, timeout: float = 60.0) -> Client:
         assert self.closed.wait(timeout), "no answer"
@@ -258,6 +261,24 @@ def test_saves_past_the_quota_are_refused_at_once_while_others_play(engine: Worl
         other.end()
     finally:
         full.stop()
+
+
+def test_a_save_whose_block_never_runs_frees_its_reservation(engine: WorldModelEngine, tmp_path: Path) -> None:
+    """A start that asks for a save waits in line, and its client leaves: the reservation is dropped (no staging
+    folder, nothing held against the quota) and its stream is closed, not held for a save that will never be."""
+    ranks = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=str(tmp_path)))
+    try:
+        playing = World(ranks, start_request("playing"))
+        waiting = Client()
+        ranks.submit(dataclasses.replace(start_request("waiting"), save=True), waiting)
+        wait_until(lambda: list(tmp_path.glob(".staging-*")), 10, "the waiting start's reservation")
+        waiting.cancelled = True
+        assert waiting.closed.wait(10) and not waiting.latents
+        wait_until(lambda: not list(tmp_path.glob(".staging-*")), 10, "the reservation to be dropped")
+        assert snapshot_store(ranks.settings).usage() == 0
+        playing.end()
+    finally:
+        ranks.stop()
 
 
 def test_without_a_snapshot_dir_a_save_or_a_resume_is_refused_naming_it(engine: WorldModelEngine) -> None:

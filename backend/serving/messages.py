@@ -101,5 +101,10 @@ def save_failed(snapshot_id: str) -> Refusal:
                    "the session goes on: save again")
 
 
+def not_saved(snapshot_id: str) -> Refusal:
+    return Refusal(c.SNAPSHOT_SAVE_FAILED, f"snapshot {snapshot_id} was not saved: the session ended before the "
+                   "block it was to follow")
+
+
 NO_SNAPSHOT_DIR = Refusal(c.INVALID_INPUT, "this server keeps no snapshots (its snapshot_dir is not set): request "
                           "parameters 'save' and 'resume' need one")

@@ -69,6 +69,8 @@ class Plan:
     recaches: list[tuple[str, str]] = field(default_factory=list)
     # (session id, snapshot id): save the session where it stands, first (its ending, MOVED, is in `ended`)
     moves: list[tuple[str, str]] = field(default_factory=list)
+    # (session id, snapshot id): a save whose block never ran, its session having ended first: dropped
+    unsaved: list[tuple[str, str]] = field(default_factory=list)
     stop: bool = False
 
     @property
@@ -131,6 +133,7 @@ class Scheduler:
         if (s := self.table.pop(sid, None)) is None:  # ended already
             return
         s.state, s.ending = State.DONE, ending
+        plan.unsaved += [(sid, c.snapshot_id) for c in s.steps if c.snapshot_id is not None]
         if before_batch:
             plan.ended.append((sid, ending))
         else:
