@@ -37,6 +37,7 @@ SHM_DIR = Path("/dev/shm")
 EXIT_TIMEOUT_S = 3
 # After tritonserver's own exit timeout, what stop() waits before it kills the process group.
 KILL_GRACE_S = 1.0
+WAKE_S = 0.2  # how often wait() wakes (the launcher's SIGTERM and SIGHUP take effect within it)
 
 log = logging.getLogger(__name__)
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
@@ -276,8 +277,13 @@ class TritonServer:
         return self.process
 
     def wait(self) -> int:
-        """Block until the server exits; returns its exit code."""
-        return self._started().wait()
+        """Block until the server exits; returns its exit code. It wakes every WAKE_S: Python runs a signal's handler
+        in the main thread only, between bytecodes, and the kernel may deliver a process's SIGTERM to another thread
+        (the healer's, the agent's), which leaves a main thread blocked in waitpid() asleep until the server exits."""
+        process = self._started()
+        while (rc := process.poll()) is None:
+            time.sleep(WAKE_S)
+        return rc
 
     def log_excerpt(self, lines: int = 30) -> str:
         """This start's error lines in the log (`E...` records, `error: ...`), else its last lines."""
