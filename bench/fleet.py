@@ -7,9 +7,9 @@ side, in one run:
 
 1. Added latency: a steered session's step (request to its block) straight to group 0 and through the balancer,
    taking turns, `--steps` each; and a unary gRPC round trip (`is_model_ready`), 200 each, taking turns.
-2. Finding room: group 0 filled by clients of its own (not through the balancer); seconds until its agent drains
-   it, then a new session's time to first block through the balancer against the same session straight to the
-   idle group 1.
+2. Finding room: group 0 filled by clients of its own (not through the balancer); seconds until its agent takes
+   it out of the rotation (weight 0), then a new session's time to first block through the balancer against the
+   same session straight to the idle group 1.
 3. One group against two: `--sessions` whole trajectories at once straight to group 0, then through the balancer
    (spread over both groups), taking turns `--rounds` times: blocks per second. On a CPU host both groups share
    the same cores, so this measures their contention, not scale-out (see bench/README section 14).
@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.api import contract
 from backend.api.request import Controls
-from backend.launch.balancer import server_states
+from backend.launch.balancer import server_stats
 from backend.parallel.ports import free_port
 from bench.common import (BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, percentile,
                           server_parameters)
@@ -49,16 +49,19 @@ class Fleet:
     groups: list[dict]
     stats_socket: Path
 
-    def state(self, name: str) -> str:
-        return server_states(self.stats_socket)[name]
+    def weight(self, name: str) -> int:
+        """The group's weight as its agent last said: 0 while every slot is held."""
+        return int(server_stats(self.stats_socket)[name]["weight"])
 
 
 
 @contextlib.contextmanager
-def running_fleet(checkpoint: Path, sessions: int, out: Path) -> Iterator[Fleet]:
+def running_fleet(checkpoint: Path, sessions: int, out: Path, **settings: str) -> Iterator[Fleet]:
+    """settings: more server parameters of every group."""
     parameters = server_parameters(engine_config(checkpoint, TINY, 1)) | {"max_sessions": str(sessions),
-                                                                         "max_queue": str(4 * sessions)}
-    parameters.pop("rendezvous_port", None)
+                                                                         "max_queue": str(4 * sessions)} | settings
+    parameters.pop("rendezvous_port", None)  # the fleet gives each group its own
+    parameters.pop("snapshot_dir", None)  # and every group one store, so SIGTERM drains a group
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     with (out / "fleet.log").open("wb") as log:
@@ -175,13 +178,13 @@ def main() -> None:
         rows = []
         for _ in range(args.rounds):
             with holding(direct0, args.sessions):
-                drained_s = wait_for(lambda: fleet.state(group0["name"]).startswith("DRAIN"), 10, "drain")
+                drained_s = wait_for(lambda: fleet.weight(group0["name"]) == 0, 10, "weight 0")
                 through = first_block_s(fleet.url)
                 straight = first_block_s(direct1)
-            wait_for(lambda: fleet.state(group0["name"]) == "UP", 10, "group 0 back")
+            wait_for(lambda: fleet.weight(group0["name"]) > 0, 10, "group 0 back")
             rows.append([f"{drained_s:.2f}", f"{1000 * through:.0f}", f"{1000 * straight:.0f}",
                          f"{through / straight:.2f}"])
-        print(format_table(["group 0 full -> drained s", "TTFB through balancer ms", "TTFB straight to group 1 ms",
+        print(format_table(["group 0 full -> weight 0 s", "TTFB through balancer ms", "TTFB straight to group 1 ms",
                             "ratio"], rows))
 
         one, two = [], []

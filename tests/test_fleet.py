@@ -25,9 +25,11 @@ from backend.api import contract
 from backend.launch.balancer import HAPROXY, server_states, server_stats
 from backend.launch.one_world import check_one_world, read_parameters
 from backend.launch.procfs import tcp_sockets
+from backend.launch.restart import rolling_restart
 from backend.parallel.ports import free_port, port_in_use
 from client.steer import SteeredSession
 from client.stream import StreamError, StreamingSession, request_inputs
+from bench.drain import Player, same_world
 from factories import sample_image, tiny_request
 from polling import wait_until
 from system_tools import require_tool, requires_tool
@@ -36,9 +38,10 @@ from triton_harness import tiny_parameters
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_S = 0.5  # the balancer's check interval here
 LONG = 57  # frames of a session that is still running while the test looks (5 tiny blocks)
-# A stream still running when its group is killed: 9 frames, then 42 blocks of 12 (~6 s at the tiny model's block
-# rate, which a first block and the poll that sees it must not outlast); the groups' max_frames admit it.
+# A stream still running when its group is killed or drained: 9 frames, then 42 blocks of 12 (~6 s at the tiny
+# model's block rate, which a first block and the poll that sees it must not outlast); the groups' max_frames admit it.
 KILLED_MID_STREAM_FRAMES, KILLED_MID_STREAM_BLOCKS = 513, 43
+PACE_S = 0.8  # a player's step interval in the rolling restart (the blocks its uninterrupted run makes again)
 
 pytestmark = [pytest.mark.server, requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")]
 
@@ -60,12 +63,18 @@ class Fleet:
     stats_socket: Path
     groups: list[Group]
     log: Path
+    out: Path  # its --out: fleet.json, what `restart` reads
 
     def states(self) -> dict[str, str]:
         return server_states(self.stats_socket)
 
     def state(self, group: Group) -> str:
         return self.states()[group.name]
+
+    def full(self, group: Group) -> bool:
+        """Its agent took it out of the rotation for new sessions: every slot is held (weight 0)."""
+        row = server_stats(self.stats_socket)[group.name]
+        return row["status"] == "UP" and row["weight"] == "0"
 
     def settle(self, timeout: float = 10) -> None:
         """Until every server line reads UP, each group's at its full weight (its agent saw no slot held)."""
@@ -76,9 +85,10 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Iterator[Fleet]:
     out = tmp_path_factory.mktemp("fleet")
-    parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1",
+    parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1", max_batch="1",
                                  max_frames=str(KILLED_MID_STREAM_FRAMES))
     parameters.pop("rendezvous_port")  # the fleet gives each group its own
+    parameters.pop("snapshot_dir")  # and every group one store (<out>/snapshots), so SIGTERM drains a group
     port = free_port()
     log = out / "fleet.log"
     began = time.monotonic()
@@ -94,7 +104,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Ite
         manifest = json.loads((out / "build" / "fleet.json").read_text())
         groups = [Group(g["name"], f"{g['host']}:{g['grpc_port']}", g["http_port"], g["metrics_port"],
                         g["agent_port"], g["launcher_pid"]) for g in manifest["groups"]]
-        fleet = Fleet(process, manifest["grpc_url"], Path(manifest["stats_socket"]), groups, log)
+        fleet = Fleet(process, manifest["grpc_url"], Path(manifest["stats_socket"]), groups, log, out / "build")
         fleet.settle(30)
         print(f"fleet of 2 SP1 groups ready after {time.monotonic() - began:.1f} s")
         yield fleet
@@ -104,12 +114,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Ite
             process.wait(30)
 
 
-def gauge(group: Group, name: str) -> float:
-    """A metric of a group's server (summed over its label sets)."""
+def gauge(group: Group, name: str, **labels: str) -> float:
+    """A metric of a group's server, summed over its label sets (those that carry `labels`)."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{group.metrics_port}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(w in line for w in wanted))
 
 
 def blocks_sent(fleet: Fleet) -> list[float]:
@@ -206,8 +218,8 @@ def test_sessions_land_evenly_one_more_waits_in_line_and_a_full_group_spills_to_
     # Four players through the balancer: two on each group (leastconn over open streams).
     with holding(fleet.url, 4):
         assert free_slots(fleet) == [0, 0]
-        # Every slot held: both groups drain, so a fifth reaches one through its backup line and waits in its line.
-        wait_until(lambda: all(fleet.state(g).startswith("DRAIN") for g in fleet.groups), 5, "both groups drained")
+        # Every slot held: both groups weigh 0, so a fifth reaches one through its backup line and waits in its line.
+        wait_until(lambda: all(fleet.full(g) for g in fleet.groups), 5, "both groups out of rotation")
         more, (fifth,) = start_sessions(fleet.url, 1, frames=9)
         wait_until(lambda: fifth.places, 30, "the fifth session told its place in line")
     join(more)
@@ -217,7 +229,7 @@ def test_sessions_land_evenly_one_more_waits_in_line_and_a_full_group_spills_to_
     # Group 0 full with clients of its own (not through the balancer): new sessions go to group 1.
     group0, group1 = fleet.groups
     with holding(group0.grpc_url, 2):
-        wait_until(lambda: fleet.state(group0).startswith("DRAIN"), 5, "group 0 drained by its agent")
+        wait_until(lambda: fleet.full(group0), 5, "group 0 taken out by its agent")
         began = gauge(group1, "lingbot_world_sessions_ended_total")
         spilled, outcomes = start_sessions(fleet.url, 2, frames=9, seed=20)
         join(spilled)
@@ -270,6 +282,68 @@ def test_a_group_whose_tritonserver_dies_is_restarted_and_returns(fleet) -> None
     victim = fleet.groups[1]
     leave_and_return(fleet, victim, tritonserver_of(victim), "group 1's tritonserver")
     assert re.search(r"group1: its launcher exited with \d+; restarting it in 1 s", fleet.log.read_text())
+
+
+def test_a_rolling_restart_moves_every_world_to_the_other_group_and_loses_none(fleet) -> None:
+    """`fleet rolling-restart` while a steered world plays on each group and a whole trajectory runs on group 0.
+    Group 0's launcher gets SIGTERM: its group leaves the rotation, a new start straight to it is refused
+    SERVER_STOPPING while it drains, its world ends MOVED and its resume through the balancer lands on group 1 at its
+    next block, the trajectory runs to its end, and the launcher exits within the stop's 5 s once its last stream
+    ended; the fleet starts it again at once and it returns. Then group 1 the same, both worlds going on on group 0.
+    Every world's blocks equal an uninterrupted run's of the same steps on this fleet, bit for bit."""
+    fleet.settle()
+    group0, group1 = fleet.groups
+    first = tiny_request(num_frames=9, decode=False)
+    worlds = [Player(fleet.url, dataclasses.replace(first, seed=seed), PACE_S).start() for seed in (1, 2)]
+    wait_until(lambda: all(len(w.latents) >= 2 for w in worlds), 60, "both worlds playing")
+    assert [gauge(g, "lingbot_world_sessions") for g in fleet.groups] == [1, 1]  # leastconn: one on each
+    trajectory, (whole,) = start_sessions(group0.grpc_url, 1, frames=KILLED_MID_STREAM_FRAMES, timeout=120)
+    wait_until(lambda: whole.blocks >= 1, 30, "the trajectory's first block")
+    outcome: dict = {}
+
+    def restart_all() -> None:
+        try:
+            outcome["restarted"] = rolling_restart(fleet.out)
+        except (ValueError, TimeoutError, OSError) as exc:
+            outcome["error"] = exc
+
+    restarting = threading.Thread(target=restart_all, daemon=True)
+    restarting.start()
+
+    wait_until(lambda: gauge(group0, "lingbot_world_drains_total") >= 1, 10, "group 0 draining")
+    refused = one_session(group0.grpc_url)
+    assert refused.error is not None and "[SERVER_STOPPING retry_after_s=1]" in refused.error, refused
+    moved = wait_until(lambda: next((w for w in worlds if w.moves), None), 30, "group 0's world moved")
+    assert gauge(group1, "lingbot_world_snapshots_total", event="resumed") == 1  # on group 1, not yet restarted
+    restarting.join(180)
+    assert "restarted" in outcome, outcome.get("error", "the rolling restart did not finish")
+    r0, r1 = outcome["restarted"]
+    join(trajectory)
+    for w in worlds:
+        w.finish(more=3)
+    assert [w.error for w in worlds] == [None, None]
+    assert whole.error is None and whole.blocks == KILLED_MID_STREAM_BLOCKS, whole  # ran to its end
+    assert whole.ended_s > r0.sigterm_s  # through the drain
+    assert sorted(len(w.moves) for w in worlds) == [1, 2] and len(moved.moves) == 2
+    # Both resumed on group 0, back in rotation before group 1 drained.
+    assert gauge(group0, "lingbot_world_snapshots_total", event="resumed") == 2
+    for w in worlds:
+        for m in w.moves:  # resumed at the next block, at once
+            assert m.replayed == 0 and m.resumed_s - m.moved_s < 5, m
+    moves = sorted((m for w in worlds for m in w.moves), key=lambda m: m.moved_s)
+    for r, ended in ((r0, max(whole.ended_s, moves[0].moved_s)), (r1, moves[-1].moved_s)):
+        # The drain ended with its last stream: then the stop's 5 s, and the two polls that see it (0.2 s each).
+        assert r.sigterm_s + r.stopped_s - ended < 5.4, (r, ended)
+        assert f"{r.name}: its launcher drained and stopped on SIGTERM; starting it again" in fleet.log.read_text()
+    # The same steps uninterrupted, on the fleet as it is now: bit for bit.
+    alone = [Player(fleet.url, w.first, 0.0, len(w.latents)).start() for w in worlds]
+    for baseline, w in zip(alone, worlds):
+        baseline.finish()
+        assert baseline.error is None and same_world(baseline, w), (len(baseline.latents), len(w.latents))
+    for r, its in ((r0, moves[:1]), (r1, moves[1:])):
+        after = [(round(m.moved_s - r.sigterm_s, 2), round(m.resumed_s - r.sigterm_s, 2)) for m in its]
+        print(f"{r.name}: its launcher stopped {r.stopped_s:.1f} s after SIGTERM, back in rotation after "
+              f"{r.back_s:.1f} s; its worlds' MOVED and resumed block after (s): {after}")
 
 
 def test_play_and_replay_through_the_balancer(fleet, tmp_path: Path, capsys) -> None:

@@ -2,6 +2,7 @@
 itself), the command line's refusals, the stub watch."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -15,7 +16,9 @@ import pytest
 
 from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
 from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
+from backend.launch.drain import streams_open
 from backend.launch.fleet import main
+from backend.launch.restart import launcher_of
 from backend.launch.control import ModelControl
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
 from backend.serving.host_signals import HostSignals
@@ -28,13 +31,53 @@ needs_haproxy = requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (D
 @pytest.mark.parametrize("state, line", [
     (GroupState(True, 2, 4), "ready up 50%\n"),
     (GroupState(True, 4, 4), "ready up 100%\n"),
-    (GroupState(True, 1, 200), "ready up 1%\n"),  # room for one: never weight 0, which would drain it
-    (GroupState(True, 0, 4), "drain\n"),
+    (GroupState(True, 1, 200), "ready up 1%\n"),  # room for one: never weight 0, which takes it out
+    (GroupState(True, 0, 4), "ready up 0%\n"),  # full: out of the rotation, its backup line still in (no drain)
     (GroupState(False), "down\n"),
     (GroupState(True, None, 4), "down\n"),  # the model has not published its slots: not a group to send to
 ])
-def test_the_agent_replies_free_slots_as_a_weight_drain_when_full_down_when_not_ready(state, line) -> None:
+def test_the_agent_replies_free_slots_as_a_weight_zero_when_full_down_when_not_ready(state, line) -> None:
     assert agent_reply(state) == line
+
+
+class FlakyProbe:
+    """A group that reads full, then not even ready (a probe that timed out on a busy server)."""
+
+    def __init__(self) -> None:
+        self.states = [GroupState(True, 0, 2), GroupState(False)]
+
+    def state(self) -> GroupState:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def ask(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        return sock.makefile("rb").read()
+
+
+def test_a_draining_agent_says_drain_whatever_the_group_reads_and_knows_a_peer_heard_it() -> None:
+    """Draining, the group must leave the rotation (drain, which its backup line follows) but never be marked down:
+    HAProxy would cut the streams that carry its worlds' MOVED."""
+    agent = CapacityAgent(FlakyProbe(), 0).start()  # type: ignore[arg-type]
+    try:
+        assert ask(agent.port) == b"ready up 0%\n" and not agent.told.is_set()
+        agent.drain()
+        assert not agent.told.is_set()  # nobody has heard it yet
+        assert [ask(agent.port) for _ in range(3)] == [b"drain\n"] * 3  # the probe would read not ready now
+        assert agent.told.wait(5)
+    finally:
+        agent.stop()
+
+
+def test_the_streams_open_are_every_ranks_gauge_of_the_model() -> None:
+    page = "\n".join([
+        "# HELP lingbot_world_streams_open streams this instance is answering",
+        'lingbot_world_streams_open{model="lingbot_world",rank="0"} 2',
+        'lingbot_world_streams_open{model="lingbot_world",rank="1"} 1',
+        'lingbot_world_streams_open{model="other",rank="0"} 5',
+        'lingbot_world_streams_open_total{model="lingbot_world",rank="0"} 7',
+    ])
+    assert streams_open(page) == 3 and streams_open("nv_inference_count 1") == 0
 
 
 def test_free_slots_are_rank_0s_gauge_of_the_model() -> None:
@@ -101,7 +144,8 @@ def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
     assert "bind 127.0.0.1:8001 proto h2" in text and "balance leastconn" in text
     assert re.search(r"server remote0 10\.0\.0\.2:8001 proto h2 check .*port 8000 .*agent-check agent-addr 10\.0\.0\.2 "
                      r"agent-port 8003 agent-inter 1000ms", text)
-    assert re.search(r"server remote0-line 10\.0\.0\.2:8001 .* backup", text)
+    # The backup line follows its group's state (a drain included) through `track`, not its weight.
+    assert "server remote0-line 10.0.0.2:8001 proto h2 track remote0 on-marked-down shutdown-sessions backup" in text
     config.write_text(text.replace("balance leastconn", "balance nonsense"))
     with pytest.raises(ValueError, match="haproxy refuses"):
         check_config(config)
@@ -183,3 +227,32 @@ def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch,
     assert len(set(ports)) == 8
     with pytest.raises(ValueError, match="needs 6 GPUs; 4 are visible"):
         local_groups(build_parser().parse_args(["--groups", "3", "--sp", "2", "--kind", "gpu"]))
+
+
+def test_restart_touches_only_a_live_launcher_of_the_running_fleet(tmp_path: Path, capsys) -> None:
+    """A stale or forged fleet.json cannot make `restart` signal a process that is not the fleet's own launcher."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    fleet, stranger = subprocess.Popen(sleeper), subprocess.Popen(sleeper)  # the stranger is no child of the fleet
+    try:
+        manifest = {"fleet_pid": fleet.pid, "stats_socket": str(tmp_path / "haproxy.sock"), "launcher_stop_s": 5,
+                    "wait_timeout_s": 5, "groups": [{"name": "group0", "launcher_pid": stranger.pid, "log": "x.log"}]}
+        (tmp_path / "fleet.json").write_text(json.dumps(manifest))
+        for argv, error in [
+            (["restart", "--group", "0"], f"group0's launcher (pid {stranger.pid}) is not running"),
+            (["restart", "--group", "1"], "no group group1 in this fleet (groups: group0)"),
+            (["restart"], "restart needs --group N"),
+            (["rolling-restart", "--group", "0"], "rolling-restart restarts every local group: leave --group out"),
+        ]:
+            assert main([*argv, "--out", str(tmp_path)]) == 1
+            assert error in capsys.readouterr().err
+        assert stranger.poll() is None  # never signalled
+        fleet.kill()
+        fleet.wait()
+        with pytest.raises(ValueError, match=f"the fleet \\(pid {fleet.pid}\\) is not running"):
+            launcher_of(manifest, "group0")
+        assert main(["restart", "--group", "0", "--out", str(tmp_path / "nowhere")]) == 1
+        assert "fleet.json does not exist: is a fleet running with --out" in capsys.readouterr().err
+    finally:
+        for p in (fleet, stranger):
+            p.kill()
+            p.wait()

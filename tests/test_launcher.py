@@ -17,7 +17,7 @@ from backend.api.errors import ConfigError
 from backend.api.settings import format_value, parameter_fields
 from backend.engine.config import EngineConfig
 from backend.engine.validation import checked_spec
-from backend.launch.launcher import build_parser, main, parse_param, render
+from backend.launch.launcher import Termination, build_parser, drains_on_sigterm, main, parse_param, render
 from backend.launch.generated import rendered
 from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
@@ -210,3 +210,24 @@ def test_the_launcher_describes_the_server_and_an_instance_refuses_a_false_descr
     with pytest.raises(ConfigError, match=r"described != resolved\): block_frames: 4 != 3; rewrite it with the "
                                           r"launcher"):
         check_description(dataclasses.replace(description, block_frames=4), spec, serving)
+
+
+def test_sigterm_drains_where_the_server_keeps_snapshots_and_is_its_whole_group() -> None:
+    def drains(*flags: str) -> bool:
+        return drains_on_sigterm(build_parser().parse_args(["--kind", "cpu", *flags]))
+
+    assert drains() and drains("--param", "snapshot_dir=/srv/worlds")  # the launcher's default store, or one given
+    assert not drains("--param", "snapshot_dir=")  # no store: nothing to save a world into, SIGTERM stops at once
+    assert not drains("--param", "host_count=2") and not drains("--mpi")  # a host sees its own streams only
+
+
+def test_a_second_sigterm_cuts_the_drain_short_and_a_third_leaves_the_stop_alone() -> None:
+    termination = Termination()
+    with pytest.raises(SystemExit) as first:
+        termination()
+    assert first.value.code == 143 and termination.asked
+    termination.draining = True  # as drain() sets it
+    with pytest.raises(SystemExit):
+        termination()
+    assert not termination.draining
+    termination()  # the stop is under way: ignored

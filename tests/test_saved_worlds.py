@@ -166,6 +166,23 @@ def test_a_resumed_world_makes_the_blocks_the_saved_one_would_have_bit_for_bit(g
     assert all(np.array_equal(a, b) for a, b in zip(world.latents, after))
 
 
+def test_a_resumed_world_is_held_back_only_when_its_client_falls_behind(engine, snapshots, uninterrupted,
+                                                                       saved) -> None:
+    """Its client has the blocks before the snapshot: a group with the default max_blocks_ahead (2) plays a resumed
+    world on past two blocks while its client keeps up."""
+    ranks = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=str(snapshots)))
+    try:
+        assert ranks.settings.max_blocks_ahead == 2
+        world = World(ranks, resume_request(saved, STEPS[SAVED_AFTER], key="b"))
+        for controls in (*STEPS[SAVED_AFTER + 1:], Controls(keys="w"), Controls(keys="d")):
+            world.step(controls)
+        world.end()
+    finally:
+        ranks.stop()
+    assert len(world.latents) == 4
+    assert all(np.array_equal(a, b) for a, b in zip(world.latents, uninterrupted[SAVED_AFTER + 1:]))
+
+
 def test_forks_of_one_snapshot_are_independent_worlds(group, uninterrupted, saved) -> None:
     """Two resumes played in turn: the same steps give the original's blocks, a new noise seed others; neither
     changes the other; other steps give other blocks; a fork's seed makes it reproducible."""

@@ -7,9 +7,12 @@ config (`described_max_sessions`, api/description) and the free slots from its m
 (`lingbot_world_free_slots`, which rank 0 publishes: adapter/metrics.py):
 
 - `ready up 75%`: free slots over max_sessions as the server's weight (1% at least while one is free); `ready`
-  also ends a drain this agent asked for.
-- `drain`: every slot is held: no new session is sent here while another group has room (a session that meets
-  every group full reaches one through its backup line and waits in that group's line: fleet.py).
+  also ends a drain (a restarted launcher's, or one an operator set by hand).
+- `ready up 0%`: every slot is held: weight 0, so no new session is sent here while another group has room (a
+  session that meets every group full reaches one through its backup line and waits in that group's line:
+  balancer.py).
+- `drain`: the group drains (its launcher's SIGTERM: launch/drain.py): HAProxy's DRAIN state, which its backup line
+  follows too, so no new session or resume reaches the group at all while its worlds move elsewhere.
 - `down`: the model is not ready (loading, healing, or its server gone).
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ..api.description import PREFIX
 
 FREE_SLOTS_METRIC = "lingbot_world_free_slots"
 READ_TIMEOUT_S = 1.0  # one read of the server's HTTP or metrics port
+DRAIN_LINE = "drain\n"
 FRESH_S = 0.25  # a reply is reused this long: a flood of connections costs the server no more than 4 reads a second
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ def agent_reply(state: GroupState) -> str:
     if not state.ready or not state.max_sessions or state.free_slots is None:
         return "down\n"
     if state.free_slots <= 0:
-        return "drain\n"
+        return "ready up 0%\n"
     percent = max(1, min(100, round(100 * state.free_slots / state.max_sessions)))
     return f"ready up {percent}%\n"
 
@@ -85,10 +89,13 @@ class GroupProbe:
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         self.request.settimeout(READ_TIMEOUT_S)
+        agent = self.server.agent  # type: ignore[attr-defined]
+        line = agent.reply()
         try:
-            self.request.sendall(self.server.agent.reply().encode())  # type: ignore[attr-defined]
+            self.request.sendall(line.encode())
         except OSError:
-            pass  # the peer left first
+            return  # the peer left first
+        agent.answered(line)
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -104,6 +111,8 @@ class CapacityAgent:
         self.probe = probe
         self._lock = threading.Lock()
         self._last: tuple[float, str] | None = None
+        self._draining = False
+        self.told = threading.Event()  # a peer heard `drain`: a balancer took the group out
         try:
             self._server = _Server((address, port), _Handler)
         except OSError as exc:
@@ -120,8 +129,22 @@ class CapacityAgent:
         with self._lock:  # one probe at a time; connections meanwhile share its answer
             now = time.monotonic()
             if self._last is None or now - self._last[0] > FRESH_S:
-                self._last = (now, agent_reply(self.probe.state()))
+                # Draining, it reads nothing: whatever the group reads, its streams must not be cut (a `down` would)
+                # while their worlds move.
+                self._last = (now, DRAIN_LINE if self._draining else agent_reply(self.probe.state()))
             return self._last[1]
+
+    def answered(self, line: str) -> None:
+        """A peer was sent `line` (the handler's thread)."""
+        with self._lock:
+            if line == DRAIN_LINE:
+                self.told.set()
+
+    def drain(self) -> None:
+        """From now on the group says `drain`: it leaves the rotation for good (a restarted launcher has a new
+        agent)."""
+        with self._lock:
+            self._draining, self._last = True, None
 
     def start(self) -> CapacityAgent:
         self._thread.start()

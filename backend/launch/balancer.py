@@ -2,12 +2,14 @@
 
 A session is one gRPC stream, so one HTTP/2 stream: HAProxy (`mode http`, `proto h2` on both sides) balances
 streams, not connections, and a stream stays on the group it started on. `balance leastconn` counts each group's
-open streams; each group's agent (launch/agent.py) scales its weight by its free slots and drains it when every
-slot is held; its HTTP readiness is the health check. A group that fails a check leaves the rotation at once (one
-check interval) and its streams are cut (`on-marked-down shutdown-sessions`), so none of its clients waits on a
-stream nobody answers; it returns after two good checks. Every group is listed twice: the second line is a backup
-without the agent, used only while every first line is drained or down, so a session that meets every group full
-still reaches one and waits in its line (or gets CAPACITY_EXHAUSTED with a retry time when that line is full).
+open streams; each group's agent (launch/agent.py) scales its weight by its free slots (0 when every slot is held)
+and drains it while its launcher moves its worlds elsewhere; its HTTP readiness is the health check. A group that
+fails a check leaves the rotation at once (one check interval) and its streams are cut (`on-marked-down
+shutdown-sessions`), so none of its clients waits on a stream nobody answers; it returns after two good checks.
+Every group is listed twice: the second line is a backup that tracks the first (its state: up, down, drained) but
+not its weight, used only while every first line is full, drained or down, so a session that meets every group
+full still reaches one and waits in its line (or gets CAPACITY_EXHAUSTED with a retry time when that line is full),
+and none reaches a draining group.
 
 Open to the internet, the balancer terminates TLS (`BalancerTls`: ALPN h2, optionally mutual) and speaks HTTP/2 to
 the groups on their private addresses. It refuses a stream whose first gRPC message (a session's start, which
@@ -113,8 +115,9 @@ def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, chec
     for g in groups:
         lines.append(f"    server {g.name} {g.grpc_url} {checked} port {g.http_port} weight 100 "
                      f"agent-check agent-addr {g.host} agent-port {g.agent_port} agent-inter {inter}")
-    for g in groups:
-        lines.append(f"    server {g.name}-line {g.grpc_url} {checked} port {g.http_port} backup")
+    for g in groups:  # HAProxy passes an agent's drain (an admin state) on to a tracking line, not its weight
+        lines.append(f"    server {g.name}-line {g.grpc_url} proto h2 track {g.name} on-marked-down shutdown-sessions "
+                     "backup")
     return "\n".join(lines) + "\n"
 
 

@@ -3,12 +3,15 @@ HAProxy, one gRPC address for every client.
 
     python -m backend.launch.fleet --groups 2 --sp 1 --kind cpu --param checkpoint=... --wait
     python -m backend.launch.fleet --group host1:8001:8000:8003 --group host2:8001:8000:8003   # started elsewhere
+    python -m backend.launch.fleet restart --out build/fleet --group 0   # a running fleet's group (launch/restart.py)
+    python -m backend.launch.fleet rolling-restart --out build/fleet     # every local group, one at a time
 
 Local groups bind loopback on ports of their own; each serves its capacity to the balancer (launch/agent.py) and is
-restarted when its launcher exits (its tritonserver died): bounded restarts with backoff. Every group must serve
-one world (launch/one_world.py), checked before the balancer opens. The balancer (launch/balancer.py) listens
-only on `--address:--grpc-port`; SIGTERM stops it and every group. What was started is written to
-`--out`/fleet.json (ports, pids, logs) for operators and tests.
+restarted when its launcher exits: at once when it was asked to (SIGTERM: it drained its worlds elsewhere first,
+launch/drain.py), else (its tritonserver died) bounded restarts with backoff. Every group must serve one world
+(launch/one_world.py), checked before the balancer opens. The balancer (launch/balancer.py) listens only on
+`--address:--grpc-port`; SIGTERM drains and stops every group, then the balancer. What was started is written to
+`--out`/fleet.json (ports, pids, logs, the bounds a restart waits for) for operators, `restart` and tests.
 """
 from __future__ import annotations
 
@@ -30,9 +33,11 @@ from ..api.contract import MODEL_NAME
 from ..parallel.ports import free_port, port_in_use
 from .balancer import (MAX_REQUEST_BYTES, BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
                        start_haproxy)
+from .drain import DRAIN_TIMEOUT_S
 from .launcher import gpu_count, instance_count, parse_param
 from .one_world import check_one_world, read_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR
+from .restart import COMMANDS as RESTART_COMMANDS, main as restart_main
 from .server import _terminate_with_parent
 from .wheel import prepare_backends
 
@@ -42,7 +47,9 @@ FIRST_BACKOFF_S = 1.0  # doubles with each restart in a row, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 30.0
 STABLE_S = 120.0  # a group up this long has its restart count cleared
 SUPERVISE_S = 0.5  # how often the fleet looks at its groups and its balancer
-STOP_S = 10.0  # a launcher's stop (it takes at most ~4 s: docs/serving.md, "Stopping") before it is killed
+STOP_S = 10.0  # a launcher's stop after its drain (it takes at most ~4 s: docs/serving.md, "Stopping")
+# A launcher's exit on SIGTERM (launcher.Termination; killed by it before its handler was set): asked for, no crash.
+ASKED_EXITS = (143, -signal.SIGTERM)
 
 log = logging.getLogger("backend.fleet")
 
@@ -81,7 +88,8 @@ class SupervisedGroup:
         return None if self.process is None else self.process.poll()
 
     def supervise(self, now: float) -> None:
-        """Restart a launcher that exited (its tritonserver died), after its backoff; give up after RESTARTS."""
+        """Restart a launcher that exited: at once when it was asked to (a restart), else (its tritonserver died)
+        after its backoff; give up after RESTARTS of those in a row."""
         if self.given_up:
             return
         if self.next_start_s is not None:
@@ -95,6 +103,10 @@ class SupervisedGroup:
         if rc is None:
             if now - self.started_s > STABLE_S:
                 self.restarts = 0
+            return
+        if rc in ASKED_EXITS:  # the fleet's own stop gives up on the group first
+            log.warning("%s: its launcher drained and stopped on SIGTERM; starting it again", self.address.name)
+            self.start()
             return
         if self.restarts >= RESTARTS:
             self.given_up = True
@@ -125,7 +137,7 @@ class SupervisedGroup:
         try:
             self.process.wait(max(0.0, deadline_s - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("%s: its launcher did not stop within %g s; killed it", self.address.name, STOP_S)
+            log.warning("%s: its launcher did not stop in time; killed it", self.address.name)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
@@ -137,11 +149,11 @@ def balancer_tls(args: argparse.Namespace) -> BalancerTls | None:
     return None if args.tls_pem is None else BalancerTls(args.tls_pem, args.tls_client_ca)
 
 
-def stop_groups(groups: Sequence[SupervisedGroup]) -> None:
-    """Every group at once: each launcher ends its sessions and its server within ~4 s."""
+def stop_groups(groups: Sequence[SupervisedGroup], stop_s: float) -> None:
+    """Every group at once: each launcher drains (a group with snapshots) and stops within `stop_s`."""
     for g in groups:
         g.ask_stop()
-    deadline = time.monotonic() + STOP_S
+    deadline = time.monotonic() + stop_s
     for g in groups:
         g.wait_stopped(deadline)
 
@@ -169,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default %(default)s: the largest first frame a server takes by default, and 1 MiB)")
     parser.add_argument("--keys-file", type=Path, help="every local group serves these users' keys only (each "
                         "launcher's --keys-file; SIGHUP to the fleet reloads it in every group)")
+    parser.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
+                        help="each local launcher's bound on its drain at SIGTERM (a restart, or the fleet's stop), "
+                             "before it stops (default %(default)g s: backend/launch/drain.py)")
     parser.add_argument("--check-interval", type=float, default=1.0,
                         help="seconds between the balancer's checks of each group (default 1)")
     parser.add_argument("--out", type=Path, default=BUILD_DIR / "fleet",
@@ -208,7 +223,8 @@ def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
                    "--address", LOOPBACK, "--grpc-port", str(grpc), "--http-port", str(http),
                    "--metrics-port", str(metrics), "--agent-port", str(agent), "--backends-out", str(backends),
                    "--repository-out", str(out / "model_repository"), "--log-file", str(out / "tritonserver.log"),
-                   "--admin-key-file", str(out / "admin.key"), *(a for p in params for a in ("--param", p)),
+                   "--admin-key-file", str(out / "admin.key"), "--drain-timeout-s", str(args.drain_timeout_s),
+                   *(a for p in params for a in ("--param", p)),
                    *(["--keys-file", str(args.keys_file.resolve())] if args.keys_file else [])]
         env = dict(os.environ)
         if on_gpu:
@@ -262,9 +278,17 @@ def write_manifest(path: Path, args: argparse.Namespace, addresses: Sequence[Gro
             entry |= {"metrics_port": g.metrics_port, "launcher_pid": g.process.pid, "log": str(g.log_path)}
         entries.append(entry)
     host = LOOPBACK if args.address in ("0.0.0.0", "::", "") else args.address  # where a client here connects
-    manifest = {"grpc_url": f"{host}:{args.grpc_port}", "haproxy_pid": haproxy.pid,
-                "stats_socket": str(args.out / "haproxy.sock"), "groups": entries}
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = {"grpc_url": f"{host}:{args.grpc_port}", "fleet_pid": os.getpid(), "haproxy_pid": haproxy.pid,
+                "stats_socket": str(args.out / "haproxy.sock"), "launcher_stop_s": launcher_stop_s(args),
+                "wait_timeout_s": args.wait_timeout, "groups": entries}
+    partial = path.with_suffix(".partial")  # whole or not at all: `restart` reads it while the fleet runs
+    partial.write_text(json.dumps(manifest, indent=2) + "\n")
+    partial.replace(path)
+
+
+def launcher_stop_s(args: argparse.Namespace) -> float:
+    """The most a local launcher takes from SIGTERM to its exit: its drain, then its stop."""
+    return args.drain_timeout_s + STOP_S
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -289,7 +313,7 @@ def serve(args: argparse.Namespace) -> int:
     groups = local_groups(args)
     signal.signal(signal.SIGHUP, lambda *_: [g.reload_keys() for g in groups])
     with contextlib.ExitStack() as stack:
-        stack.callback(stop_groups, groups)  # after the balancer (callbacks run last first)
+        stack.callback(stop_groups, groups, launcher_stop_s(args))  # should the balancer never start
         for g in groups:
             g.start()
         print(f"starting {len(groups)} group(s) of {args.sp} instance(s); logs under {args.out}", flush=True)
@@ -304,6 +328,9 @@ def serve(args: argparse.Namespace) -> int:
         check_config(config)
         haproxy = start_haproxy(config, args.out / "haproxy.log")
         stack.callback(_stop_haproxy, haproxy)
+        # First on the way out (callbacks run last first): the groups drain while the balancer still carries their
+        # clients' MOVED; the snapshots stay in the fleet's store for when it is back.
+        stack.callback(stop_groups, groups, launcher_stop_s(args))
         wait_balancing(haproxy, args.out / "haproxy.sock", [a.name for a in addresses], stop)
         write_manifest(args.out / "fleet.json", args, addresses, groups, haproxy)
         print(f"fleet ready: {len(addresses)} group(s) behind {args.address}:{args.grpc_port} (haproxy pid "
@@ -318,7 +345,7 @@ def serve(args: argparse.Namespace) -> int:
             if (started := sum(g.starts for g in groups)) != starts:  # a restarted launcher has a new pid
                 starts = started
                 write_manifest(args.out / "fleet.json", args, addresses, groups, haproxy)
-        print("SIGTERM: stopping the balancer and every group", flush=True)
+        print("SIGTERM: draining and stopping every group, then the balancer", flush=True)
     return 143
 
 
@@ -333,6 +360,9 @@ def _stop_haproxy(process: subprocess.Popen[bytes]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in RESTART_COMMANDS:
+        return restart_main(argv)
     args = build_parser().parse_args(argv)
     try:
         return serve(args)

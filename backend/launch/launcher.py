@@ -29,6 +29,7 @@ from ..engine.validation import checked_spec
 from ..serving.config import ServingConfig, split_parameters
 from ..serving.described import describe
 from .agent import CapacityAgent, GroupProbe
+from .drain import DRAIN_TIMEOUT_S, drain
 from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
 from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
@@ -125,8 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--agent-port",
         type=int,
-        help="serve HAProxy's agent-check here (on --address): the group's free session slots as a weight, drain "
-        "when full, down when not ready (backend/launch/agent.py; the fleet's balancer reads it)",
+        help="serve HAProxy's agent-check here (on --address): the group's free session slots as a weight (0 when "
+        "full), drain while it drains, down when not ready (backend/launch/agent.py; the fleet's balancer reads it)",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="SIGTERM, where the server keeps snapshots (snapshot_dir), first drains the group: it leaves the "
+        "balancer's rotation, saves every steered session and ends it MOVED with its snapshot's id, and the stop waits "
+        "until no stream is open, at most this long (default %(default)g s: a full group's snapshots of the 14B model, "
+        "4 x 27 GiB, written at 2 GB/s, twice over; backend/launch/drain.py). A second SIGTERM stops at once",
     )
     parser.add_argument("--repository-out", type=Path, default=DEFAULT_REPOSITORY_DIR)
     parser.add_argument("--backends-out", type=Path, default=DEFAULT_BACKENDS_DIR)
@@ -239,6 +249,44 @@ def reload_keys(server: TritonServer) -> None:
         print(f"SIGHUP: keys reloaded from {server.keys_file}: {len(ring.entries)} key(s)", flush=True)
 
 
+def drains_on_sigterm(args: argparse.Namespace) -> bool:
+    """Whether SIGTERM drains the group before the stop: its server keeps snapshots and is the whole group (a
+    server of a group of several hosts sees only its own streams: it stops at once, as before)."""
+    parameters = dict(args.param)
+    hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k == "host_count"}).host_count
+    return parameters.get("snapshot_dir") != "" and not args.mpi and hosts == 1
+
+
+class Termination:
+    """The launcher's SIGTERM: the first unwinds it (exit 143) through its drain, if any, and its stop; a second one
+    during the drain cuts the drain short (the stop goes on); any later one is ignored, the stop being under way."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.draining = False
+
+    def __call__(self, *_: object) -> None:
+        if self.asked and not self.draining:
+            return
+        self.draining = False
+        self.asked = True
+        raise SystemExit(143)
+
+    def drain(self, server: TritonServer, agent: CapacityAgent | None, timeout_s: float) -> None:
+        """After the first SIGTERM only: the group moves its worlds elsewhere, then the stop follows."""
+        if not self.asked:
+            return
+        print(f"SIGTERM: draining (at most {timeout_s:g} s; SIGTERM again to stop at once)", flush=True)
+        self.draining = True
+        try:
+            drained = drain(server, agent, timeout_s)
+        finally:
+            self.draining = False
+        left = f"{drained.streams_left} still open: the stop ends them" if drained.streams_left else "none left"
+        print(f"SIGTERM: drained in {drained.seconds:.1f} s ({drained.streams_at_start} stream(s) open at the start, "
+              f"{left}); stopping", flush=True)
+
+
 def serve(args: argparse.Namespace) -> int:
     tls = tls_of(args)
     repository, kind, secret = render(args)
@@ -261,12 +309,17 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.admin_key_file:
         write_admin_key(args.admin_key_file, server.admin_key)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `with` so the group is stopped
+    termination = Termination()
+    signal.signal(signal.SIGTERM, termination)  # unwind through `with` so the group is drained and stopped
     signal.signal(signal.SIGHUP, lambda *_: reload_keys(server))
     with server, contextlib.ExitStack() as stack:
+        agent = None
         if args.agent_port is not None:  # where a balancer reads the group's capacity (launch/fleet.py)
-            probe = GroupProbe(server.host, server.http_port, server.metrics_port)
-            stack.callback(CapacityAgent(probe, args.agent_port, args.address).start().stop)
+            agent = CapacityAgent(GroupProbe(server.host, server.http_port, server.metrics_port), args.agent_port,
+                                  args.address).start()
+            stack.callback(agent.stop)
+        if drains_on_sigterm(args):  # runs first on the way out (last in, first out), while the server serves
+            stack.callback(termination.drain, server, agent, args.drain_timeout_s)
         print(f"tritonserver pid {server.pid} grpc {server.grpc_url} log {server.log_path}", flush=True)
         if kind == "KIND_CPU":
             print(f"(without a GPU its log starts with {' and '.join(CPU_START_LINES)}: harmless)", flush=True)

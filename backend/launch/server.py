@@ -37,6 +37,7 @@ SHM_DIR = Path("/dev/shm")
 EXIT_TIMEOUT_S = 3
 # After tritonserver's own exit timeout, what stop() waits before it kills the process group.
 KILL_GRACE_S = 1.0
+WAKE_S = 0.2  # how often wait() wakes (the launcher's SIGTERM and SIGHUP take effect within it)
 
 log = logging.getLogger(__name__)
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
@@ -147,6 +148,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else _temp_log_path()
+        self._log_start = 0  # where this start's part of the log begins (a restarted launcher appends to it)
         self.die_with_parent = die_with_parent
         self.tls, self.keys_file = tls, keys_file
         self.tls_args = tls.args() if tls else []  # names a missing file now, not in the server's log
@@ -234,7 +236,8 @@ class TritonServer:
             raise RuntimeError("this TritonServer was already started")
         self.reload_keys()  # before the instances load: they read the keys at start
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
+        with self.log_path.open("ab") as log:  # the log of the server before a restart stays
+            self._log_start = log.tell()
             self.process = subprocess.Popen(
                 self.command(),
                 env=self.environment(),
@@ -274,12 +277,22 @@ class TritonServer:
         return self.process
 
     def wait(self) -> int:
-        """Block until the server exits; returns its exit code."""
-        return self._started().wait()
+        """Block until the server exits; returns its exit code. It wakes every WAKE_S: Python runs a signal's handler
+        in the main thread only, between bytecodes, and the kernel may deliver a process's SIGTERM to another thread
+        (the healer's, the agent's), which leaves a main thread blocked in waitpid() asleep until the server exits."""
+        process = self._started()
+        while (rc := process.poll()) is None:
+            time.sleep(WAKE_S)
+        return rc
 
     def log_excerpt(self, lines: int = 30) -> str:
-        """The log's error lines (`E...` records, `error: ...`), else its last lines."""
-        text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.is_file() else []
+        """This start's error lines in the log (`E...` records, `error: ...`), else its last lines."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                text = log.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            text = []
         errors = [line for line in text if _LOG_ERROR.match(line) and not line.endswith(CPU_START_LINES)]
         return "\n".join((errors or text)[-lines:])
 

@@ -161,6 +161,7 @@ class Intake:
             responder.send_error(exc.refusal)
             return
         stream = SteeredStream(responder) if request.steered else WholeStream(responder)
+        stream.sent = shared.delivered  # a resumed world's client has the blocks before its snapshot
         part = OwnerPart(stream, key if request.steered else None, principal=who, request=shared.request,
                          geometry=shared.geometry)
         if saving:
