@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        steps = parse_play_script(args.keys)
+        steps = parse_play_script(args.keys, resumed=args.resume is not None)
         image = load_image(args.image) if args.image else synthetic_image(args.height, args.width)
         if args.resume is not None:
             check_snapshot_id(args.resume)

@@ -38,6 +38,8 @@ class UsedSteps:
         step = None if block.held or not self._unused else self._unused.popleft()
         prompt = block.used.prompt if block.used is not None else \
             (step.prompt if step is not None and step.prompt is not None else self._prompt)
-        event, self._prompt = self._prompt is not None and prompt != self._prompt, prompt
+        # A resumed world's prompt before its first block is not known: an event there is its step's.
+        changed = prompt != self._prompt if self._prompt is not None else step is not None and step.prompt is not None
+        event, self._prompt = changed, prompt
         keys = "held" if step is None else "poses" if step.keys is None else step.keys or "-"
         return BlockLabel(keys, prompt, event, block.held)

@@ -224,13 +224,18 @@ class PlayedWorld:
             self._deliver(block)
             return block
 
+    def end(self) -> None:
+        """End the world after the blocks of the steps sent: next_block returns them, then None (once every save's
+        outcome was told)."""
+        self._ending = True
+        self._send_owed_end()
+
     def finish(self, timeout: float | None = None) -> None:
         """End the world after the blocks returned (call it after the last one) and wait until the server has told
         the outcome of every save asked for."""
         if self._queued:
             raise ValueError(f"{len(self._queued)} block(s) asked for were not read: read them first")
-        self._ending = True
-        self._send_owed_end()
+        self.end()
         if self._end_alone:  # its answer comes once the saves' outcomes were told
             while self.next_block(timeout) is not None:
                 pass
