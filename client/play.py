@@ -175,8 +175,10 @@ def show_failover(failover: Failover) -> None:
         print(f"server lost ({failover.reason}), resuming at {where} from {source}: {failover.replayed} block(s) "
               f"to make again, {failover.resent} step(s) to send again", flush=True)
     else:
+        exact = "bit for bit" if not failover.differed else \
+            f"{failover.differed} not bit for bit: batched otherwise than before, docs/fidelity.md"
         print(f"resumed at {where} in {failover.took_s:.2f} s ({failover.attempts} attempt(s); {failover.replayed} "
-              f"block(s) made again, bit for bit)", flush=True)
+              f"block(s) made again, {exact})", flush=True)
 
 
 def save_partial(recorder: Recorder | None, path: str | None) -> None:

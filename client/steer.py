@@ -12,8 +12,9 @@ caller.
 
 Responses that answer no request: a waiting session's place in line (`on_place`) and a save's outcome
 (`on_snapshot`: the snapshot is durable, or why it failed), both on tritonclient's thread. A save the server
-refuses at once (SNAPSHOT_STORE_FULL: its block is not run, the session goes on) is answered before the blocks of
-the steps sent ahead of it; `next_block` still raises it in its request's turn.
+refuses at once (SNAPSHOT_STORE_FULL, or INVALID_INPUT from a server without a snapshot store: its block is not run,
+the session goes on) is answered before the blocks of the steps sent ahead of it; `next_block` still raises it in
+its request's turn.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from client.stream import StreamError, StreamTimeoutError, model_error, new_sequ
 
 PAUSE_ID = "lingbot-pause"  # the request id of this client's pauses
 PAUSE_REFUSAL = f"request parameter '{contract.PARAM_PAUSE}'"  # in every error the server answers a pause with
+SAVE_NAMED = f"'{contract.PARAM_SAVE}'"  # in the INVALID_INPUT a save gets from a server that cannot save
 # An open pause is renewed this often (so it is at most twice as old): Triton's sequence batcher forgets a
 # sequence that sent no request for session_idle_timeout_s + 60 s, however long its pause has been open.
 RENEW_S = 20.0
@@ -49,6 +51,12 @@ class _Answer:
     save: bool  # it asks for a save (its refusal may come before earlier requests' blocks)
     sent_s: float
     item: tuple[Any, StreamError | None, float] | None = None
+
+
+def refuses_save(failure: StreamError) -> bool:
+    """A save refused at once, its block not run: the store is full, or the server keeps no snapshots."""
+    return failure.code == contract.SNAPSHOT_STORE_FULL or (failure.code == contract.INVALID_INPUT
+                                                            and SAVE_NAMED in failure.sentence)
 
 
 class SteeredSession:
@@ -124,7 +132,7 @@ class SteeredSession:
 
     def _answer_for(self, failure: StreamError | None) -> _Answer | None:
         """The request an answer is for: the oldest unanswered one, but a save's at-once refusal is its own."""
-        saving = failure is not None and failure.code == contract.SNAPSHOT_STORE_FULL
+        saving = failure is not None and refuses_save(failure)
         waiting = self._unanswered()
         return next((a for a in waiting if a.save), None) if saving else next(iter(waiting), None)
 

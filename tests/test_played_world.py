@@ -29,6 +29,7 @@ class StandIn:
     fail_at: dict[int, str] = field(default_factory=dict)  # blocks made in all -> how the session then fails
     refuse_opens: int = 0  # resumes answered "not ready" (a healing group) before one takes
     full: bool = False  # the store refuses saves
+    no_store: bool = False  # the server keeps no snapshots
     tamper: bool = False  # a resumed world is another one
     forget: bool = False  # the store loses its snapshots
     store: dict[str, list[str]] = field(default_factory=dict)
@@ -94,6 +95,10 @@ class Session:
             return
         if save and self.server.full:
             self._answer(StreamError("x", "[SNAPSHOT_STORE_FULL retry_after_s=5] the store is full"))
+            return
+        if save and self.server.no_store:
+            self._answer(StreamError("x", "[INVALID_INPUT] this server keeps no snapshots (its snapshot_dir is not "
+                                          "set): request parameters 'save' and 'resume' need one"))
             return
         how = self.server.fail_at.pop(self.server.made, None)
         if how == "moved":
@@ -218,9 +223,21 @@ def test_a_save_refused_by_a_full_store_is_sent_again_without_it_and_the_world_g
     assert hashes(blocks) == [block_hash(session.history[: i + 1]) for i in range(len(KEYS))]
 
 
-def test_a_block_made_differently_after_a_resume_or_a_snapshot_gone_loses_the_world() -> None:
+def test_on_a_server_without_a_store_the_world_plays_on_unsaved_and_fails_over_from_its_start() -> None:
+    server = StandIn(no_store=True, fail_at={8: "error"})
+    blocks, saves, failovers = play(server, save_every=3)
+    ran = server.sessions[-1].history  # the refused step ran behind the one sent after it, in both sessions
+    assert sorted(ran) == sorted(KEYS) and hashes(blocks) == [block_hash(ran[: i + 1]) for i in range(len(KEYS))]
+    (refused,) = saves  # the first save told it: no more are asked for
+    assert refused.snapshot_id is None and "keeps no snapshots" in refused.error
+    assert failovers[0].snapshot_id is None and server.opens == ["start", "start"]
+
+
+def test_a_block_made_differently_after_a_resume_loses_a_strict_world_and_a_snapshot_gone_any() -> None:
     with pytest.raises(WorldLostError, match="block 6 made again after the resume differs from the one received"):
-        play(StandIn(fail_at={7: "error"}, tamper=True), save_every=3)
+        play(StandIn(fail_at={7: "error"}, tamper=True), save_every=3, strict=True)
+    blocks, _, (lost, through) = play(StandIn(fail_at={7: "error"}, tamper=True), save_every=3)  # not strict
+    assert through.differed == 1 and [b.block_index for b in blocks] == list(range(len(KEYS)))
     with pytest.raises(WorldLostError, match="cannot be resumed: no snapshot"):
         play(StandIn(fail_at={7: "error"}, forget=True), save_every=3)
 

@@ -70,7 +70,7 @@ def play(url: str, request, steps: list, cut_after: int | None) -> tuple[list[st
         return sessions[-1]
 
     hashes: list[str] = []
-    with PlayedWorld(url, save_every=2, session_factory=opened) as world:
+    with PlayedWorld(url, save_every=2, session_factory=opened, strict=True) as world:
         world.start(dataclasses.replace(request, keys=steps[0].keys))
         sent = 1
         for received in range(len(steps)):

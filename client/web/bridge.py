@@ -226,4 +226,4 @@ def failover_message(failover: Failover) -> dict[str, Any]:
     """A failover as the page reads it: lost (took_s null), then resumed."""
     return {"type": "failover", "block": failover.resume_block, "replayed": failover.replayed,
             "resent": failover.resent, "reason": failover.reason, "took_s": failover.took_s,
-            "attempts": failover.attempts}
+            "attempts": failover.attempts, "differed": failover.differed}

@@ -124,8 +124,10 @@ function onMessage(event) {
       show("resuming");
     } else {
       s.resumedS = msg.took_s.toFixed(2);
+      s.differed = msg.differed;
       $("failover").textContent = `server lost, resumed at ${where} after ${msg.took_s.toFixed(2)} s ` +
-        `(${msg.replayed} block(s) made again, ${msg.resent} step(s) sent again)`;
+        `(${msg.replayed} block(s) made again${msg.differed ? `, ${msg.differed} not bit for bit` : ""}, ` +
+        `${msg.resent} step(s) sent again)`;
       show(stats.stopping ? "stopping" : "playing");
     }
     $("failover").hidden = false;
