@@ -21,6 +21,7 @@ RETRY_FIRST_S, doubling to RETRY_MOST_S, for at most `resume_within_s`; a refusa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ from backend.api.request import Controls, SessionRequest, check_snapshot_id
 from client.connection import Connection
 from client.steer import SteeredSession, refuses_save
 from client.stream import StreamError, StreamTimeoutError
+
+log = logging.getLogger(__name__)
 
 # The interval the players save at unless told: every 4 blocks. At the mid preset on CPU a save pauses the group for
 # at most 0.63 % of a block and its background write takes 0.02 of one (bench/README section 18): every 4 blocks
@@ -410,8 +413,8 @@ class PlayedWorld:
             return block
 
     def _stall_s(self) -> float:
-        return max(STALL_FLOOR_S, STALL_BLOCKS * max(self._block_s)) + \
-            (self._first_block_s if self._first_pending else 0.0)
+        bound = max(STALL_FLOOR_S, STALL_BLOCKS * max(self._block_s))
+        return bound + self._first_block_s if self._first_pending else bound
 
     def _stall_at(self) -> float | None:
         """When the block waited for is late enough to give the stream up (None: no block time measured yet, or
@@ -475,6 +478,8 @@ class PlayedWorld:
             return
         done = dataclasses.replace(self._failover, took_s=block.arrival_s - self._lost_s)
         self._failover = None
+        log.warning("resumed at block %s in %.2f s (%d sessions opened, %d blocks made again)", done.resume_block,
+                    done.took_s, done.attempts, done.replayed)
         self.failovers.append(done)
         if self.on_failover is not None:
             self.on_failover(done)
@@ -487,6 +492,7 @@ class PlayedWorld:
         if self._ending and not self._queued:
             return False
         if self._failover is not None and self._first_pending:  # the resume did not take: try again
+            log.info("the resume did not take (try %d): %s", self._failover.attempts, reason)
             now = time.perf_counter()
             if now >= self._give_up_s:
                 raise WorldLostError(f"the world could not be resumed within {self.resume_within_s:g} s: {reason}")
@@ -515,6 +521,8 @@ class PlayedWorld:
         self._retry_s = RETRY_FIRST_S
         resume_block = None if self._base_block is None else self._base_block + 1
         self._failover = Failover(reason, resume_block, self._base_id, len(self._played), len(self._queued))
+        log.warning("the stream was lost (%s): resuming at block %s from %s", reason, resume_block,
+                    self._base_id or "the world's first request")
         if self.on_failover is not None:
             self.on_failover(self._failover)
 
