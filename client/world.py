@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.api import contract
-from backend.api.codec import BlockResponse, Place, SnapshotNotice
+from backend.api.codec import BlockResponse, BlockUsed, Place, SnapshotNotice
 from backend.api.request import Controls, SessionRequest, check_snapshot_id
 from client.connection import Connection
 from client.steer import SteeredSession, refuses_save
@@ -533,7 +533,7 @@ class _Stalled(Exception):
         self.seconds = seconds
 
 
-def _used(block: BlockResponse):
+def _used(block: BlockResponse) -> BlockUsed:
     if block.used is None:
         raise StreamError(f"block {block.block_index} came without what it was made from (return_used)")
     return block.used

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.api.codec import Place
 from backend.api.contract import SNAPSHOT_ID_PATTERN
 from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest, check_prompt
