@@ -11,7 +11,8 @@ A failure is one of:
   counted from the later of the session's last response (a block, a place in line, a save's outcome) and the send
   of the oldest request not answered; a session's first block adds the longest measured time to a first block.
   Until a block time is measured only the caller's timeout bounds a wait, and its passing is the caller's error;
-  so is any failure before the world's first block (a start refused: the line is full, say).
+  so is a refusal before the world's first block (a start refused: the line is full, say), while a failed stream then
+  starts the world again.
 
 The resume goes to the same address (a fleet's balancer takes it to a group with room; a lone group's healer
 brings it back), again and again while the server cannot take it (not ready, reloading, full), waiting
@@ -383,8 +384,8 @@ class PlayedWorld:
                 code = exc.code
                 if refuses_save(exc) and self._saving is not None and self._saving.step:
                     self._refused(exc)
-                elif self.last_index < 0 and self._failover is None:  # the world's start refused: nothing to resume
-                    raise
+                elif code is not None and self.last_index < 0 and self._failover is None:
+                    raise  # the world's start refused (the line is full, say): the caller's to handle
                 elif code in GIVE_UP:
                     if self._failover is None:
                         raise

@@ -321,6 +321,63 @@ def test_the_page_plays_through_the_balancer(fleet, tmp_path: Path) -> None:
         browser.close()
 
 
+def test_the_groups_serve_one_world_and_a_difference_is_refused_by_name(fleet) -> None:
+    configs = {g.name: read_parameters(g.grpc_url) for g in fleet.groups}
+    check_one_world(configs)  # the fleet's own groups: one world
+    shift = re.search(r"timestep_shift=([^;]+)", configs["group1"]["described_settings_used"]).group(1)
+    other = dict(configs["group1"], max_sessions="4")
+    other["described_settings_used"] = other["described_settings_used"].replace(f"timestep_shift={shift}",
+                                                                                "timestep_shift=1.5")
+    with pytest.raises(ValueError, match=rf"described_settings_used\.timestep_shift: '1\.5' on group1, '{shift}' "
+                                         r"on group0.*max_sessions: '4' on group1, '2' on group0"):
+        check_one_world({"group0": configs["group0"], "group1": other})
+
+
+def test_the_agent_and_balancer_listen_on_loopback_only_and_garbage_leaves_them_serving(fleet) -> None:
+    pids = [fleet.process.pid] + children(fleet.process.pid)
+    pids += [c for p in list(pids) for c in children(p)]
+    listening = {(s.address, s.port) for s in tcp_sockets(pids) if s.listening}
+    balancer_port = int(fleet.url.rsplit(":", 1)[1])
+    for group in fleet.groups:
+        assert ("127.0.0.1", group.agent_port) in listening
+    assert ("127.0.0.1", balancer_port) in listening
+    assert all(is_loopback(address) for address, _ in listening), listening
+    group = fleet.groups[0]
+    idle = [socket.create_connection(("127.0.0.1", group.agent_port)) for _ in range(20)]  # never read
+    for port in (group.agent_port, group.agent_port, balancer_port):
+        for junk in (b"\x00\xff" * 50_000, b"GET / HTTP/1.1\r\n\r\n", b"down\n" * 1000, os.urandom(4096)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, contextlib.suppress(OSError):
+                sock.sendall(junk)  # the agent closes after its line: a large write may meet the reset
+    with socket.create_connection(("127.0.0.1", group.agent_port), timeout=5) as sock:
+        assert re.fullmatch(rb"ready up \d+%\n", sock.makefile("rb").readline())
+    for sock in idle:
+        sock.close()
+    assert all(s == "UP" for s in fleet.states().values())
+    assert one_session(fleet.url).error is None
+
+
+def test_groups_started_elsewhere_are_balanced_by_their_addresses(fleet, tmp_path: Path) -> None:
+    """The many-hosts recipe on loopback: a second balancer over the same two groups given as HOST:GRPC:HTTP:AGENT
+    checks one world, serves, and stops at once (it started no group)."""
+    port = free_port()
+    log = tmp_path / "remote.log"
+    addresses = [f"{g.grpc_url}:{g.http_port}:{g.agent_port}" for g in fleet.groups]
+    with log.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--grpc-port", str(port),
+                                    "--check-interval", str(CHECK_S), "--out", str(tmp_path / "build"),
+                                    *(a for g in addresses for a in ("--group", g))],
+                                   cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "fleet ready: 2 group(s)" in log.read_text() or process.poll() is not None, 30,
+                   "the balancer of remote groups")
+        assert process.poll() is None, log.read_text()
+        served = one_session(f"127.0.0.1:{port}")
+        assert served.error is None and served.blocks == 1, served
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 143
+
+
 @contextlib.contextmanager
 def players_on_group0(fleet: Fleet) -> Iterator[None]:
     """Group 1 held full by clients of its own while the players start, so the balancer puts them on group 0;
@@ -339,6 +396,47 @@ def group1_takes_sessions(fleet: Fleet) -> None:
 def blocks_after(arrivals: list[tuple[int, float]], at: float) -> float:
     """Seconds from `at` to the first block that arrived after it."""
     return min(t for _, t in arrivals if t > at) - at
+
+
+def test_a_killed_stub_s_world_goes_on_on_the_other_group_bit_for_bit(fleet) -> None:
+    """Only group 0's model stub is SIGKILLed (Triton keeps that stream open): the world is resumed on group 1,
+    its blocks those of an uninterrupted run of the same steps."""
+    from client.world import PlayedWorld
+
+    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+    steps = [dataclasses.replace(request.first_controls, keys=k) for k in ["w"] * 20 + ["d"] * 20]
+    group0 = fleet.groups[0]
+    failovers: list = []
+    with players_on_group0(fleet):
+        world = PlayedWorld(fleet.url, save_every=2, on_failover=failovers.append, strict=True)
+        world.start(request)
+        hashes = [world.next_block(60).used.latents_sha256]
+    group1_takes_sessions(fleet)
+    (stub,) = [c for c in children(running_tritonserver(fleet, group0))  # the live one (a healed stub's dead
+               if _read(Path(f"/proc/{c}/stat")).rsplit(")", 1)[-1].split()[:1] != ["Z"]]  # one may linger)
+    with world:
+        for i, controls in enumerate(steps[1:], start=1):
+            if i == 4:  # its step goes to the dead stub's stream, which Triton keeps open
+                os.kill(stub, signal.SIGKILL)
+                killed = time.perf_counter()
+            world.step(controls, end=i == len(steps) - 1)
+            block = world.next_block(60)
+            hashes.append(block.used.latents_sha256)
+            if i == 4:
+                after = block
+        world.finish(60)
+    uninterrupted = PlayedWorld(fleet.url, save_every=0)
+    with uninterrupted:
+        uninterrupted.start(request)
+        again = [uninterrupted.next_block(60).used.latents_sha256]
+        for i, controls in enumerate(steps[1:], start=1):
+            uninterrupted.step(controls, end=i == len(steps) - 1)
+            again.append(uninterrupted.next_block(60).used.latents_sha256)
+    assert hashes == again
+    (failover,) = world.failovers
+    print(f"stub killed: next block {after.arrival_s - killed:.2f} s after the kill ({failover.reason}; "
+          f"{failover.replayed} block(s) made again)")
+    wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")
 
 
 def test_a_killed_tritonserver_s_worlds_go_on_on_the_other_group_bit_for_bit(fleet, tmp_path: Path, capsys,
@@ -416,104 +514,7 @@ def test_a_killed_tritonserver_s_worlds_go_on_on_the_other_group_bit_for_bit(fle
     print(f"tritonserver killed: play's next block {gap:.2f} s after the kill (resumed at block {lost.group(1)}, "
           f"{took.group(2)} made again, {took.group(1)} s from the failure seen), the page's {page_failover['resumed-s']}"
           f" s from the failure seen")
-    wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")
-
-
-def test_a_killed_stub_s_world_goes_on_on_the_other_group_bit_for_bit(fleet) -> None:
-    """Only group 0's model stub is SIGKILLed (Triton keeps that stream open): the world is resumed on group 1,
-    its blocks those of an uninterrupted run of the same steps."""
-    from client.world import PlayedWorld
-
-    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
-    steps = [dataclasses.replace(request.first_controls, keys=k) for k in ["w"] * 20 + ["d"] * 20]
-    group0 = fleet.groups[0]
-    failovers: list = []
-    with players_on_group0(fleet):
-        world = PlayedWorld(fleet.url, save_every=2, on_failover=failovers.append, strict=True)
-        world.start(request)
-        hashes = [world.next_block(60).used.latents_sha256]
-    group1_takes_sessions(fleet)
-    (stub,) = children(running_tritonserver(fleet, group0))
-    with world:
-        for i, controls in enumerate(steps[1:], start=1):
-            if i == 4:  # its step goes to the dead stub's stream, which Triton keeps open
-                os.kill(stub, signal.SIGKILL)
-                killed = time.perf_counter()
-            world.step(controls, end=i == len(steps) - 1)
-            block = world.next_block(60)
-            hashes.append(block.used.latents_sha256)
-            if i == 4:
-                after = block
-        world.finish(60)
-    uninterrupted = PlayedWorld(fleet.url, save_every=0)
-    with uninterrupted:
-        uninterrupted.start(request)
-        again = [uninterrupted.next_block(60).used.latents_sha256]
-        for i, controls in enumerate(steps[1:], start=1):
-            uninterrupted.step(controls, end=i == len(steps) - 1)
-            again.append(uninterrupted.next_block(60).used.latents_sha256)
-    assert hashes == again
-    (failover,) = world.failovers
-    print(f"stub killed: next block {after.arrival_s - killed:.2f} s after the kill ({failover.reason}; "
-          f"{failover.replayed} block(s) made again)")
-    wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")
-
-
-def test_the_groups_serve_one_world_and_a_difference_is_refused_by_name(fleet) -> None:
-    configs = {g.name: read_parameters(g.grpc_url) for g in fleet.groups}
-    check_one_world(configs)  # the fleet's own groups: one world
-    shift = re.search(r"timestep_shift=([^;]+)", configs["group1"]["described_settings_used"]).group(1)
-    other = dict(configs["group1"], max_sessions="4")
-    other["described_settings_used"] = other["described_settings_used"].replace(f"timestep_shift={shift}",
-                                                                                "timestep_shift=1.5")
-    with pytest.raises(ValueError, match=rf"described_settings_used\.timestep_shift: '1\.5' on group1, '{shift}' "
-                                         r"on group0.*max_sessions: '4' on group1, '2' on group0"):
-        check_one_world({"group0": configs["group0"], "group1": other})
-
-
-def test_the_agent_and_balancer_listen_on_loopback_only_and_garbage_leaves_them_serving(fleet) -> None:
-    pids = [fleet.process.pid] + children(fleet.process.pid)
-    pids += [c for p in list(pids) for c in children(p)]
-    listening = {(s.address, s.port) for s in tcp_sockets(pids) if s.listening}
-    balancer_port = int(fleet.url.rsplit(":", 1)[1])
-    for group in fleet.groups:
-        assert ("127.0.0.1", group.agent_port) in listening
-    assert ("127.0.0.1", balancer_port) in listening
-    assert all(is_loopback(address) for address, _ in listening), listening
-    group = fleet.groups[0]
-    idle = [socket.create_connection(("127.0.0.1", group.agent_port)) for _ in range(20)]  # never read
-    for port in (group.agent_port, group.agent_port, balancer_port):
-        for junk in (b"\x00\xff" * 50_000, b"GET / HTTP/1.1\r\n\r\n", b"down\n" * 1000, os.urandom(4096)):
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, contextlib.suppress(OSError):
-                sock.sendall(junk)  # the agent closes after its line: a large write may meet the reset
-    with socket.create_connection(("127.0.0.1", group.agent_port), timeout=5) as sock:
-        assert re.fullmatch(rb"ready up \d+%\n", sock.makefile("rb").readline())
-    for sock in idle:
-        sock.close()
-    assert all(s == "UP" for s in fleet.states().values())
-    assert one_session(fleet.url).error is None
-
-
-def test_groups_started_elsewhere_are_balanced_by_their_addresses(fleet, tmp_path: Path) -> None:
-    """The many-hosts recipe on loopback: a second balancer over the same two groups given as HOST:GRPC:HTTP:AGENT
-    checks one world, serves, and stops at once (it started no group)."""
-    port = free_port()
-    log = tmp_path / "remote.log"
-    addresses = [f"{g.grpc_url}:{g.http_port}:{g.agent_port}" for g in fleet.groups]
-    with log.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--grpc-port", str(port),
-                                    "--check-interval", str(CHECK_S), "--out", str(tmp_path / "build"),
-                                    *(a for g in addresses for a in ("--group", g))],
-                                   cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: "fleet ready: 2 group(s)" in log.read_text() or process.poll() is not None, 30,
-                   "the balancer of remote groups")
-        assert process.poll() is None, log.read_text()
-        served = one_session(f"127.0.0.1:{port}")
-        assert served.error is None and served.blocks == 1, served
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(10) == 143
+    wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")  # for the fleet's stop
 
 
 def test_sigterm_stops_the_balancer_and_every_group(fleet) -> None:
