@@ -172,7 +172,7 @@ def show_failover(failover: Failover) -> None:
     where = "its first block" if failover.resume_block is None else f"block {failover.resume_block}"
     source = f"snapshot {failover.snapshot_id}" if failover.snapshot_id else "its first request"
     if failover.took_s is None:
-        print(f"server lost ({failover.reason}), resuming at {where} from {source}: {failover.replayed} block(s) "
+        print(f"server lost, resuming at {where} from {source} ({failover.reason}): {failover.replayed} block(s) "
               f"to make again, {failover.resent} step(s) to send again", flush=True)
     else:
         exact = "bit for bit" if not failover.differed else \
