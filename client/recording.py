@@ -2,9 +2,11 @@
 
 One `.npz` file (numpy's zip of arrays, read without pickle): `meta`, a JSON text that names the format and
 version and holds the start inputs (prompt, seed, size), the server's `settings_used` and one entry per block
-(its frame count, whether it was held, its world event, the SHA-256 of its latents); `image`, the first frame
-as sent (once); `camera`, every video frame's camera-to-world pose as the server ran it (float32 [n, 4, 4]);
-`intrinsics` when the session sent them. `Recording.load` checks all of it and names what is wrong.
+(its frame count, whether it was held, its world event, the SHA-256 of its latents) and the session's durable
+snapshots (`snapshots`: each id and the block it follows; absent in recordings written before snapshots, read as
+none); `image`, the first frame as sent (once); `camera`, every video frame's camera-to-world pose as the server ran
+it (float32 [n, 4, 4]); `intrinsics` when the session sent them. `Recording.load` checks all of it and names what
+is wrong.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from backend.api.codec import BlockResponse
-from backend.api.contract import MAX_INPUT_PIXELS, block_video_frames
+from backend.api.contract import MAX_INPUT_PIXELS, SNAPSHOT_ID_PATTERN, block_video_frames
 from backend.api.provenance import parse_settings
 from backend.api.request import SessionRequest, check_pose_count, check_poses, check_prompt
 
@@ -29,6 +31,7 @@ ABOUT = ("A LingBot-World session as the server ran it: replay it with `python -
          "[n, 4, 4], OpenCV axes), intrinsics (optional, float32 [k, 4]); meta.blocks[i].frames of camera's rows "
          "belong to block i.")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_SNAPSHOT_ID = re.compile(SNAPSHOT_ID_PATTERN)
 
 
 class RecordingError(ValueError):
@@ -54,6 +57,7 @@ class Recording:
     settings: str  # the server's settings_used (api/provenance)
     intrinsics: np.ndarray | None = None  # float32 [k, 4], as sent
     blocks: list[RecordedBlock] = field(default_factory=list)
+    snapshots: dict[str, int] = field(default_factory=dict)  # a durable snapshot's id -> the block it follows
 
     @property
     def block_frames(self) -> int:
@@ -72,6 +76,7 @@ class Recording:
             "settings": self.settings,
             "blocks": [{"frames": len(b.camera), "held": b.held, "event": b.event, "recache": b.recache,
                         "latents_sha256": b.latents_sha256} for b in self.blocks],
+            "snapshots": [{"id": i, "block": k} for i, k in self.snapshots.items()],
         }
         arrays = {"meta": np.array(json.dumps(meta)), "image": self.image,
                   "camera": np.concatenate([b.camera for b in self.blocks]).astype(np.float32)}
@@ -194,7 +199,26 @@ def _parse(arrays: dict[str, np.ndarray]) -> Recording:
         if not isinstance(recache, bool) or (recache and event is None):
             raise RecordingError(f"{where}.recache must be true or false, and true only with an event")
         blocks.append(RecordedBlock(poses, sha, bool(_field(entry, "held", bool, where)), event, recache))
-    return Recording(image, prompt, seed, height, width, settings, intrinsics, blocks)
+    return Recording(image, prompt, seed, height, width, settings, intrinsics, blocks,
+                     _snapshots(meta.get("snapshots", []), len(blocks)))
+
+
+def _snapshots(entries: Any, blocks: int) -> dict[str, int]:
+    """meta.snapshots: each a snapshot id and a recorded block it follows."""
+    if not isinstance(entries, list):
+        raise RecordingError("meta.snapshots must be a list")
+    snapshots = {}
+    for i, entry in enumerate(entries):
+        where = f"meta.snapshots[{i}]"
+        if not isinstance(entry, dict):
+            raise RecordingError(f"{where} is not an object")
+        snapshot_id, block = _field(entry, "id", str, where), _field(entry, "block", int, where)
+        if not _SNAPSHOT_ID.fullmatch(snapshot_id) or snapshot_id in snapshots:
+            raise RecordingError(f"{where}.id must be a snapshot id ({SNAPSHOT_ID_PATTERN}), each once")
+        if not 0 <= block < blocks:
+            raise RecordingError(f"{where}.block is {block}; the recording holds blocks 0 to {blocks - 1}")
+        snapshots[snapshot_id] = block
+    return snapshots
 
 
 def _field(meta: dict[str, Any], name: str, kind: type, where: str = "meta") -> Any:
@@ -230,6 +254,12 @@ class Recorder:
         self._prompt = used.prompt
         self.recording.blocks.append(RecordedBlock(used.camera, used.latents_sha256, block.held, event,
                                                    used.recached))
+
+    def note_snapshot(self, snapshot_id: str, block_index: int) -> None:
+        """A durable snapshot of the session, after its block `block_index` (recorded already)."""
+        if self.recording is None or not 0 <= block_index < len(self.recording.blocks):
+            raise RecordingError(f"snapshot {snapshot_id} follows block {block_index}, which was not recorded")
+        self.recording.snapshots[snapshot_id] = block_index
 
     def save(self, path: str | Path) -> Path | None:
         """Write what was recorded (None: no block arrived, nothing written)."""

@@ -2,10 +2,13 @@
 
     python -m client replay out/world.npz --url localhost:8001 --out out/replay.mp4
     python -m client replay out/world.npz --steps
+    python -m client replay out/world.npz --from-snapshot ID
 
 By default one whole trajectory carries every recorded pose (pose_scale=running, as the steered session scaled
 its translations); --steps replays it as a steered session again, one step per block with its world event. Both
 send the recording's settings as expect_settings, so a server with other settings refuses before any work.
+--from-snapshot resumes one of the snapshots the recording notes and replays, step by step, only the recorded
+blocks after it (a server with other settings refuses the snapshot, naming them); the table lists those blocks.
 Exit status: 0 when every block's latents equal the recorded hashes, 1 when one differs or the stream fails,
 2 for a recording that cannot be replayed.
 """
@@ -90,11 +93,38 @@ def replay_steps(recording: Recording, url: str, model: str, decode: bool, timeo
     return received
 
 
-def check_blocks(recording: Recording, blocks: list[BlockResponse]) -> list[BlockCheck]:
-    """Each recorded block against what came back (the server's hash, checked against the latents if sent)."""
+def replay_from_snapshot(recording: Recording, snapshot_id: str, url: str, model: str, timeout: float,
+                         connection: Connection = Connection()) -> list[BlockResponse]:
+    """The recorded blocks after a noted snapshot, as a steered session resumed from it (lookahead 1)."""
+    after = recording.snapshots.get(snapshot_id)
+    if after is None:
+        raise RecordingError(f"the recording notes no snapshot {snapshot_id} (it notes "
+                             f"{sorted(recording.snapshots) or 'none'})")
+    steps = [Controls(poses=b.camera, prompt=b.event, recache=b.recache) for b in recording.blocks[after + 1:]]
+    if not steps:
+        raise RecordingError(f"snapshot {snapshot_id} follows the recording's last block: nothing to replay")
+    received: list[BlockResponse] = []
+    with SteeredSession(url, model_name=model, connection=connection) as session:
+        session.resume(snapshot_id, steps[0], return_latents=False, return_used=True)
+        for i in range(len(steps)):
+            if i + 1 < len(steps):
+                session.step(steps[i + 1], end=i + 2 == len(steps))
+            block = session.next_block(timeout)
+            if block is None:
+                raise StreamError(f"the session ended after {len(received)} of {len(steps)} blocks")
+            received.append(block)
+        if len(steps) == 1:
+            session.end()
+            session.next_block(timeout)
+    return received
+
+
+def check_blocks(recording: Recording, blocks: list[BlockResponse], first: int = 0) -> list[BlockCheck]:
+    """Each recorded block from `first` on against what came back (the server's hash, checked against the latents
+    if sent)."""
     checks = []
-    for i, recorded in enumerate(recording.blocks):
-        block = blocks[i] if i < len(blocks) else None
+    for i, recorded in enumerate(recording.blocks[first:], start=first):
+        block = blocks[i - first] if i - first < len(blocks) else None
         replayed = block.used.latents_sha256 if block is not None and block.used is not None else None
         if block is not None and block.latents is not None and replayed != latents_sha256(block.latents):
             raise StreamError(f"block {i}: the server's latents_sha256 does not match the latents it sent")
@@ -104,7 +134,8 @@ def check_blocks(recording: Recording, blocks: list[BlockResponse]) -> list[Bloc
 
 def table(recording: Recording, checks: list[BlockCheck]) -> str:
     lines = [f"{'block':>5}  {'frames':>6}  {'held':>4}  {'recorded':<16}  {'replayed':<16}  same  event"]
-    for check, block in zip(checks, recording.blocks):
+    for check in checks:
+        block = recording.blocks[check.index]
         lines.append(f"{check.index:>5}  {len(block.camera):>6}  {'yes' if block.held else '-':>4}  "
                      f"{check.recorded[:16]:<16}  {(check.replayed or 'missing')[:16]:<16}  "
                      f"{'yes' if check.same else 'NO':<4}  {block.event or ''}{' (recache)' if block.recache else ''}")
@@ -116,6 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("recording", help="a recording from `python -m client play --record` or the page")
     add_server_args(p)
     p.add_argument("--steps", action="store_true", help="replay step by step as a steered session")
+    p.add_argument("--from-snapshot", metavar="ID", help="resume this snapshot (one the recording notes) and replay "
+                   "only the blocks after it, step by step")
     p.add_argument("--out", help="also decode and write the replayed video here (MP4)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for the whole trajectory, or for each block with --steps (default: %(default)s)")
@@ -126,17 +159,27 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         recording = Recording.load(args.recording)
-        if not args.steps:
+        first = 0 if args.from_snapshot is None else recording.snapshots.get(args.from_snapshot, -1) + 1
+        if args.from_snapshot is not None and not 0 < first < len(recording.blocks):
+            raise RecordingError(f"the recording notes no snapshot {args.from_snapshot} with blocks after it "
+                                 f"(it notes {recording.snapshots or 'none'})")
+        if not args.steps and args.from_snapshot is None:
             whole_request(recording, decode=False)  # refuse a whole replay of world events before connecting
     except RecordingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    kind = "step by step" if args.steps else "as one whole trajectory"
+    kind = f"from snapshot {args.from_snapshot} (blocks {first} on)" if args.from_snapshot else \
+        "step by step" if args.steps else "as one whole trajectory"
     print(f"replaying {args.recording} ({len(recording.blocks)} blocks, {recording.settings}) {kind} at {args.url}")
-    replay = replay_steps if args.steps else replay_whole
     try:
-        blocks = replay(recording, args.url, args.model, args.out is not None, args.timeout, connection_of(args))
-        checks = check_blocks(recording, blocks)
+        connection = connection_of(args)
+        if args.from_snapshot is not None:
+            blocks = replay_from_snapshot(recording, args.from_snapshot, args.url, args.model, args.timeout,
+                                          connection)
+        else:
+            replay = replay_steps if args.steps else replay_whole
+            blocks = replay(recording, args.url, args.model, args.out is not None, args.timeout, connection)
+        checks = check_blocks(recording, blocks, first)
         with Mp4Writer(args.out, DEFAULT_FPS) if args.out else contextlib.nullcontext() as mp4:
             for block in blocks if mp4 is not None else ():
                 mp4.append(block.frames)

@@ -51,7 +51,7 @@ class StreamError(RuntimeError):
 
 
 class StreamTimeoutError(StreamError, TimeoutError):
-    """No final response arrived within the timeout; the request was cancelled."""
+    """No response arrived within the timeout (a whole trajectory's request is cancelled then)."""
 
 
 class StreamCancelledError(StreamError):

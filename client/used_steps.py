@@ -25,7 +25,8 @@ class BlockLabel:
 class UsedSteps:
     """Feed it every step sent (the first request's camera first), then each block as it arrives."""
 
-    def __init__(self, first: Controls, prompt: str) -> None:
+    def __init__(self, first: Controls, prompt: str | None) -> None:
+        """prompt: the session's first (None: not known, a resumed world's: its first block says it)."""
         self._unused: deque[Controls] = deque([first])
         self._prompt = prompt
 
@@ -37,6 +38,8 @@ class UsedSteps:
         step = None if block.held or not self._unused else self._unused.popleft()
         prompt = block.used.prompt if block.used is not None else \
             (step.prompt if step is not None and step.prompt is not None else self._prompt)
-        event, self._prompt = prompt != self._prompt, prompt
+        # A resumed world's prompt before its first block is not known: an event there is its step's.
+        changed = prompt != self._prompt if self._prompt is not None else step is not None and step.prompt is not None
+        event, self._prompt = changed, prompt
         keys = "held" if step is None else "poses" if step.keys is None else step.keys or "-"
         return BlockLabel(keys, prompt, event, block.held)

@@ -67,11 +67,13 @@ def engine(tiny_checkpoint: str):
 
 
 @pytest.fixture(scope="session")
-def sp1_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str):
-    """One real tritonserver (one CPU instance) on the tiny checkpoint for the whole run."""
+def sp1_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str, snapshot_dir: str):
+    """One real tritonserver (one CPU instance) on the tiny checkpoint for the whole run, saving worlds into the
+    shared snapshot store."""
     from triton_harness import running_server
 
-    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4") as s:
+    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4",
+                        snapshot_dir=snapshot_dir) as s:
         yield s
 
 

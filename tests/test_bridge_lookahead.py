@@ -25,12 +25,16 @@ class CountingSession:
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.sent_s: list[float] = []
         self.in_flight: list[int] = []
+        self.answered_sent_s = 0.0
 
     def start(self, request: SessionRequest) -> None:
         self.sent_s.append(0.0)
 
-    def step(self, controls, end: bool = False) -> None:
+    def step(self, controls, end: bool = False, save: bool = False) -> None:
         self.sent_s.append(float(len(self.sent_s)))
+
+    def waiting_since(self) -> float | None:
+        return None
 
     def end(self) -> None:
         pass
@@ -58,7 +62,8 @@ def test_a_page_keeps_lookahead_steps_ahead(lookahead: int, tmp_path: Path, monk
     async def send(message) -> None:
         messages.append(message)
 
-    player = Player("unused:8001", "lingbot_world", tmp_path / "page.mp4", send, timeout=5, lookahead=lookahead)
+    player = Player("unused:8001", "lingbot_world", tmp_path / "page.mp4", send, timeout=5, lookahead=lookahead,
+                    save_every=0)
     player.hold("w")
     request = bridge.start_request({"prompt": "a street", "height": 16, "width": 16, "keys": "w"})
     asyncio.run(player.play(request))
@@ -73,4 +78,4 @@ def test_serve_takes_lookahead_zero_and_refuses_a_negative_one(capsys: pytest.Ca
     assert serve.parse_args([]).lookahead == 1
     with pytest.raises(SystemExit):
         serve.parse_args(["--lookahead", "-1"])
-    assert "--lookahead must be 0 or more, got -1" in capsys.readouterr().err
+    assert "argument --lookahead: must be 0 or more, got -1" in capsys.readouterr().err

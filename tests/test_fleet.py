@@ -85,10 +85,11 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Iterator[Fleet]:
     out = tmp_path_factory.mktemp("fleet")
+    # max_batch 1: each session's forward its own, so a world resumed elsewhere makes the same bits (docs/fidelity.md)
     parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1", max_batch="1",
                                  max_frames=str(KILLED_MID_STREAM_FRAMES))
-    parameters.pop("rendezvous_port")  # the fleet gives each group its own
-    parameters.pop("snapshot_dir")  # and every group one store (<out>/snapshots), so SIGTERM drains a group
+    for own in ("rendezvous_port", "snapshot_dir"):  # the fleet gives each group its own port, and all one store
+        parameters.pop(own)
     port = free_port()
     log = out / "fleet.log"
     began = time.monotonic()
@@ -190,6 +191,15 @@ def _read(path: Path) -> str:
 
 def tritonserver_of(group: Group) -> int:
     (server,) = children(group.launcher_pid)
+    return server
+
+
+def running_tritonserver(fleet: Fleet, group: Group) -> int:
+    """The group's tritonserver now (the fleet restarts a dead one's launcher: `launcher_pid` may be gone)."""
+    port = f"--grpc-port={group.grpc_url.rsplit(':', 1)[1]}"
+    family = children(fleet.process.pid)
+    family += [c for p in list(family) for c in children(p)]
+    (server,) = [p for p in family if port in _read(Path(f"/proc/{p}/cmdline")).split("\0")]
     return server
 
 
@@ -439,6 +449,145 @@ def test_groups_started_elsewhere_are_balanced_by_their_addresses(fleet, tmp_pat
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(10) == 143
+
+
+@contextlib.contextmanager
+def players_on_group0(fleet: Fleet) -> Iterator[None]:
+    """Group 1 held full by clients of its own while the players start, so the balancer puts them on group 0;
+    released (its slots free again, back at full weight) before the context body's end."""
+    group1 = fleet.groups[1]
+    fleet.settle()
+    with holding(group1.grpc_url, 2):
+        wait_until(lambda: fleet.state(group1).startswith("DRAIN"), 5, "group 1 drained by its agent")
+        yield
+
+
+def group1_takes_sessions(fleet: Fleet) -> None:
+    wait_until(lambda: server_stats(fleet.stats_socket)["group1"]["weight"] == "100", 10, "group 1 at full weight")
+
+
+def blocks_after(arrivals: list[tuple[int, float]], at: float) -> float:
+    """Seconds from `at` to the first block that arrived after it."""
+    return min(t for _, t in arrivals if t > at) - at
+
+
+def test_a_killed_stub_s_world_goes_on_on_the_other_group_bit_for_bit(fleet) -> None:
+    """Only group 0's model stub is SIGKILLed (Triton keeps that stream open): the world is resumed on group 1,
+    its blocks those of an uninterrupted run of the same steps."""
+    from client.world import PlayedWorld
+
+    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+    steps = [dataclasses.replace(request.first_controls, keys=k) for k in ["w"] * 20 + ["d"] * 20]
+    group0 = fleet.groups[0]
+    failovers: list = []
+    with players_on_group0(fleet):
+        world = PlayedWorld(fleet.url, save_every=2, on_failover=failovers.append, strict=True)
+        world.start(request)
+        hashes = [world.next_block(60).used.latents_sha256]
+    group1_takes_sessions(fleet)
+    (stub,) = [c for c in children(running_tritonserver(fleet, group0))  # the live one (a healed stub's dead
+               if _read(Path(f"/proc/{c}/stat")).rsplit(")", 1)[-1].split()[:1] != ["Z"]]  # one may linger)
+    with world:
+        for i, controls in enumerate(steps[1:], start=1):
+            if i == 4:  # its step goes to the dead stub's stream, which Triton keeps open
+                os.kill(stub, signal.SIGKILL)
+                killed = time.perf_counter()
+            world.step(controls, end=i == len(steps) - 1)
+            block = world.next_block(60)
+            hashes.append(block.used.latents_sha256)
+            if i == 4:
+                after = block
+        world.finish(60)
+    uninterrupted = PlayedWorld(fleet.url, save_every=0)
+    with uninterrupted:
+        uninterrupted.start(request)
+        again = [uninterrupted.next_block(60).used.latents_sha256]
+        for i, controls in enumerate(steps[1:], start=1):
+            uninterrupted.step(controls, end=i == len(steps) - 1)
+            again.append(uninterrupted.next_block(60).used.latents_sha256)
+    assert hashes == again
+    (failover,) = world.failovers
+    print(f"stub killed: next block {after.arrival_s - killed:.2f} s after the kill ({failover.reason}; "
+          f"{failover.replayed} block(s) made again)")
+    wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")
+
+
+def test_a_killed_tritonserver_s_worlds_go_on_on_the_other_group_bit_for_bit(fleet, tmp_path: Path, capsys,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: `play` and a page (the bridge, in Chromium), both with --save-every 2, on group 0; its
+    tritonserver SIGKILLed: both resume on group 1 from their last snapshots (the blocks since made again, none
+    shown twice) and go on; each recording (blocks before and after the kill) replays from its first block bit for
+    bit, so the blocks after the failover are those of an uninterrupted run of the same steps."""
+    from playwright.sync_api import sync_playwright
+
+    from bridge_harness import running_bridge
+    from client import world
+    from client.play import main as play
+    from client.recording import Recording
+    from client.replay import check_blocks, replay_steps
+    from test_web_player import CHROMIUM, CHROMIUM_ARGS, start as start_page, status
+
+    require_tool(Path(CHROMIUM).is_file(), f"Chromium at {CHROMIUM} (Debian's chromium)")
+    arrivals: list[tuple[int, float]] = []
+    next_block = world.PlayedWorld.next_block
+
+    def timed(self, timeout=None):
+        block = next_block(self, timeout)
+        if block is not None:
+            arrivals.append((block.block_index, block.arrival_s))
+        return block
+
+    monkeypatch.setattr(world.PlayedWorld, "next_block", timed)
+    image, recording = tmp_path / "first.png", tmp_path / "played.npz"
+    iio.imwrite(image, sample_image())
+    exits: list[int] = []
+    group0, group1 = fleet.groups
+    with running_bridge(fleet.url, tmp_path / "bridge.log", "--save-every", "2") as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(accept_downloads=True)
+        with players_on_group0(fleet):
+            cli = threading.Thread(target=lambda: exits.append(play([
+                "--url", fleet.url, "--prompt", "a castle", "--keys", "w*30,d*30", "--height", "64", "--width", "64",
+                "--save-every", "2", "--out", str(tmp_path / "play.mp4"), "--record", str(recording),
+                "--timeout", "60"])), daemon=True)
+            cli.start()
+            start_page(page, base + "/", image)
+            wait_until(lambda: status(page, "snapshot-block") and len(arrivals) >= 5, 60, "both players saved")
+            assert free_slots(fleet)[0] == 0, "the players are not both on group 0"
+        group1_takes_sessions(fleet)
+        before = gauge(group1, "lingbot_world_blocks_total")
+        page_blocks = int(status(page, "blocks"))
+        os.kill(running_tritonserver(fleet, group0), signal.SIGKILL)
+        killed = time.perf_counter()
+        wait_until(lambda: status(page, "resumed-s") and int(status(page, "blocks")) > page_blocks + 2, 60,
+                   "the page to go on")
+        page_failover = {name: status(page, name) for name in ("resumed-s", "differed", "failovers")}
+        page.click("#stop")
+        wait_until(lambda: status(page, "state") == "ended", 60, "the page's world to end")
+        with page.expect_download() as download:
+            page.click("#download-recording")
+        download.value.save_as(tmp_path / "page.npz")
+        cli.join(120)
+        browser.close()
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert exits == [0], printed + captured.err
+    assert gauge(group1, "lingbot_world_blocks_total") > before + 4  # both went on there
+    assert "not bit for bit" not in printed and page_failover["differed"] == "0" and page_failover["failovers"] == "1"
+    lost = re.search(r"server lost, resuming at block (\d+) from snapshot [0-9a-f]{32}", printed)
+    took = re.search(r"resumed at block \d+ in ([0-9.]+) s \(\d+ attempt\(s\); (\d+) block\(s\) made again", printed)
+    assert lost and took, printed
+    indices = [i for i, _ in arrivals]
+    assert indices == list(range(60)), indices  # every block once, in order
+    for path in (recording, tmp_path / "page.npz"):
+        kept = Recording.load(path)
+        replayed = replay_steps(kept, fleet.url, "lingbot_world", False, 60)
+        assert all(check.same for check in check_blocks(kept, replayed)), path
+    gap = blocks_after(arrivals, killed)
+    print(f"tritonserver killed: play's next block {gap:.2f} s after the kill (resumed at block {lost.group(1)}, "
+          f"{took.group(2)} made again, {took.group(1)} s from the failure seen), the page's {page_failover['resumed-s']}"
+          f" s from the failure seen")
+    wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")  # for the fleet's stop
 
 
 def test_sigterm_stops_the_balancer_and_every_group(fleet) -> None:

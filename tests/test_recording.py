@@ -92,6 +92,17 @@ def test_a_recording_keeps_what_the_server_used(recording_file: Path) -> None:
     assert recording_file.stat().st_size < 64 * 64 * 3 + 45 * 64 + 4096
 
 
+def test_a_recording_notes_its_snapshots_and_one_written_before_them_loads_with_none(recording_file: Path) -> None:
+    recording = Recording.load(recording_file)
+    recording.snapshots = {"a" * 32: 1, "b" * 32: 3}
+    recording.save(recording_file)
+    assert Recording.load(recording_file).snapshots == {"a" * 32: 1, "b" * 32: 3}
+    assert Recording.load(Path(__file__).parent / "data" / "recording_stop29.npz").snapshots == {}
+    recorder = Recorder(steered_request())
+    with pytest.raises(RecordingError, match="block 0, which was not recorded"):
+        recorder.note_snapshot("c" * 32, 0)
+
+
 def rewrite(path: Path, **changes) -> Path:
     """The recording with arrays replaced (None drops one); meta changes as a dict merged into its JSON."""
     with np.load(path, allow_pickle=False) as npz:
@@ -129,6 +140,10 @@ def meta_blocks(path: Path) -> list[dict]:
     (lambda p: rewrite(p, meta={"blocks": [b | {"latents_sha256": "zz"} for b in meta_blocks(p)]}), "64 lowercase hex"),
     (lambda p: rewrite(p, image=np.zeros((4, 4), np.uint8)), r"image must be uint8 \[H, W, 3\]"),
     (lambda p: rewrite(p, meta=np.array(b"\x00".decode())), "meta is not JSON"),
+    (lambda p: rewrite(p, meta={"snapshots": [{"id": "../" * 10 + "aa", "block": 1}]}), r"snapshots\[0\].id must be"),
+    (lambda p: rewrite(p, meta={"snapshots": [{"id": "a" * 32, "block": 4}]}), "holds blocks 0 to 3"),
+    (lambda p: rewrite(p, meta={"snapshots": [{"id": "a" * 32, "block": 1}] * 2}), "each once"),
+    (lambda p: rewrite(p, meta={"snapshots": {"a" * 32: 1}}), "meta.snapshots must be a list"),
 ])
 def test_a_damaged_recording_is_refused_naming_what_is_wrong(recording_file: Path, corrupt, message: str) -> None:
     with pytest.raises(RecordingError, match=message):

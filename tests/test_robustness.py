@@ -72,16 +72,23 @@ def test_a_dead_owner_on_either_rank_errors_the_streams_and_the_server_heals_its
                                                                                      tiny_checkpoint: str) -> None:
     """A rank that owns a stream is killed outright, rank 1, then, once healed, rank 0 (it also hosts the group's
     store): each time the survivor's streams get GROUP_FAILED with a retry time at once, the model reads not ready,
-    and the launcher's healer reloads it with no operator: ready and serving again within 20 s of the kill."""
+    and the launcher's healer reloads it with no operator: ready and serving again within 20 s of the kill. A played
+    world (client/world) saved every 2 blocks goes on on the healed group each time, bit for bit."""
     timeout_s = 5
-    with running_server(tmp_path, tiny_checkpoint, sp=2, heal=True, collective_timeout_s=str(timeout_s)) as server:
+    # max_batch 1: the world's blocks are its own forward's, so the healed group makes the same bits
+    with running_server(tmp_path, tiny_checkpoint, sp=2, heal=True, collective_timeout_s=str(timeout_s),
+                        max_batch="1", max_frames="249", snapshot_dir=str(tmp_path / "snapshots")) as server:
         log = Path(server.log_path)
+        uninterrupted: list[str] = []
         for victim in (1, 0):
             released = log.read_text().count(f"rank {1 - victim}: model released")  # by an earlier round
-            threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10)
+            # Streams of 21 blocks: still running once the world, started after them, has saved.
+            threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10, num_frames=249)
             before = [metrics(server, r).get("lingbot_world_blocks_total", 0) for r in (0, 1)]
             wait_until(lambda seen=before: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > b
                                                for r, b in zip((0, 1), seen)), 60, "blocks sent by both instances")
+            world = PlayedInBackground(server.grpc_url)
+            wait_until(lambda: world.saved, 60, "the world saved")
             os.kill(server.stub_pids()[victim], signal.SIGKILL)
             killed = time.monotonic()
             assert wait_not_ready(server.grpc_url, 10) < 5  # a dead peer's sockets close: no timeout to wait out
@@ -104,9 +111,59 @@ def test_a_dead_owner_on_either_rank_errors_the_streams_and_the_server_heals_its
             assert len(survivor) == 1 and not re.search(r"gloo|Connection|Error\(|GLHF", survivor[0]), errors
             assert any("no final response" in e for e in errors if e not in survivor), errors
             assert "Connection" in log.read_text()
+            world.join()
+            (failover,) = world.failovers
+            uninterrupted = uninterrupted or PlayedInBackground(server.grpc_url).join().hashes  # the same steps
+            assert world.hashes == uninterrupted
+            print(f"rank {victim} killed: the world resumed at block {failover.resume_block} {failover.took_s:.1f} s "
+                  f"after its stream was given up ({failover.reason}; {failover.attempts} attempts)")
             # The killed owner's gauge read 1 past its death; the reloaded model counts from zero.
             wait_until(lambda: metrics(server)["lingbot_world_streams_open"] == 0, 10, "no stream open")
         assert [h.healed for h in server.healer.heals] == [True, True]
+
+
+class PlayedInBackground:
+    """A world of WORLD_BLOCKS blocks played on its own thread (lookahead 1, saved every 2 blocks, strict)."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        from client.world import PlayedWorld
+
+        self.hashes: list[str] = []
+        self.saved: list = []
+        self.error: Exception | None = None
+        self.world = PlayedWorld(url, save_every=2, strict=True, on_snapshot=self.saved.append)
+        self.thread = threading.Thread(target=self._play, daemon=True)
+        self.thread.start()
+
+    @property
+    def failovers(self) -> list:
+        return self.world.failovers
+
+    def _play(self) -> None:
+        request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+        keys = ["w", "a", "d", "wa", "j", "l"] * (WORLD_BLOCKS // 6)
+        try:
+            with self.world as world:
+                world.start(request)
+                sent = 1
+                for received in range(len(keys)):
+                    while sent < len(keys) and sent - received <= 1:
+                        world.step(Controls(keys=keys[sent]), end=sent == len(keys) - 1)
+                        sent += 1
+                    self.hashes.append(world.next_block(60).used.latents_sha256)
+                world.finish(60)
+        except Exception as exc:  # for the test's thread to raise
+            self.error = exc
+
+    def join(self) -> PlayedInBackground:
+        self.thread.join(120)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return self
+
+
+WORLD_BLOCKS = 24  # the kill comes after its first save (block 2 or 3): most of its blocks come after the resume
 
 
 def test_a_reload_of_the_serving_model_is_refused_at_once_and_the_group_serves_throughout(sp2_server) -> None:

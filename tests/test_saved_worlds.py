@@ -312,16 +312,44 @@ def test_without_a_snapshot_dir_a_save_or_a_resume_is_refused_naming_it(engine: 
 
 
 def test_a_resume_needs_the_next_blocks_camera_and_nothing_of_the_snapshots_own() -> None:
-    arrays = {c.ACTION: np.array([b"w"], dtype=np.object_), c.PROMPT: np.array([b"another"], dtype=np.object_)}
+    arrays = {c.ACTION: np.array([b"w"], dtype=np.object_), c.SEED: np.array([1], dtype=np.int64)}
     params = json.dumps({c.PARAM_RESUME: "a" * 32})
-    with pytest.raises(InputError, match=r"\['prompt'\] are the snapshot's"):
+    with pytest.raises(InputError, match=r"\['seed'\] are the snapshot's"):
         parse_request(arrays.get, params, KEY, c.SEQUENCE_START)
     with pytest.raises(InputError, match="needs the next block's"):
         parse_request({}.get, params, KEY, c.SEQUENCE_START)
+    with pytest.raises(InputError, match="recache' rides on a world event"):
+        parse_request({c.ACTION: arrays[c.ACTION]}.get, json.dumps({c.PARAM_RESUME: "a" * 32, c.PARAM_RECACHE: True}),
+                      KEY, c.SEQUENCE_START)
     resumed = parse_request({c.ACTION: arrays[c.ACTION]}.get, json.dumps({c.PARAM_RESUME: "a" * 32,
                                                                           c.PARAM_FORK_SEED: 7}), KEY,
                             c.SEQUENCE_START)
     assert resumed == ResumeRequest("a" * 32, Controls(keys="w"), KEY, 7)
+    event = {c.ACTION: arrays[c.ACTION], c.PROMPT: np.array([b"it snows"], dtype=np.object_)}  # a world event
+    resumed = parse_request(event.get, json.dumps({c.PARAM_RESUME: "a" * 32, c.PARAM_RECACHE: True}), KEY,
+                            c.SEQUENCE_START)
+    assert resumed.controls == Controls(keys="w", prompt="it snows", recache=True)
+
+
+def test_a_resume_takes_a_world_event_and_counts_its_blocks_on_from_the_snapshot(engine, snapshots: Path,
+                                                                                uninterrupted) -> None:
+    """A client that fails over replays the steps since its snapshot, so its resume may carry a world event (here
+    with a recache): the blocks are the uninterrupted session's, bit for bit; and the resumed session's blocks
+    count on from the snapshot's, as the group's backpressure does (the default max_blocks_ahead, 2, would hold a
+    session whose delivered blocks counted from 0 after its second block)."""
+    group = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=str(snapshots)))
+    try:
+        world = World(group, start_request("e"))
+        world.step(STEPS[0], save=True)
+        notice = world.saved()
+        world.end()
+        resumed = World(group, resume_request(notice.snapshot_id, STEPS[1], key="e2"))  # the event, recached
+        for controls in STEPS[2:]:
+            resumed.step(controls)
+        resumed.end()
+    finally:
+        group.stop()
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.latents, uninterrupted[2:], strict=True))
 
 
 @pytest.mark.server  # a group of two processes

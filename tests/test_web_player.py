@@ -146,6 +146,31 @@ def test_play_steer_stop_and_download(player_url, sp1_server, browser, first_fra
     page.close()
 
 
+def test_save_world_shows_its_id_and_a_link_that_resumes_it(player_url, browser, first_frame: Path) -> None:
+    """"Save world": the id of the snapshot after the next block, and a link; the link's page resumes that world
+    from the block after it and plays on."""
+    page = browser.new_page()
+    start(page, player_url, first_frame)
+    wait_until(lambda: blocks(page) >= 1, BLOCK_S * 2, "the first block")
+    page.click("#save")
+    wait_until(lambda: page.is_visible("#saved"), BLOCK_S, "the saved world's id")
+    snapshot_id, after = page.text_content("#saved-id"), int(page.text_content("#saved-block"))
+    link = page.get_attribute("#resume-link", "href")
+    assert re.fullmatch(r"[0-9a-f]{32}", snapshot_id) and link == f"/?resume={snapshot_id}" and after >= 1
+    page.click("#stop")
+    wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
+    resumed = browser.new_page()
+    resumed.goto(player_url.rstrip("/") + link)
+    assert snapshot_id in resumed.text_content("#resuming") and resumed.text_content("#start") == "Resume world"
+    resumed.click("#start")
+    wait_until(lambda: blocks(resumed) >= 2, BLOCK_S * 3, "the resumed world's blocks")
+    assert int(status(resumed, "first-index")) == after + 1  # it goes on from the snapshot
+    resumed.click("#stop")
+    wait_until(lambda: status(resumed, "state") == "ended", BLOCK_S * 3, "the resumed session to end")
+    for p in (page, resumed):
+        p.close()
+
+
 def test_tabs_play_at_once_and_closing_one_frees_its_session(player_url, sp1_server, browser, first_frame: Path) -> None:
     log = Path(sp1_server.log_path)
     cancelled_before = len(session_ends(log, "cancelled"))

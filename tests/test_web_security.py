@@ -71,6 +71,10 @@ def start(**fields) -> dict:
     return {"type": "start", "prompt": "a street", "height": TINY_SIZE, "width": TINY_SIZE, "keys": "w"} | fields
 
 
+def resume(snapshot_id: object) -> dict:
+    return {"type": "start", "resume": snapshot_id, "keys": "w"}
+
+
 def png(width: int, height: int) -> str:
     out = io.BytesIO()
     Image.new("L", (width, height)).save(out, format="PNG", optimize=True)
@@ -92,9 +96,17 @@ def png(width: int, height: int) -> str:
         ({"type": "event", "prompt": "  "}, "prompt is empty"),
         (start(image="data:image/png;base64,!!!"), "not a picture this player can read"),
         (start(image=png(4097, 4096)), f"4097 x 4096 pixels; this player takes at most {MAX_INPUT_PIXELS}"),
+        (resume("../../../etc/passwd"), "a saved world's id is 32 lowercase hex digits"),
+        (resume("A" * 32), "a saved world's id is 32 lowercase hex digits"),
+        (resume("a" * 33), "resume is longer than 32 characters"),
+        (resume(["a" * 32]), "resume must be a string"),
+        ({"type": "save", "snapshot": "a" * 32}, r"unknown field\(s\) \['snapshot'\]"),
+        (start(resume="a" * 32), r"a saved world's prompt, first frame, size and seed are its own: drop \['height', "
+                                 r"'prompt', 'width'\]"),
     ],
     ids=["not_json", "array", "huge_number", "nan", "image_not_string", "unknown_key", "unknown_type", "binary",
-         "unknown_keys", "empty_event", "not_a_picture", "huge_picture"],
+         "unknown_keys", "empty_event", "not_a_picture", "huge_picture", "resume_path", "resume_upper",
+         "resume_long", "resume_list", "save_with_fields", "resume_with_a_prompt"],
 )
 def test_a_bad_message_gets_a_plain_error_and_a_clean_close(player, message, expected: str) -> None:
     base, log = player
@@ -103,6 +115,14 @@ def test_a_bad_message_gets_a_plain_error_and_a_clean_close(player, message, exp
     assert re.search(expected, received[1]["message"]), received[1]
     assert code == aiohttp.WSCloseCode.POLICY_VIOLATION
     assert "Traceback" not in log.read_text()
+
+
+def test_a_guessed_saved_world_is_refused_with_its_code_and_the_bridge_serves_on(player) -> None:
+    base, log = player
+    received, _ = run(exchange(base, [resume("0" * 32)], until="error"))
+    assert received[-1]["type"] == "error" and received[-1]["code"] == "SNAPSHOT_UNKNOWN", received
+    assert "Traceback" not in log.read_text()
+    assert run(exchange(base, [], until="session"))[0][0]["type"] == "session"
 
 
 def test_a_huge_picture_is_refused_from_its_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:

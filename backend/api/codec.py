@@ -245,12 +245,13 @@ def parse_request(
     return request
 
 
-RESUMED_INPUTS = (c.IMAGE, c.PROMPT, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # the snapshot's own
+RESUMED_INPUTS = (c.IMAGE, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # the snapshot's own
 
 
 def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool, end: bool,
             whole: bool) -> ResumeRequest:
-    """A steered session's start from a snapshot: its id and the next block's camera; the rest is the snapshot's."""
+    """A steered session's start from a snapshot: its id and the next block's camera (with a world event's prompt,
+    as a step's: a failover's replay may resume right before one); the rest is the snapshot's."""
     name = f"request parameter '{c.PARAM_RESUME}'"
     if whole or not sequence_key:
         raise InputError(f"{name} opens a steered session from its snapshot; a whole trajectory ('{c.NUM_FRAMES}' "
@@ -264,10 +265,12 @@ def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snap
     if controls is None:
         raise InputError(f"{name} needs the next block's '{c.CAMERA_POSES}' (12 new frames at 3 latent frames a block) "
                          f"or '{c.ACTION}'")
-    controls.save = save
-    controls.check()
     chosen = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
-              if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_FORK_SEED)}
+              if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_FORK_SEED, c.PARAM_RECACHE)}
+    if c.PROMPT in values:
+        controls.prompt = _text(values[c.PROMPT], c.PROMPT)
+    controls.save, controls.recache = save, chosen[c.PARAM_RECACHE]
+    controls.check()
     return ResumeRequest(check_snapshot_id(snapshot_id), controls, sequence_key, chosen[c.PARAM_FORK_SEED],
                          chosen[c.PARAM_RETURN_LATENTS], chosen[c.PARAM_RETURN_USED])
 

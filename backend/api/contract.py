@@ -193,8 +193,8 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_RESUME, "", "a steered session's start: open the world of this snapshot id where it was "
                   "saved, on any group with the same settings (its image, prompt, seed, size and session "
                   "parameters are the snapshot's: send none of them, only the next block's camera_poses (12 new "
-                  "frames at 3 latent frames a block) or action); its first response is the block after the "
-                  "snapshot's"),
+                  "frames at 3 latent frames a block) or action, and a world event's prompt and recache as a step "
+                  "would); its first response is the block after the snapshot's"),
     ParameterSpec(PARAM_FORK_SEED, NO_FORK, "with resume: draw the noise from this seed from the resumed block "
                   f"on, so the same steps make another world ({NO_FORK}: the saved noise goes on)", minimum=NO_FORK),
 )

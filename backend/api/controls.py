@@ -40,17 +40,18 @@ def parse_key_script(script: str) -> list[str]:
     return [c.keys for c in steps]
 
 
-def parse_play_script(script: str) -> list[Controls]:
+def parse_play_script(script: str, resumed: bool = False) -> list[Controls]:
     """Each block's keys, and the world event riding on its step, from a key script such as
     "w*6,@it starts to snow,w*4": an @entry (no comma in it) is a prompt event riding on the next block's step;
-    "@!text" asks for the cached frames to be recomputed under it too (request parameter recache)."""
+    "@!text" asks for the cached frames to be recomputed under it too (request parameter recache). resumed: the
+    script goes on from a saved world, so its first block may carry an event too."""
     steps: list[Controls] = []
     event: Controls | None = None
     for item in script.split(","):
         if item.strip().startswith("@"):
             if event is not None:
                 raise InputError(f"key script: two world events in a row ('@{event.prompt}', {item.strip()!r})")
-            if not steps:
+            if not steps and not resumed:
                 raise InputError(f"key script: {item.strip()!r} before the first block: the first block takes "
                                  f"the session's own prompt")
             text = item.strip()[1:]

@@ -7,7 +7,7 @@ import dataclasses
 
 from ..api.contract import NO_FORK, PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
-from ..api.request import ResumeRequest, SessionRequest, StepRequest
+from ..api.request import Controls, ResumeRequest, SessionRequest, StepRequest
 from ..engine.geometry import VideoGeometry
 from ..engine.snapshot.restore import read_shared
 from ..engine.snapshot.sessions import SnapshotFacts
@@ -40,10 +40,12 @@ class Admission:
         """A step's camera against the server's block (4 x block_frames new video frames), and its recache
         against the server's window: with global attention a recache would recompute every frame of the
         session."""
-        if step.controls is None:
-            return
-        step.controls.check_frames(block_video_frames(self.spec.config.block_frames, first=False))
-        if step.controls.recache and self.spec.window_frames == GLOBAL_WINDOW:
+        if step.controls is not None:
+            self._check_controls(step.controls)
+
+    def _check_controls(self, controls: Controls) -> None:
+        controls.check_frames(block_video_frames(self.spec.config.block_frames, first=False))
+        if controls.recache and self.spec.window_frames == GLOBAL_WINDOW:
             raise InputError(f"request parameter '{PARAM_RECACHE}' needs a sliding window: this server runs "
                              f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute "
                              "every frame of the session")
@@ -63,7 +65,7 @@ class Admission:
                                       return_latents=resume.return_latents, return_used=resume.return_used)
         check_limits(request, self.limits)
         geometry = request_geometry(self.spec, request)
-        resume.controls.check_frames(block_video_frames(self.spec.config.block_frames, first=False))
+        self._check_controls(resume.controls)
         fork = None if resume.fork_seed == NO_FORK else resume.fork_seed
         start = ResumeFrom(resume.snapshot_id, snapshot.manifest.to_text(), saved.block_index, fork)
         return SharedSession.resumed(session_id, request, geometry, owner, principal, start, resume.controls)

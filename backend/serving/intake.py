@@ -160,8 +160,8 @@ class Intake:
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
-        stream = SteeredStream(responder) if request.steered else WholeStream(responder)
-        stream.sent = shared.delivered  # a resumed world's client has the blocks before its snapshot
+        # A resumed session's blocks count on from its snapshot's, as the group loop's backpressure counts them.
+        stream = SteeredStream(responder, shared.delivered) if request.steered else WholeStream(responder)
         part = OwnerPart(stream, key if request.steered else None, principal=who, request=shared.request,
                          geometry=shared.geometry)
         if saving:

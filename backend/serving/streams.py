@@ -35,10 +35,10 @@ class Responder(Protocol):
 
 
 class CountedStream:
-    """`sent`: the blocks the session's client received."""
+    """`sent`: the blocks the session's client received (a resumed world's count goes on from its snapshot's)."""
 
-    def __init__(self) -> None:
-        self.sent = 0
+    def __init__(self, sent: int = 0) -> None:
+        self.sent = sent
 
     def _deliver(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
                  final: bool) -> None:
@@ -82,8 +82,8 @@ class SteeredStream(CountedStream):
     the session's end: the client is provably there while it is open (its cancellation says it left), so the
     idle clock stops. At most one is open."""
 
-    def __init__(self, first: Responder) -> None:
-        super().__init__()
+    def __init__(self, first: Responder, sent: int = 0) -> None:
+        super().__init__(sent)
         self._waiting: deque[Responder] = deque([first])
         self._ready: deque[tuple[BlockOutput, np.ndarray, float]] = deque()
         self._closing: list[Responder] = []  # end flags without a camera: answered when the session closes

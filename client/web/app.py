@@ -1,10 +1,12 @@
 """The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
 
-Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?},
-{"type": "keys", keys}, {"type": "event", prompt, recache} (a world event), {"type": "stop"}. Bridge -> page: {"type":
-"session", id, video, recording}, then per block a {"type": "block", ...} header followed by its frames as binary
-JPEG messages, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that does not fit
-the schema gets an error and the websocket closes.
+Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?} or
+{"type": "start", resume, keys?} (a saved world), {"type": "keys", keys}, {"type": "event", prompt, recache} (a world
+event), {"type": "save"}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video, recording}, then per block
+a {"type": "block", ...} header followed by its frames as binary JPEG messages, a {"type": "snapshot", id, block,
+asked, error} for each save's outcome, {"type": "failover", block, replayed, resent, reason, took_s, attempts, differed} when
+the server is lost (took_s null) and again once the world goes on, then {"type": "ended", frames, recorded} or
+{"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
 
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
@@ -29,6 +31,7 @@ from client.connection import Connection
 from client.web.bridge import Player, recording_path, start_request
 from client.web.schema import MAX_MESSAGE_BYTES, parse_message
 from client.web.signin import COOKIE, Tokens, check_key
+from client.world import DEFAULT_SAVE_EVERY
 
 STATIC = Path(__file__).parent / "static"
 VIDEOS = web.AppKey("videos", Path)
@@ -178,6 +181,8 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                     player.hold(message.get("keys") or "")
                 elif message["type"] == "event":
                     player.event(message.get("prompt") or "", bool(message.get("recache")))
+                elif message["type"] == "save":
+                    player.save()
                 elif message["type"] == "stop":
                     player.stop()
             except ValueError as exc:  # a page that breaks the protocol gets why, and the door
@@ -196,10 +201,13 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
 
 
 def make_app(url: str, model: str, timeout: float, access: Access, lookahead: int = 1,
-             connection: Connection = Connection(), tokens: Tokens | None = None) -> web.Application:
-    """connection: how the bridge reaches the server (TLS, its own key); tokens: pages must sign in with a key."""
+             connection: Connection = Connection(), tokens: Tokens | None = None,
+             save_every: int = DEFAULT_SAVE_EVERY) -> web.Application:
+    """connection: how the bridge reaches the server (TLS, its own key); tokens: pages must sign in with a key;
+    save_every: each page's world is saved every this many blocks (client/world)."""
     app = web.Application()
-    app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead, "connection": connection}
+    app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead, "connection": connection,
+                     "save_every": save_every}
     app[ACCESS], app[SESSIONS] = access, {}
     if tokens is not None:
         app[TOKENS] = tokens

@@ -4,17 +4,24 @@ Lookahead like `python -m client play` (`--lookahead`, 1 by default): the start 
 and when a block arrives the next step is sent at once with the keys held at that moment, so at lookahead 1 the
 server always has the camera of the block after the one it is computing. A world
 event (the page's new prompt) rides on the next step sent; each block's header names the prompt in force. The
-session is recorded as it plays (what the server ran, see client/recording.py), beside its MP4.
+session is recorded as it plays (what the server ran, see client/recording.py), beside its MP4, with its snapshots.
+
+The world survives its server (client/world.py): it is saved every `save_every` blocks and when the page asks
+("Save world": the next step carries the save; its id comes back once durable), and when the stream fails the bridge
+resumes it from the last snapshot and makes the blocks since again, telling the page ("failover" messages). A page
+opened with `?resume=ID` starts from that snapshot (unrecorded: a recording starts at a world's first block).
 """
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.api.codec import Place
+from backend.api.contract import SNAPSHOT_ID_PATTERN
 from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest, check_prompt
 from client.connection import Connection
@@ -26,13 +33,28 @@ from client.stream import StreamError, show_place
 from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, Mp4Writer
 from client.web.frames import decode_upload, encode_jpeg
+from client.world import DEFAULT_SAVE_EVERY, Failover, PlayedWorld, Saved
 
 Send = Callable[[dict[str, Any] | bytes], Awaitable[None]]
 MAX_SIDE = 2048  # the page's size fields; the server applies its own max_pixels
 
 
-def start_request(message: dict[str, Any]) -> SessionRequest:
+@dataclass(frozen=True)
+class ResumeStart:
+    """A page's start from a saved world: its snapshot, and the keys of its next block."""
+
+    snapshot_id: str
+    keys: str
+
+
+def start_request(message: dict[str, Any]) -> SessionRequest | ResumeStart:
     """The session a page's start message asks for; ValueError names what is wrong in plain words."""
+    if (resume := message.get("resume")) is not None:
+        if extra := sorted(k for k in ("prompt", "image", "height", "width", "seed") if message.get(k) is not None):
+            raise ValueError(f"a saved world's prompt, first frame, size and seed are its own: drop {extra}")
+        if not re.fullmatch(SNAPSHOT_ID_PATTERN, resume):
+            raise ValueError("a saved world's id is 32 lowercase hex digits (the page's ?resume=ID)")
+        return ResumeStart(resume, parse_keys(str(message.get("keys") or "-")))
     prompt = str(message.get("prompt") or "").strip()
     if not prompt:
         raise ValueError("type a prompt before starting")
@@ -67,17 +89,19 @@ class Player:
     """
 
     def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float, lookahead: int = 1,
-                 connection: Connection = Connection()) -> None:
+                 connection: Connection = Connection(), save_every: int = DEFAULT_SAVE_EVERY) -> None:
         """lookahead: steps sent ahead of the block on screen (0: each step waits for the block before it);
-        connection: TLS and the key the page's sessions run on (its user's, from its sign-in)."""
+        connection: TLS and the key the page's sessions run on (its user's, from its sign-in); save_every: a
+        snapshot every this many blocks, to fail over from (0: only those the page asks for)."""
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
         self.connection = connection
-        self.lookahead = lookahead
+        self.lookahead, self.save_every = lookahead, save_every
         self.recording_path = recording_path(video_path)
         self.keys = ""
         self.pending: Controls | None = None  # a world event not sent yet (its prompt, its recache)
-        self.stopping = False
-        self._session: SteeredSession | None = None
+        self.save_asked = False  # the page asked for a save: the next step carries it
+        self.stopping = False  # the page asked for the end: sent after the next block (the world's thread is busy)
+        self._world: PlayedWorld | None = None
 
     def hold(self, keys: str) -> None:
         self.keys = parse_keys(keys or "-")
@@ -94,38 +118,46 @@ class Player:
         return Controls(keys=self.keys) if event is None else \
             Controls(keys=self.keys, prompt=event.prompt, recache=event.recache)
 
+    def save(self) -> None:
+        """Save the world after the block of the next step sent."""
+        self.save_asked = True
+
     def stop(self) -> None:
         """End the session after the blocks already asked for."""
-        if self._session is not None and not self.stopping:
-            self.stopping = True
-            self._session.end()
+        self.stopping = True
 
     def close(self) -> None:
         """Cancel the Triton stream: the server frees the session's caches. Safe to call twice."""
-        session, self._session = self._session, None
-        if session is not None:
-            session.close()
+        world, self._world = self._world, None
+        if world is not None:
+            world.close()
 
-    async def play(self, request: SessionRequest) -> None:
-        """Run the session to its end, relaying every block and its place in line while it waits; errors go to
-        the page with their code."""
+    async def play(self, request: SessionRequest | ResumeStart) -> None:
+        """Run the session to its end, relaying every block, its place in line while it waits, its saves and its
+        failovers; errors go to the page with their code."""
         loop = asyncio.get_running_loop()
 
-        def on_place(place: Place) -> None:  # tritonclient's thread
-            message = {"type": "place", "position": place.position, "wait_s": place.wait_s, "text": show_place(place)}
+        def tell(message: dict[str, Any]) -> None:  # from the world's threads
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(message)))
 
-        self._session = SteeredSession(self.url, model_name=self.model, on_place=on_place, connection=self.connection)
+        recorder = Recorder(request) if isinstance(request, SessionRequest) else None
+        self._world = PlayedWorld(
+            self.url, model_name=self.model, connection=self.connection, save_every=self.save_every,
+            on_place=lambda place: tell({"type": "place", "position": place.position, "wait_s": place.wait_s,
+                                         "text": show_place(place)}),
+            on_snapshot=lambda saved: tell(saved_message(saved, recorder)),
+            on_failover=lambda failover: tell(failover_message(failover)), session_factory=SteeredSession)
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
-        recorder = Recorder(request)
 
         async def save() -> bool:  # what was played, also before a failure (a bug report's evidence)
+            if recorder is None:
+                return False
             saved = await asyncio.get_running_loop().run_in_executor(thread, recorder.save, self.recording_path)
             return saved is not None
 
         try:
             with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
-                await self._relay(self._session, request, mp4, recorder, thread)
+                await self._relay(self._world, request, mp4, recorder, thread)
             await self.send({"type": "ended", "frames": mp4.frames_written, "recorded": await save()})
         except (StreamError, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, StreamError) else None
@@ -135,35 +167,62 @@ class Player:
             await asyncio.to_thread(self.close)  # cancels the stream: a wait still on the thread ends with it
             thread.shutdown(wait=False)
 
-    async def _relay(self, session: SteeredSession, request: SessionRequest, mp4: Mp4Writer, recorder: Recorder,
-                     thread: ThreadPoolExecutor) -> None:
+    async def _relay(self, world: PlayedWorld, request: SessionRequest | ResumeStart, mp4: Mp4Writer,
+                     recorder: Recorder | None, thread: ThreadPoolExecutor) -> None:
         def on_thread(call: Callable[..., Any], *args: Any) -> Awaitable[Any]:
             return asyncio.get_running_loop().run_in_executor(thread, call, *args)
 
-        session.start(request)
-        used = UsedSteps(Controls(keys=request.keys or ""), request.prompt)
+        if isinstance(request, ResumeStart):
+            await on_thread(world.resume, request.snapshot_id, Controls(keys=request.keys), None, False)
+            used = UsedSteps(Controls(keys=request.keys), None)
+        else:
+            await on_thread(world.start, request)
+            used = UsedSteps(Controls(keys=request.keys or ""), request.prompt)
         for _ in range(self.lookahead):
-            step = self._next_step()
-            session.step(step)
-            used.sent(step)
-        received, rate = 0, DeliveryRate()
-        while (block := await on_thread(session.next_block, self.timeout)) is not None:
-            latency = block.arrival_s - session.sent_s[received]
-            if not self.stopping:
-                step = self._next_step()
-                session.step(step)
-                used.sent(step)
+            self._send_step(world, used)
+        received, rate, ending = 0, DeliveryRate(), False
+        while (block := await on_thread(world.next_block, self.timeout)) is not None:
+            latency = world.step_latency_s
+            if self.stopping and not ending:
+                ending = True
+                world.end()
+            elif not ending:
+                self._send_step(world, used)
             label = used.label(block)  # what the server ran it on (its held flag, its prompt_used)
-            recorder.add(block)
+            if recorder is not None:
+                recorder.add(block)
             await on_thread(mp4.append, block.frames)
             jpegs = await on_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
             await self.send({
                 "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
                 "keys": label.keys, "prompt": label.prompt, "event": label.event,
                 "step_latency_s": latency,
-                "first_block_s": block.arrival_s - session.sent_s[0] if received == 0 else None,
+                "first_block_s": latency if received == 0 else None,
                 "realtime_factor": rate.add(len(jpegs), block.arrival_s),
             })
             for jpeg in jpegs:
                 await self.send(jpeg)
             received += 1
+
+    def _send_step(self, world: PlayedWorld, used: UsedSteps) -> None:
+        if self.save_asked:
+            self.save_asked = False
+            world.save()
+        step = self._next_step()
+        world.step(step)
+        used.sent(step)
+
+
+def saved_message(saved: Saved, recorder: Recorder | None) -> dict[str, Any]:
+    """A save's outcome as the page reads it (a durable one noted in the recording)."""
+    if recorder is not None and saved.error is None:
+        recorder.note_snapshot(saved.snapshot_id, saved.block_index)
+    return {"type": "snapshot", "id": saved.snapshot_id, "block": saved.block_index, "asked": saved.asked,
+            "error": saved.error}
+
+
+def failover_message(failover: Failover) -> dict[str, Any]:
+    """A failover as the page reads it: lost (took_s null), then resumed."""
+    return {"type": "failover", "block": failover.resume_block, "replayed": failover.replayed,
+            "resent": failover.resent, "reason": failover.reason, "took_s": failover.took_s,
+            "attempts": failover.attempts, "differed": failover.differed}

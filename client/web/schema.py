@@ -8,14 +8,16 @@ import json
 from typing import Any
 
 MAX_MESSAGE_BYTES = 24 << 20  # a start message carries the first frame as a data URL
-MAX_TEXT = {"prompt": 4000, "keys": 64, "image": MAX_MESSAGE_BYTES}
+MAX_TEXT = {"prompt": 4000, "keys": 64, "image": MAX_MESSAGE_BYTES, "resume": 32}
 INT_RANGE = {"height": (1, 1 << 16), "width": (1, 1 << 16), "seed": (-(1 << 63), (1 << 63) - 1)}
 
 # type -> its fields and their JSON types (every field optional; start_request says what a start needs)
 MESSAGES: dict[str, dict[str, type]] = {
-    "start": {"prompt": str, "image": str, "height": int, "width": int, "seed": int, "keys": str},
+    # resume: a saved world's snapshot id (the page's ?resume=ID), instead of a prompt and a first frame
+    "start": {"prompt": str, "image": str, "height": int, "width": int, "seed": int, "keys": str, "resume": str},
     "keys": {"keys": str},
     "event": {"prompt": str, "recache": bool},  # a world event: the prompt from the next step's block on
+    "save": {},  # save the world after the next step's block ("Save world")
     "stop": {},
 }
 

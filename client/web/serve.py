@@ -20,6 +20,7 @@ from client.connection import connection_of
 from client.stream import add_server_args
 from client.web.app import Access, make_app
 from client.web.signin import TOKEN_TTL_S, Tokens
+from client.world import DEFAULT_SAVE_EVERY
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -33,10 +34,11 @@ def access(args: argparse.Namespace) -> Access:
     return Access(frozenset(origins), host_origin=args.host in WILDCARDS, token=args.token, max_pages=args.max_pages)
 
 
-def lookahead(text: str) -> int:
+def count(text: str) -> int:
+    """A count of steps or blocks: --lookahead, --save-every."""
     steps = int(text)
     if steps < 0:
-        raise argparse.ArgumentTypeError(f"--lookahead must be 0 or more, got {steps}")
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {steps}")
     return steps
 
 
@@ -49,9 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="also let pages from ORIGIN (e.g. https://example.org, or *) open sessions (repeatable)")
     p.add_argument("--token", help="pages must be opened with ?token=TOKEN to open sessions")
-    p.add_argument("--lookahead", type=lookahead, default=1,
+    p.add_argument("--lookahead", type=count, default=1,
                    help="steps sent ahead of the block on screen, as in `play` (default: %(default)s)")
     p.add_argument("--max-pages", type=int, default=16, help="pages playing at once (default: %(default)s)")
+    p.add_argument("--save-every", type=count, default=DEFAULT_SAVE_EVERY, metavar="N",
+                   help="save each page's world every N blocks, to resume it when the server is lost (0: only when "
+                        "the page asks; default: %(default)s, docs/worlds.md)")
     p.add_argument("--tls-cert", type=Path, help="serve HTTPS and WSS only, with this PEM certificate chain "
                    "(with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
@@ -81,6 +86,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"player for {args.url} on {'https' if context else 'http'}://{args.host}:{args.port}/", flush=True)
     tokens = Tokens(args.token_ttl) if args.sign_in else None
-    app = make_app(args.url, args.model, args.timeout, access(args), args.lookahead, connection, tokens)
+    app = make_app(args.url, args.model, args.timeout, access(args), args.lookahead, connection, tokens,
+                   args.save_every)
     web.run_app(app, host=args.host, port=args.port, print=None, ssl_context=context)
     return 0

@@ -2,6 +2,9 @@
 // messages, which play at 16 fps from a queue; the keys held now are sent whenever they change. The queue holds at
 // most one block's frames and SLACK_FRAMES more: when blocks come faster than they play, the oldest queued frames are
 // skipped (counted in the status), so what is on screen stays within about a block of the newest frame.
+// The world survives its server: the bridge saves it and, when the server is lost, resumes it elsewhere (a "failover"
+// message when lost, another once it goes on). "Save world" shows the saved world's id and a link that resumes it;
+// a page opened with ?resume=ID starts from that saved world.
 "use strict";
 const FPS = 16;
 const SLACK_FRAMES = 4;  // queued beyond the newest block's frames before the oldest are skipped (a quarter second)
@@ -15,6 +18,7 @@ let queue = [];        // decoding or decoded frames, oldest first: {bitmap, ski
 let maxQueued = 0;     // the newest block's frames + SLACK_FRAMES
 let stats = null;
 let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
+const resumeId = new URLSearchParams(location.search).get("resume");  // a saved world to start from
 
 function show(state, extra = "") {
   const s = $("status");
@@ -26,6 +30,7 @@ function show(state, extra = "") {
     s.dataset.prompt = stats.prompt;
     s.dataset.events = stats.events;
     s.dataset.skipped = stats.skipped;
+    if (stats.blocks) { s.dataset.firstIndex = stats.firstIndex; s.dataset.index = stats.index; }
   }
   const parts = [`state: ${state}`];
   if (state === "starting") {
@@ -94,6 +99,8 @@ function onMessage(event) {
     $("status").dataset.place = msg.position;
     show(msg.position ? "waiting" : "starting", msg.position ? ` · ${msg.text}` : "");
   } else if (msg.type === "block") {
+    if (!stats.blocks) stats.firstIndex = msg.index;
+    stats.index = msg.index;
     stats.blocks += 1;
     stats.frames += msg.frames;
     stats.held += msg.held ? 1 : 0;
@@ -105,6 +112,25 @@ function onMessage(event) {
     maxQueued = msg.frames + SLACK_FRAMES;
     if (msg.first_block_s !== null) stats.first = msg.first_block_s;
     show(stats.stopping ? "stopping" : "playing");
+  } else if (msg.type === "snapshot") {  // a save's outcome: the one the page asked for is shown with its link
+    if (msg.error === null) $("status").dataset.snapshotBlock = msg.block;
+    if (msg.asked) showSaved(msg);
+  } else if (msg.type === "failover") {
+    const s = $("status").dataset;
+    const where = msg.block === null ? "its next block" : `block ${msg.block}`;
+    if (msg.took_s === null) {
+      s.failovers = Number(s.failovers) + 1;
+      $("failover").textContent = `server lost, resuming at ${where} (${msg.reason})`;
+      show("resuming");
+    } else {
+      s.resumedS = msg.took_s.toFixed(2);
+      s.differed = msg.differed;
+      $("failover").textContent = `server lost, resumed at ${where} after ${msg.took_s.toFixed(2)} s ` +
+        `(${msg.replayed} block(s) made again${msg.differed ? `, ${msg.differed} not bit for bit` : ""}, ` +
+        `${msg.resent} step(s) sent again)`;
+      show(stats.stopping ? "stopping" : "playing");
+    }
+    $("failover").hidden = false;
   } else if (msg.type === "ended") {
     show("ended");
     $("download").hidden = msg.frames === 0;
@@ -129,9 +155,20 @@ function skipOldest(count) {
   show($("status").dataset.state);
 }
 
+function showSaved(msg) {
+  if (msg.error !== null) { fail(`the world was not saved: ${msg.error}`); return; }
+  const query = new URLSearchParams(location.search);
+  query.set("resume", msg.id);
+  $("saved-block").textContent = msg.block;
+  $("saved-id").textContent = msg.id;
+  $("resume-link").href = `${location.pathname}?${query}`;
+  $("saved").hidden = false;
+}
+
 function finish() {
   $("start").disabled = false;
   $("stop").disabled = true;
+  $("save").disabled = true;
 }
 
 async function start(event) {
@@ -148,6 +185,11 @@ async function start(event) {
   queue = [];
   delete $("status").dataset.place;
   delete $("status").dataset.code;
+  delete $("status").dataset.snapshotBlock;
+  delete $("status").dataset.resumedS;
+  $("status").dataset.failovers = 0;
+  $("failover").hidden = true;
+  $("saved").hidden = true;
   stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], prompt: "", events: 0,
     skipped: 0, stopping: false};
   const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...
@@ -156,12 +198,13 @@ async function start(event) {
   socket.onmessage = (e) => { if (socket === ws) onMessage(e); };
   socket.onclose = () => { if (socket === ws && !["ended", "failed"].includes($("status").dataset.state)) {
     fail("the connection to the player closed"); show("closed"); finish(); } };
-  socket.onopen = () => socket.send(JSON.stringify({
+  socket.onopen = () => socket.send(JSON.stringify(resumeId ? {type: "start", resume: resumeId, keys: heldKeys()} : {
     type: "start", prompt: $("prompt").value, image, keys: heldKeys(),
     width: Number($("width").value), height: Number($("height").value),
   }));
   $("start").disabled = true;
   $("stop").disabled = false;
+  $("save").disabled = false;
   screen.focus();
   startedAt = performance.now();
   show("starting");
@@ -177,6 +220,14 @@ $("event").addEventListener("keydown", (e) => {
   ws.send(JSON.stringify({type: "event", prompt, recache: $("recache").checked}));
   $("event").value = "";
 });
+$("save").addEventListener("click", () => {
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "save"}));
+});
+if (resumeId) {  // ?resume=ID: Start plays on from that saved world (its prompt, first frame and size are its own)
+  $("resuming").textContent = `Start resumes the saved world ${resumeId}.`;
+  $("resuming").hidden = false;
+  $("start").textContent = "Resume world";
+}
 $("stop").addEventListener("click", () => {
   if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "stop"}));
   stats.stopping = true;

@@ -1,0 +1,250 @@
+"""A world that survives its group (client/world.py), against a stand-in server: a deterministic world (each
+block's hash is that of every step before it), a snapshot store, and the failures a real one shows (a failed
+stream, MOVED, a silent stream, a resume refused while the group heals, a full store). The real servers' tests
+are in test_world_failover.py."""
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from backend.api.codec import BlockResponse, BlockUsed, SnapshotNotice
+from backend.api.request import Controls, SessionRequest
+from client import world as world_module
+from client.stream import StreamError, StreamTimeoutError
+from client.world import Failover, PlayedWorld, Saved, WorldLostError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class StandIn:
+    """The server side, shared by every session a world opens (a fleet behind one address, one snapshot store)."""
+
+    fail_at: dict[int, str] = field(default_factory=dict)  # blocks made in all -> how the session then fails
+    refuse_opens: int = 0  # resumes answered "not ready" (a healing group) before one takes
+    full: bool = False  # the store refuses saves
+    no_store: bool = False  # the server keeps no snapshots
+    tamper: bool = False  # a resumed world is another one
+    forget: bool = False  # the store loses its snapshots
+    store: dict[str, list[str]] = field(default_factory=dict)
+    made: int = 0  # blocks made, every session's, replays included
+    opens: list[str] = field(default_factory=list)  # "start" or the snapshot id of each session
+
+    sessions: list[Session] = field(default_factory=list)
+
+    def session(self, *args: object, **kwargs: object) -> Session:
+        self.sessions.append(Session(self, kwargs["on_snapshot"]))
+        return self.sessions[-1]
+
+
+def block_hash(history: list[str]) -> str:
+    return hashlib.sha256("|".join(history).encode()).hexdigest()
+
+
+def keys_of(controls: Controls) -> str:
+    return controls.keys if controls.keys is not None else f"poses:{controls.poses.tobytes().hex()[:8]}"
+
+
+class Session:
+    """A steered session of the stand-in: every request answered at once, in order (a save's at-once refusal too)."""
+
+    def __init__(self, server: StandIn, on_snapshot) -> None:
+        self.server, self.on_snapshot = server, on_snapshot
+        self.history: list[str] = []
+        self.answers: deque = deque()
+        self.answered_sent_s: float | None = None
+        self.dead: str | None = None  # how it died: "error", "silent"
+        self.silent_since = 0.0
+        self.closed = False
+
+    def start(self, request: SessionRequest) -> None:
+        self.server.opens.append("start")
+        self._block(Controls(keys=request.keys), save=False, index=0)
+
+    def resume(self, snapshot_id: str, controls: Controls, fork_seed=None, *, return_latents=True,
+               return_used=False, save=False) -> None:
+        self.server.opens.append(snapshot_id)
+        if self.server.refuse_opens:
+            self.server.refuse_opens -= 1
+            self._answer(StreamError("model 'lingbot_world' is not ready"))
+            self.dead = "error"
+            return
+        if self.server.forget:
+            self._answer(StreamError("x", f"[SNAPSHOT_UNKNOWN] no snapshot {snapshot_id}"))
+            return
+        self.history = list(self.server.store[snapshot_id])
+        if self.server.tamper:
+            self.history[0] = "another world"
+        self._block(controls, save, index=len(self.history))
+
+    def step(self, controls: Controls, end: bool = False, save: bool = False) -> None:
+        self._block(controls, save, index=len(self.history))
+
+    def end(self) -> None:
+        if not self.dead:
+            self._answer(None)
+
+    def _block(self, controls: Controls, save: bool, index: int) -> None:
+        if self.dead:
+            return
+        if save and self.server.full:
+            self._answer(StreamError("x", "[SNAPSHOT_STORE_FULL retry_after_s=5] the store is full"))
+            return
+        if save and self.server.no_store:
+            self._answer(StreamError("x", "[INVALID_INPUT] this server keeps no snapshots (its snapshot_dir is not "
+                                          "set): request parameters 'save' and 'resume' need one"))
+            return
+        how = self.server.fail_at.pop(self.server.made, None)
+        if how == "moved":
+            moved = secrets.token_hex(16)
+            self.server.store[moved] = list(self.history)
+            self._answer(StreamError("x", f"[MOVED snapshot_id={moved}] the group drains"))
+        elif how == "group":
+            self._answer(StreamError("x", "[GROUP_FAILED retry_after_s=20] the group lost an instance"))
+        elif how == "error":
+            self._answer(StreamError("the stream failed: UNAVAILABLE"))
+        if how is not None:
+            self.dead, self.silent_since = how if how == "silent" else "error", time.perf_counter()
+            return
+        self.server.made += 1
+        self.history.append(keys_of(controls))
+        camera = np.tile(np.eye(4, dtype=np.float32), (12, 1, 1))
+        used = BlockUsed(camera, "a street", block_hash(self.history))
+        self._answer(BlockResponse(index, 0, None, np.zeros((0, 0, 0, 3), np.uint8), (), 0.0, False, used))
+        if save:
+            snapshot_id = secrets.token_hex(16)
+            self.server.store[snapshot_id] = list(self.history)
+            self.on_snapshot(SnapshotNotice(snapshot_id))
+
+    def _answer(self, answer: object) -> None:
+        self.answers.append((answer, time.perf_counter()))
+
+    def waiting_since(self) -> float | None:
+        return self.answers[0][1] if self.answers else (self.silent_since if self.dead == "silent" else None)
+
+    def next_block(self, timeout: float | None = None) -> BlockResponse | None:
+        if not self.answers:
+            time.sleep(timeout or 0)  # a silent stream: nothing comes
+            raise StreamTimeoutError("nothing within the timeout")
+        answer, self.answered_sent_s = self.answers.popleft()
+        if isinstance(answer, StreamError):
+            raise answer
+        return None if answer is None else BlockResponse(**{**answer.__dict__, "arrival_s": time.perf_counter()})
+
+    def close(self) -> None:
+        self.closed = True
+
+
+KEYS = ["w", "a", "s", "d", "wa", "wd", "j", "l", "i", "k", "w", "s"]
+
+
+def play(server: StandIn, keys: list[str] = KEYS, lookahead: int = 1, **options: object) -> tuple[list, list, list]:
+    """A world played as `python -m client play` plays it: (blocks returned, saves told, failovers told)."""
+    saves: list[Saved] = []
+    failovers: list[Failover] = []
+    world = PlayedWorld("stand-in:8001", session_factory=server.session, on_snapshot=saves.append,
+                        on_failover=failovers.append, **options)
+    request = SessionRequest(image=np.zeros((8, 8, 3), np.uint8), prompt="a street", poses=None, num_frames=None,
+                             seed=1, height=8, width=8, keys=keys[0])
+    world.start(request)
+    blocks, sent = [], 1
+    for received in range(len(keys)):
+        while sent < len(keys) and sent - received <= lookahead:
+            world.step(Controls(keys=keys[sent]), end=sent == len(keys) - 1)
+            sent += 1
+        blocks.append(world.next_block(5))
+    world.finish(5)
+    return blocks, saves, failovers
+
+
+def hashes(blocks: list[BlockResponse]) -> list[str]:
+    return [b.used.latents_sha256 for b in blocks]
+
+
+UNINTERRUPTED = [block_hash(KEYS[: i + 1]) for i in range(len(KEYS))]
+
+
+def test_saves_every_n_blocks_and_a_failed_stream_resumes_from_the_last_without_showing_a_block_twice() -> None:
+    server = StandIn(fail_at={7: "error"})
+    blocks, saves, failovers = play(server, save_every=3)
+    assert [b.block_index for b in blocks] == list(range(len(KEYS)))
+    assert hashes(blocks) == UNINTERRUPTED  # bit for bit with the uninterrupted world, none twice
+    # The save after block 8 was under way when the stream failed: the next step after the failover saves instead.
+    assert [s.block_index for s in saves] == [2, 5, 9] and all(s.error is None for s in saves)
+    lost, through = failovers
+    # Blocks 0-6 were received, the snapshot after block 5 durable: block 6 is made again and checked, block 7's
+    # step (and the lookahead's) sent again.
+    assert (lost.snapshot_id, lost.resume_block, lost.replayed, lost.resent) == (saves[1].snapshot_id, 6, 1, 2)
+    assert through.took_s is not None and through.took_s >= 0 and through.attempts == 1
+    assert server.opens == ["start", saves[1].snapshot_id]
+
+
+def test_a_moved_session_resumes_from_the_snapshot_its_group_made_and_a_healing_group_is_tried_again() -> None:
+    server = StandIn(fail_at={4: "moved"}, refuse_opens=2)
+    blocks, saves, failovers = play(server, save_every=0)
+    assert hashes(blocks) == UNINTERRUPTED and saves == []
+    lost, through = failovers
+    assert lost.replayed == 0 and lost.resume_block == 4 and "drains" in lost.reason
+    assert through.attempts == 3  # twice "not ready", then resumed
+    assert server.opens[0] == "start" and len(set(server.opens[1:])) == 1
+
+
+def test_before_any_save_a_world_starts_again_from_its_first_request() -> None:
+    server = StandIn(fail_at={3: "group"})
+    blocks, _, failovers = play(server, save_every=0)
+    assert hashes(blocks) == UNINTERRUPTED
+    assert failovers[0].snapshot_id is None and failovers[0].replayed == 3 and server.opens == ["start", "start"]
+
+
+def test_a_silent_stream_is_given_up_at_the_stall_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that stays open and says nothing (Triton keeps a dead stub's open) ends at the bound."""
+    monkeypatch.setattr(world_module, "STALL_FLOOR_S", 0.3)
+    server = StandIn(fail_at={5: "silent"})
+    began = time.perf_counter()
+    blocks, _, failovers = play(server, save_every=2)
+    assert hashes(blocks) == UNINTERRUPTED
+    assert "stall bound" in failovers[0].reason and time.perf_counter() - began < 3
+
+
+def test_a_save_refused_by_a_full_store_is_sent_again_without_it_and_the_world_goes_on() -> None:
+    server = StandIn(full=True)
+    blocks, saves, _ = play(server, save_every=4)
+    assert len(blocks) == len(KEYS) and [b.block_index for b in blocks] == list(range(len(KEYS)))
+    assert saves and all(s.snapshot_id is None and s.error == "the store is full" for s in saves)
+    # A refused step ran after the steps sent behind it: every step ran once, one block each.
+    (session,) = server.sessions
+    assert sorted(session.history) == sorted(KEYS) and session.history != KEYS
+    assert hashes(blocks) == [block_hash(session.history[: i + 1]) for i in range(len(KEYS))]
+
+
+def test_on_a_server_without_a_store_the_world_plays_on_unsaved_and_fails_over_from_its_start() -> None:
+    server = StandIn(no_store=True, fail_at={8: "error"})
+    blocks, saves, failovers = play(server, save_every=3)
+    ran = server.sessions[-1].history  # the refused step ran behind the one sent after it, in both sessions
+    assert sorted(ran) == sorted(KEYS) and hashes(blocks) == [block_hash(ran[: i + 1]) for i in range(len(KEYS))]
+    (refused,) = saves  # the first save told it: no more are asked for
+    assert refused.snapshot_id is None and "keeps no snapshots" in refused.error
+    assert failovers[0].snapshot_id is None and server.opens == ["start", "start"]
+
+
+def test_a_block_made_differently_after_a_resume_loses_a_strict_world_and_a_snapshot_gone_any() -> None:
+    with pytest.raises(WorldLostError, match="block 6 made again after the resume differs from the one received"):
+        play(StandIn(fail_at={7: "error"}, tamper=True), save_every=3, strict=True)
+    blocks, _, (lost, through) = play(StandIn(fail_at={7: "error"}, tamper=True), save_every=3)  # not strict
+    assert through.differed == 1 and [b.block_index for b in blocks] == list(range(len(KEYS)))
+    with pytest.raises(WorldLostError, match="cannot be resumed: no snapshot"):
+        play(StandIn(fail_at={7: "error"}, forget=True), save_every=3)
+
+
+def test_a_world_that_cannot_be_resumed_within_its_bound_is_lost() -> None:
+    server = StandIn(fail_at={3: "error"}, refuse_opens=1000)
+    began = time.perf_counter()
+    with pytest.raises(WorldLostError, match="could not be resumed within 1 s"):
+        play(server, save_every=2, resume_within_s=1.0)
+    assert time.perf_counter() - began < 4
