@@ -88,7 +88,7 @@ def test_a_dead_owner_on_either_rank_errors_the_streams_and_the_server_heals_its
             wait_until(lambda seen=before: all(metrics(server, r).get("lingbot_world_blocks_total", 0) > b
                                                for r, b in zip((0, 1), seen)), 60, "blocks sent by both instances")
             world = PlayedInBackground(server.grpc_url)
-            wait_until(lambda: world.saved, 60, "the world saved")
+            wait_until(lambda w=world: w.saved, 60, "the world saved")
             os.kill(server.stub_pids()[victim], signal.SIGKILL)
             killed = time.monotonic()
             assert wait_not_ready(server.grpc_url, 10) < 5  # a dead peer's sockets close: no timeout to wait out
