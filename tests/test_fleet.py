@@ -324,7 +324,9 @@ def test_a_rolling_restart_moves_every_world_to_the_other_group_and_loses_none(f
     refused = one_session(group0.grpc_url)
     assert refused.error is not None and "[SERVER_STOPPING retry_after_s=1]" in refused.error, refused
     moved = wait_until(lambda: next((w for w in worlds if w.moves), None), 30, "group 0's world moved")
-    assert gauge(group1, "lingbot_world_snapshots_total", event="resumed") == 1  # on group 1, not yet restarted
+    # On group 1, not yet restarted (a counter reaches the metrics port a moment after the block).
+    wait_until(lambda: [gauge(g, "lingbot_world_snapshots_total", event="resumed") for g in (group0, group1)] == [0, 1],
+               10, "the moved world counted as resumed on group 1")
     restarting.join(180)
     assert "restarted" in outcome, outcome.get("error", "the rolling restart did not finish")
     r0, r1 = outcome["restarted"]
@@ -336,7 +338,8 @@ def test_a_rolling_restart_moves_every_world_to_the_other_group_and_loses_none(f
     assert whole.ended_s > r0.sigterm_s  # through the drain
     assert sorted(len(w.moves) for w in worlds) == [1, 2] and len(moved.moves) == 2
     # Both resumed on group 0, back in rotation before group 1 drained.
-    assert gauge(group0, "lingbot_world_snapshots_total", event="resumed") == 2
+    wait_until(lambda: gauge(group0, "lingbot_world_snapshots_total", event="resumed") == 2, 10,
+               "both worlds counted as resumed on group 0")
     for w in worlds:
         for m in w.moves:  # resumed at the next block, at once
             assert m.replayed == 0 and m.resumed_s - m.moved_s < 5, m
@@ -458,7 +461,7 @@ def players_on_group0(fleet: Fleet) -> Iterator[None]:
     group1 = fleet.groups[1]
     fleet.settle()
     with holding(group1.grpc_url, 2):
-        wait_until(lambda: fleet.state(group1).startswith("DRAIN"), 5, "group 1 drained by its agent")
+        wait_until(lambda: fleet.full(group1), 5, "group 1 full (weight 0) by its agent")
         yield
 
 
