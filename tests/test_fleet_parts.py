@@ -10,12 +10,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from tritonclient.utils import InferenceServerException
 
 from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
 from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
 from backend.launch.fleet import main
+from backend.launch import heal
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
 from backend.serving.host_signals import HostSignals
 from polling import wait_until
@@ -164,6 +167,57 @@ def test_a_model_ready_with_no_stub_left_is_healed_even_if_the_watch_never_saw_o
         assert healer._dead_stub(ReadyModel()) is None
         time.sleep(0.05)
     assert healer.watch.stubs == {0: os.getpid()}
+
+
+class ReloadingServer:
+    """A model server for the healer: its first `failing` loads fail (an error, or a load that leaves the model
+    not ready), later ones make it ready; it keeps when each load came."""
+
+    def __init__(self, failing: int, how: str = "error") -> None:
+        self.failing, self.how = failing, how
+        self.loads: list[float] = []
+        self.ready = False
+
+    def client(self, url: str) -> ReloadingServer:
+        return self
+
+    def __enter__(self) -> ReloadingServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def is_model_ready(self, model: str) -> bool:
+        return self.ready
+
+    def load_model(self, model: str, headers: dict, client_timeout: float) -> None:
+        self.loads.append(time.monotonic())
+        if len(self.loads) <= self.failing and self.how == "error":
+            raise InferenceServerException(f"load {len(self.loads)} failed")
+        self.ready = len(self.loads) > self.failing
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("failing", "how", "healed_at"), [
+    (0, "error", 1), (2, "error", 3), (3, "error", None), (3, "not ready", None), (1, "not ready", 2)])
+def test_the_healer_tries_every_configured_reload_with_doubling_backoff(monkeypatch, tmp_path: Path, failing: int,
+                                                                        how: str, healed_at: int | None) -> None:
+    """3 loads configured: a model whose loads fail is tried exactly 3 times, 0.05 s then 0.1 s apart, and left
+    unloaded; one that loads on the k-th try is healed at k."""
+    server = ReloadingServer(failing, how)
+    monkeypatch.setattr(heal, "grpcclient", SimpleNamespace(InferenceServerClient=server.client))
+    signals = HostSignals(tmp_path)
+    healer = Healer("fake:1", "m", signals, {}, attempts=3, first_backoff_s=0.05).start()
+    try:
+        signals.ask_heal("rank 1 lost its peer")
+        wait_until(lambda: healer.heals, 20, "the heal to end")
+    finally:
+        healer.stop()
+    (done,) = healer.heals
+    assert (done.healed, done.attempts) == (healed_at is not None, healed_at or 3)
+    assert len(server.loads) == (healed_at or 3) and done.why == "rank 1 lost its peer"
+    gaps = [b - a for a, b in zip(server.loads, server.loads[1:])]
+    assert all(gap >= 0.05 * 2**i - 0.01 for i, gap in enumerate(gaps)), gaps
 
 
 def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ from backend.api.errors import InputError
 from backend.api.provenance import RESULT_SETTINGS, latents_sha256, parse_settings
 from backend.api.request import Controls
 from backend.engine.blocks import BlockControls
+from client import replay
 from client.recording import Recorder, Recording, RecordingError
+from client.replay import whole_request
 from factories import tiny_request
 
 SETTINGS = "block_frames=3;denoise_steps=4;dtype=float32;sink_frames=3;timestep_shift=5.0;window_frames=9"
@@ -64,11 +66,12 @@ def test_expect_settings_are_checked_before_any_work(engine) -> None:
         parse_request(request_arrays(request).get, json.dumps({"pose_scale": "largest"}))
 
 
-def block(index: int, prompt: str, frames: int, held: bool = False, settings: str | None = None) -> BlockResponse:
+def block(index: int, prompt: str, frames: int, held: bool = False, settings: str | None = None,
+          recached: bool = False) -> BlockResponse:
     camera = np.tile(np.eye(4, dtype=np.float32), (frames, 1, 1))
     camera[:, 2, 3] = np.arange(frames) * 0.05 + index
     return BlockResponse(index, 0, None, np.empty((0, 0, 0, 3), np.uint8), (), 0.0, held,
-                         BlockUsed(camera, prompt, f"{index:064x}", settings))
+                         BlockUsed(camera, prompt, f"{index:064x}", settings, recached))
 
 
 @pytest.fixture
@@ -90,6 +93,54 @@ def test_a_recording_keeps_what_the_server_used(recording_file: Path) -> None:
     assert loaded.image.dtype == np.uint8 and (loaded.seed, loaded.height, loaded.width) == (42, 64, 64)
     # Small: the image once, 45 poses as float32, compressed.
     assert recording_file.stat().st_size < 64 * 64 * 3 + 45 * 64 + 4096
+
+
+def test_a_recache_under_the_prompt_in_force_is_recorded_as_its_event_and_replays_with_it(tmp_path: Path) -> None:
+    """A world event that repeats the prompt in force with recache on changes no prompt, yet its block's latents
+    (its cache was recomputed): the server reports it (recached, the same prompt_used), the recording keeps it as
+    that block's event with its recache, loads, and its step by step replay sends it again."""
+    recorder = Recorder(steered_request(prompt="a castle"))
+    recorder.add(block(0, "a castle", 9, settings=SETTINGS))
+    recorder.add(block(1, "a castle", 12, recached=True))  # "@!a castle"
+    recorder.add(block(2, "it snows", 12, recached=True))  # "@!it snows"
+    recorder.add(block(3, "it snows", 12, recached=True))  # "@!it snows" again
+    recorder.add(block(4, "it snows", 12))
+    loaded = Recording.load(recorder.save(tmp_path / "world.npz"))
+    assert [(b.event, b.recache) for b in loaded.blocks] == [(None, False), ("a castle", True), ("it snows", True),
+                                                             ("it snows", True), (None, False)]
+    assert replay_steps_of(loaded) == [Controls(poses=b.camera, prompt=b.event, recache=b.recache)
+                                       for b in loaded.blocks[1:]]
+    with pytest.raises(RecordingError, match=r"world events at block\(s\) \[1, 2, 3\].*--steps"):
+        whole_request(loaded, decode=False)  # a recache changes latents: one whole trajectory cannot carry it
+
+
+def replay_steps_of(recording: Recording) -> list[Controls]:
+    """The steps `replay --steps` sends after the first request: what a fake steered session is handed."""
+    sent: list[Controls] = []
+
+    class Session:
+        def __init__(self, url: str, model_name: str, on_place) -> None:
+            pass
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def start(self, request) -> None:
+            pass
+
+        def step(self, controls: Controls, end: bool = False) -> None:
+            sent.append(controls)
+
+        def next_block(self, timeout: float) -> BlockResponse:
+            return block(len(sent), recording.prompt, 12)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replay, "SteeredSession", Session)
+        replay.replay_steps(recording, "unused:1", "lingbot_world", False, 1.0)
+    return sent
 
 
 def rewrite(path: Path, **changes) -> Path:

@@ -238,3 +238,22 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
     clocks.batch.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
     # "b" frees its slot after 2 blocks (4 s), "a" after 4 (8 s); "c" takes b's and holds it 1 block (2 s)
     assert line_waits(s, clocks, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]
+
+
+def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
+    """A slot frees after its holder's blocks left (a clip) or its expected life less its age (open-ended), not
+    after a whole session from the start: the wait told to the line and a full line's retry time alike."""
+    s = Scheduler(ServingConfig(max_sessions=2, max_queue=1, max_batch=2))
+    s.plan([RankEvents(submissions=[sub("a", blocks=4), steered("b")])])
+    for _ in range(2):  # both run a block, then another ("b" on its first camera, then a step's)
+        s.plan([dataclasses.replace(deliver_all(s), steps=[StepEvent("b", Controls(keys="d"))])])
+    s.plan([dataclasses.replace(deliver_all(s), submissions=[sub("c", blocks=1)])])  # "a" runs its 3rd: 1 left
+    assert [s.table[sid].computed for sid in ("a", "b")] == [3, 3] and [w.id for w in s.waiting()] == ["c"]
+    clocks = Clocks()
+    clocks.batch.observe(2.0)  # a round of both slots: 2 s
+    clocks.life.observe(30.0)  # open-ended sessions have lived 30 s
+    opened = {"a": 0.0, "b": 0.0}
+    # "a" frees its slot after its 1 block left (2 s), before "b", open 25 s of its expected 30 (5 s left).
+    assert line_waits(s, clocks, opened, 25.0, extra=1) == [2.0, 4.0]
+    # At 29 s "b" is 1 s from its expected end, though never less than a round away; "a" has 1 block left (2 s).
+    assert line_waits(s, clocks, opened, 29.0, extra=1) == [2.0, 2.0]

@@ -1,0 +1,70 @@
+"""Who may open a session on the browser bridge (client/web/app.Access, as `python -m client serve` builds it),
+against look-alikes of the origins and token it allows: a prefix, a suffix, another scheme, a port that is a prefix
+of another. No server: a mocked websocket request."""
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from client.web.serve import access, parse_args
+
+
+def refusal(argv: list[str], origin: str | None, host: str = "127.0.0.1:8080", query: str = "") -> str | None:
+    headers = {"Host": host} | ({} if origin is None else {"Origin": origin})
+    return access(parse_args(["--url", "localhost:8001", *argv])).refusal(
+        make_mocked_request("GET", f"/ws{query}", headers=headers))
+
+
+OWN = ["http://127.0.0.1:8080", "http://localhost:8080", "http://[::1]:8080"]
+LOOK_ALIKES = [
+    "http://127.0.0.1:808", "http://127.0.0.1", "http://127.0.0.1:", "http://127.0.0.1:80800",
+    "http://127.0.0.1:8080.evil.example", "http://127.0.0.1:8080@evil.example", "http://127.0.0.1:8080/",
+    "https://127.0.0.1:8080", "ws://127.0.0.1:8080", "http://evil.localhost:8080", "http://localhost.evil:8080",
+    "http://127.0.0.10:8080", "http://27.0.0.1:8080", " http://127.0.0.1:8080", "http://127.0.0.1:8080 ",
+    "http://[::1]:80", "null", "", "*",
+]
+
+
+@pytest.mark.parametrize("origin", OWN)
+def test_the_bridge_s_own_pages_get_in(origin: str) -> None:
+    assert refusal([], origin) is None
+
+
+@pytest.mark.parametrize("origin", [*LOOK_ALIKES, None])
+def test_a_look_alike_of_the_bridge_s_own_origin_is_refused(origin: str | None) -> None:
+    assert "may not open sessions here" in refusal([], origin)
+
+
+def test_a_port_that_is_a_prefix_of_another_is_another_origin() -> None:
+    assert refusal(["--port", "80"], "http://127.0.0.1:8080", host="127.0.0.1:80") is not None
+    assert refusal(["--port", "8080"], "http://127.0.0.1:80") is not None
+    assert refusal(["--port", "80"], "http://127.0.0.1:80", host="127.0.0.1:80") is None
+
+
+@pytest.mark.parametrize(("origin", "host", "allowed"), [
+    ("http://203.0.113.5:8080", "203.0.113.5:8080", True),  # the name the page used to reach it
+    ("http://203.0.113.5:80", "203.0.113.5:8080", False),
+    ("http://203.0.113.5:80800", "203.0.113.5:8080", False),
+    ("http://203.0.113.50:8080", "203.0.113.5:8080", False),
+    ("http://203.0.113.5:8080.evil.example", "203.0.113.5:8080", False),
+    ("https://203.0.113.5:8080", "203.0.113.5:8080", False),
+    ("http://203.0.113.5:8080", "203.0.113.5:80", False),
+])
+def test_a_bridge_on_every_interface_takes_the_origin_its_host_header_names_exactly(origin: str, host: str,
+                                                                                   allowed: bool) -> None:
+    assert (refusal(["--host", "0.0.0.0", "--port", "8080"], origin, host=host) is None) is allowed
+
+
+@pytest.mark.parametrize("origin", ["https://example.org.evil.com", "https://example.or", "https://sub.example.org",
+                                    "http://example.org", "https://example.org:443", "https://example.org:4430"])
+def test_an_allowed_origin_admits_itself_only(origin: str) -> None:
+    assert refusal(["--allow-origin", "https://example.org"], "https://example.org") is None
+    assert refusal(["--allow-origin", "https://example.org"], origin) is not None
+
+
+@pytest.mark.parametrize("token", ["", "s3cre", "s3crett", "S3CRET", "s3cret%00", "xs3cret"])
+def test_the_token_must_match_exactly(token: str) -> None:
+    argv = ["--token", "s3cret"]
+    assert refusal(argv, OWN[0], query="?token=s3cret") is None
+    assert "needs its token" in refusal(argv, OWN[0], query=f"?token={token}")
+    assert "needs its token" in refusal(argv, OWN[0])
