@@ -17,7 +17,7 @@ from backend.api import contract as c
 from backend.api.codec import controls_arrays, parse_request, request_arrays
 from backend.api.errors import InputError
 from backend.api.request import Controls, SessionRequest, StepRequest
-from backend.serving.admission import admit_step, check_limits
+from backend.serving.admission import admit, admit_step
 from backend.serving.config import ServingConfig
 from factories import tiny_request
 
@@ -240,24 +240,31 @@ def test_every_request_parameter_at_its_boundaries(case: Case) -> None:
 LIMITS = ServingConfig()
 
 
+def still_poses(frames: int) -> np.ndarray:
+    return np.tile(np.eye(4, dtype=np.float32), (frames, 1, 1))
+
+
 @pytest.mark.parametrize(("name", "at_limit", "past_it"), [
     ("max_input_pixels", {"image": (1, LIMITS.max_input_pixels)}, {"image": (1, LIMITS.max_input_pixels + 1)}),
     ("max_frames", {"num_frames": LIMITS.max_frames}, {"num_frames": LIMITS.max_frames + 1}),
-    ("max_pixels", {"height": 1, "width": LIMITS.max_pixels}, {"height": 1, "width": LIMITS.max_pixels + 1}),
+    ("max_pixels", {"height": 16, "width": LIMITS.max_pixels // 16}, {"height": 16, "width": LIMITS.max_pixels // 16
+                                                                      + 16}),
 ])
-def test_each_server_limit_admits_its_value_and_refuses_one_more(name: str, at_limit: dict, past_it: dict) -> None:
-    """The limits' defaults (serving/config); an image is judged by its shape alone (a broadcast view here)."""
+def test_each_server_limit_admits_its_value_and_refuses_one_more(engine, name: str, at_limit: dict,
+                                                                 past_it: dict) -> None:
+    """The limits' defaults (serving/config) at admission; an image is judged by its shape alone (a broadcast
+    view here), and the size in whole patches (the next size up is 16 pixels more)."""
 
-    def request(changes: dict) -> SessionRequest:
+    def admitted(changes: dict) -> None:
         if "image" in changes:
             changes = changes | {"image": np.broadcast_to(np.zeros(3, np.uint8), (*changes["image"], 3))}
-        return dataclasses.replace(whole(), **changes)
+        if "num_frames" in changes:
+            changes = changes | {"poses": still_poses(changes["num_frames"])}
+        admit(dataclasses.replace(whole(), **changes), LIMITS, engine, "r0-1", 0)
 
-    check_limits(request(at_limit), LIMITS)
-    error = refused_as_invalid(name, lambda: check_limits(request(past_it), LIMITS))
+    admitted(at_limit)
+    error = refused_as_invalid(name, lambda: admitted(past_it))
     assert error.code == c.INVALID_INPUT
-    check_limits(request({"num_frames": 1}), LIMITS)
-    refused_as_invalid("num_frames", lambda: check_limits(request({"num_frames": 0}), LIMITS))
 
 
 def test_num_frames_takes_whole_blocks_and_height_and_width_the_patch_factor(engine) -> None:
@@ -266,8 +273,7 @@ def test_num_frames_takes_whole_blocks_and_height_and_width_the_patch_factor(eng
     block = engine.config.block_frames
     for blocks in (1, 2):
         frames = c.whole_block_frames(blocks, block)
-        engine.geometry_of(dataclasses.replace(whole(), num_frames=frames, poses=np.tile(np.eye(4, dtype=np.float32),
-                                                                                         (frames, 1, 1))))
+        engine.geometry_of(dataclasses.replace(whole(), num_frames=frames, poses=still_poses(frames)))
         for off in (frames - 1, frames + 1, frames - 4, frames + 4):
             refused_as_invalid("num_frames", lambda: engine.geometry_of(dataclasses.replace(whole(), num_frames=off)))
     for side in ("height", "width"):
@@ -281,15 +287,13 @@ def test_a_steered_block_takes_exactly_its_video_frames_of_poses(engine, first: 
     """9 poses for a session's first block, 12 for each later one (contract.block_video_frames): one fewer or more
     is refused at admission, naming camera_poses."""
     frames = c.block_video_frames(engine.config.block_frames, first)
-    eye = np.eye(4, dtype=np.float32)
-
-    def admit(n: int) -> None:
-        poses = np.tile(eye, (n, 1, 1))
+    def admitted(n: int) -> None:
+        poses = still_poses(n)
         if first:
             engine.geometry_of(dataclasses.replace(steered(), keys=None, poses=poses))
         else:
             admit_step(StepRequest(STEP_KEY, Controls(poses=poses)), engine.config.block_frames, engine.window_frames)
 
-    admit(frames)
+    admitted(frames)
     for n in (frames - 1, frames + 1):
-        refused_as_invalid("camera_poses", lambda: admit(n))
+        refused_as_invalid("camera_poses", lambda: admitted(n))

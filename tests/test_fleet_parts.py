@@ -170,12 +170,14 @@ def test_a_model_ready_with_no_stub_left_is_healed_even_if_the_watch_never_saw_o
 
 
 class ReloadingServer:
-    """A model server for the healer: its first `failing` loads fail (an error, or a load that leaves the model
-    not ready), later ones make it ready; it keeps when each load came."""
+    """A model server for the healer: the failed model reads ready for its first `unloading` questions (its unload
+    under way), then not; its first `failing` loads fail (an error, or a load that leaves it not ready), later ones
+    make it ready. It keeps when each load came and when it last read ready before one."""
 
-    def __init__(self, failing: int, how: str = "error") -> None:
-        self.failing, self.how = failing, how
+    def __init__(self, failing: int, how: str = "error", unloading: int = 0) -> None:
+        self.failing, self.how, self.unloading = failing, how, unloading
         self.loads: list[float] = []
+        self.ready_until = 0.0  # when the failed model last read ready
         self.ready = False
 
     def client(self, url: str) -> ReloadingServer:
@@ -188,6 +190,10 @@ class ReloadingServer:
         pass
 
     def is_model_ready(self, model: str) -> bool:
+        if not self.loads and self.unloading:
+            self.unloading -= 1
+            self.ready_until = time.monotonic()
+            return True
         return self.ready
 
     def load_model(self, model: str, headers: dict, client_timeout: float) -> None:
@@ -197,27 +203,70 @@ class ReloadingServer:
         self.ready = len(self.loads) > self.failing
 
 
+class Signals(HostSignals):
+    """Host signals that count the healer's looks for a request."""
+
+    looks = 0
+
+    def take_heal(self) -> str | None:
+        self.looks += 1
+        return super().take_heal()
+
+
+class Waits(threading.Event):
+    """The healer's stop event, keeping every wait's timeout: its polls and its backoffs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("failing", "how", "healed_at"), [
     (0, "error", 1), (2, "error", 3), (3, "error", None), (3, "not ready", None), (1, "not ready", 2)])
 def test_the_healer_tries_every_configured_reload_with_doubling_backoff(monkeypatch, tmp_path: Path, failing: int,
                                                                         how: str, healed_at: int | None) -> None:
-    """3 loads configured: a model whose loads fail is tried exactly 3 times, 0.05 s then 0.1 s apart, and left
-    unloaded; one that loads on the k-th try is healed at k."""
-    server = ReloadingServer(failing, how)
+    """3 loads configured: a model whose loads fail is tried exactly 3 times, 0.03 s then 0.06 s apart, and left
+    unloaded; one that loads on the k-th try is healed at k. The heal is asked for while the healer idles (it has
+    looked twice), and its first load waits until the failed model reads not ready (its unload)."""
+    server = ReloadingServer(failing, how, unloading=2)
     monkeypatch.setattr(heal, "grpcclient", SimpleNamespace(InferenceServerClient=server.client))
-    signals = HostSignals(tmp_path)
-    healer = Healer("fake:1", "m", signals, {}, attempts=3, first_backoff_s=0.05).start()
+    signals = Signals(tmp_path)
+    healer = Healer("fake:1", "m", signals, {}, attempts=3, first_backoff_s=0.03)
+    healer._stop = waits = Waits()
+    healer.start()
     try:
+        wait_until(lambda: signals.looks >= 2, 10, "the healer to look for requests")
         signals.ask_heal("rank 1 lost its peer")
         wait_until(lambda: healer.heals, 20, "the heal to end")
     finally:
         healer.stop()
     (done,) = healer.heals
-    assert (done.healed, done.attempts) == (healed_at is not None, healed_at or 3)
-    assert len(server.loads) == (healed_at or 3) and done.why == "rank 1 lost its peer"
-    gaps = [b - a for a, b in zip(server.loads, server.loads[1:])]
-    assert all(gap >= 0.05 * 2**i - 0.01 for i, gap in enumerate(gaps)), gaps
+    assert (done.healed, done.attempts, done.why) == (healed_at is not None, healed_at or 3, "rank 1 lost its peer")
+    assert len(server.loads) == (healed_at or 3) and server.unloading == 0 and server.loads[0] > server.ready_until
+    assert [t for t in waits.timeouts if t != heal.POLL_S] == [0.03, 0.06][: (healed_at or 3) - 1]
+
+
+@pytest.mark.timeout(30)
+def test_a_stub_that_dies_while_the_model_reads_ready_is_healed_after_the_grace(tmp_path: Path) -> None:
+    """The watch adopts the model's stubs once it reads ready; one of them dies; DEAD_STUB_GRACE_S later (no
+    survivor asked for a heal meanwhile) the healer names its rank."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=lambda: {0: child.pid, 1: os.getpid()})
+    try:
+        assert healer._dead_stub(ReadyModel()) is None and healer.watch.stubs == {0: child.pid, 1: os.getpid()}
+        assert healer._dead_stub(ReadyModel()) is None  # both alive
+    finally:
+        child.kill()
+        child.wait()
+    died = time.monotonic()
+    why = wait_until(lambda: healer._dead_stub(ReadyModel()), DEAD_STUB_GRACE_S + 5, "the healer to name the death")
+    assert why == "the stub of rank 0 died and the model still read ready"
+    assert time.monotonic() - died >= DEAD_STUB_GRACE_S - 0.1
 
 
 def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:

@@ -239,6 +239,42 @@ def test_out_of_range_start_inputs_are_refused(recording_file: Path, meta: dict,
         Recording.load(rewrite(recording_file, meta=meta))
 
 
+@pytest.mark.parametrize(("meta", "loads"), [
+    ({"seed": 2**63 - 1}, True), ({"seed": 2**63}, False), ({"seed": -(2**63)}, True), ({"seed": -(2**63) - 1}, False),
+    ({"height": 1, "width": 65536}, True), ({"height": 0}, False), ({"width": 65537}, False),
+])
+def test_start_inputs_at_their_bounds(recording_file: Path, meta: dict, loads: bool) -> None:
+    """The seed is int64 (as the wire's), each side 1 to MAX_SIDE."""
+    path = rewrite(recording_file, meta=meta)
+    if loads:
+        assert [getattr(Recording.load(path), k) for k in meta] == list(meta.values())
+    else:
+        with pytest.raises(RecordingError, match=r"64 bits|1 to 65536"):
+            Recording.load(path)
+
+
+def test_block_frames_of_one_is_a_recording_s_smallest_block(tmp_path: Path) -> None:
+    """1 latent frame a block: 1 video frame first, then 4 each (contract.block_video_frames)."""
+    recorder = Recorder(steered_request(prompt="a castle"))
+    recorder.add(block(0, "a castle", 1, settings=SETTINGS.replace("block_frames=3", "block_frames=1")))
+    recorder.add(block(1, "a castle", 4))
+    loaded = Recording.load(recorder.save(tmp_path / "one.npz"))
+    assert loaded.block_frames == 1 and [len(b.camera) for b in loaded.blocks] == [1, 4]
+
+
+def test_the_intrinsics_sent_and_a_column_major_image_come_back_as_they_were(tmp_path: Path) -> None:
+    """A session's own intrinsics are kept; an image numpy stores column-major (a transposed array) reads back
+    as the same picture."""
+    image = np.asfortranarray(np.random.default_rng(3).integers(0, 256, (64, 48, 3), dtype=np.uint8))
+    intrinsics = np.array([[50.0, 60.0, 24.0, 32.0]], np.float32)
+    recorder = Recorder(steered_request(prompt="a castle", image=image, intrinsics=intrinsics))
+    recorder.add(block(0, "a castle", 9, settings=SETTINGS))
+    loaded = Recording.load(recorder.save(tmp_path / "world.npz"))
+    assert np.array_equal(loaded.image, image) and np.array_equal(loaded.intrinsics, intrinsics)
+    with pytest.raises(RecordingError, match=r"intrinsics must be finite float32 \[k, 4\]"):
+        Recording.load(rewrite(tmp_path / "world.npz", intrinsics=np.ones((1, 5), np.float32)))
+
+
 def test_deeply_nested_meta_is_refused(recording_file: Path) -> None:
     with pytest.raises(RecordingError, match="recursion"):
         Recording.load(rewrite(recording_file, meta=np.array("[" * 100_000 + "]" * 100_000)))
