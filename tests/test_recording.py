@@ -180,6 +180,8 @@ def meta_blocks(path: Path) -> list[dict]:
     (lambda p: rewrite(p, meta={"blocks": [b | {"latents_sha256": "zz"} for b in meta_blocks(p)]}), "64 lowercase hex"),
     (lambda p: rewrite(p, image=np.zeros((4, 4), np.uint8)), r"image must be uint8 \[H, W, 3\]"),
     (lambda p: rewrite(p, meta=np.array(b"\x00".decode())), "meta is not JSON"),
+    (lambda p: rewrite(p, meta={"blocks": [b | {"event": " "} if i == 2 else b for i, b in enumerate(meta_blocks(p))]}),
+     "prompt is empty"),
 ])
 def test_a_damaged_recording_is_refused_naming_what_is_wrong(recording_file: Path, corrupt, message: str) -> None:
     with pytest.raises(RecordingError, match=message):

@@ -1,10 +1,13 @@
 """Who may open a session on the browser bridge (client/web/app.Access, as `python -m client serve` builds it),
 against look-alikes of the origins and token it allows: a prefix, a suffix, another scheme, a port that is a prefix
-of another. No server: a mocked websocket request."""
+of another; and the files it serves. No server: a mocked websocket request, or the app in this process."""
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
-from aiohttp.test_utils import make_mocked_request
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from client.web.serve import access, parse_args
 
@@ -68,3 +71,48 @@ def test_the_token_must_match_exactly(token: str) -> None:
     assert refusal(argv, OWN[0], query="?token=s3cret") is None
     assert "needs its token" in refusal(argv, OWN[0], query=f"?token={token}")
     assert "needs its token" in refusal(argv, OWN[0])
+
+
+def test_the_files_routes_serve_this_bridge_s_sessions_only(tmp_path: Path) -> None:
+    """/sessions/ID/video.mp4 and recording.npz: a session of this bridge's table gets its own file, once it
+    exists; an unknown ID, or a path in its place, gets 404 (the real app in this process, no Triton behind it)."""
+    from client.web.app import SESSIONS, Access, make_app
+
+    video = tmp_path / "abc123.mp4"
+    outside = tmp_path / "outside.mp4"
+    outside.write_bytes(b"not yours")
+
+    async def fetch_all() -> list[tuple[int, bytes]]:
+        app = make_app("127.0.0.1:1", "lingbot_world", 5.0, Access(frozenset({"*"})))
+        app[SESSIONS]["abc123"] = video
+        got = []
+        async with TestClient(TestServer(app)) as client:
+            for step, path in [("none yet", "/sessions/abc123/video.mp4"),
+                               ("none yet", "/sessions/abc123/recording.npz"),
+                               ("written", "/sessions/abc123/video.mp4"), ("written", "/sessions/abc123/recording.npz"),
+                               ("written", "/sessions/0123456789ab/video.mp4"),
+                               ("written", "/sessions/0123456789ab/recording.npz"),
+                               ("written", "/sessions/" + str(tmp_path / "outside").replace("/", "%2F") + "/video.mp4")]:
+                if step == "written":
+                    video.write_bytes(b"the video")
+                    video.with_suffix(".npz").write_bytes(b"the recording")
+                async with client.get(path) as response:
+                    got.append((response.status, await response.read() if response.status == 200 else b""))
+        return got
+
+    assert asyncio.run(fetch_all()) == [(404, b""), (404, b""), (200, b"the video"), (200, b"the recording"),
+                                        (404, b""), (404, b""), (404, b"")]
+
+
+def test_the_bridge_removes_its_videos_when_it_stops() -> None:
+    from client.web.app import VIDEOS, Access, make_app
+
+    async def serve_and_stop() -> Path:
+        app = make_app("127.0.0.1:1", "lingbot_world", 5.0, Access(frozenset({"*"})))
+        (app[VIDEOS] / "left.mp4").write_bytes(b"a page's video")
+        async with TestClient(TestServer(app)) as client:
+            async with client.get("/") as response:
+                assert response.status == 200
+        return app[VIDEOS]
+
+    assert not asyncio.run(serve_and_stop()).exists()
