@@ -95,6 +95,7 @@ def test_a_block_s_outputs_read_back_as_the_block_a_client_sees() -> None:
     (p.FRAMES, np.zeros((12, 8, 8, 3), np.float32), r"'frames' as float32"),
     (p.BLOCK_INDEX, np.array([1, 2], np.int32), r"lacks a one-element 'block_index'"),
     (p.PROMPT_USED, None, r"lacks a one-element 'prompt_used'"),
+    (p.PROMPT_USED, np.array([b"a", b"b"], dtype=object), r"lacks a one-element 'prompt_used'"),
     (p.LATENTS_SHA256, np.array([b"\xff"], dtype=object), r"'latents_sha256' that is not UTF-8"),
 ])
 def test_a_response_that_breaks_the_contract_is_refused_naming_the_output(name: str, value, message: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from backend.api import contract as c
 from backend.api.codec import controls_arrays, parse_request, request_arrays
 from backend.api.errors import InputError
-from backend.api.request import Controls, SessionRequest, StepRequest
+from backend.api.request import Controls, SessionRequest, StepRequest, default_intrinsics
 from backend.serving.admission import admit, admit_step
 from backend.serving.config import ServingConfig
 from factories import tiny_request
@@ -297,3 +297,24 @@ def test_a_steered_block_takes_exactly_its_video_frames_of_poses(engine, first: 
     admitted(frames)
     for n in (frames - 1, frames + 1):
         refused_as_invalid("camera_poses", lambda: admitted(n))
+
+
+def test_a_request_s_defaults_are_the_contract_s() -> None:
+    """Every request parameter a request, a step or a camera carries as a field starts at the contract's default
+    (what a client sends when it says nothing, and what the server assumes)."""
+    fields = {cls: {f.name: f.default for f in dataclasses.fields(cls)} for cls in (SessionRequest, StepRequest, Controls)}
+    carried = [(cls, p) for p in c.REQUEST_PARAMETERS for cls in fields if p.name in fields[cls]]
+    assert {p.name for _, p in carried} >= set(PARAMETER) - {c.PARAM_PAUSE}
+    assert [(cls.__name__, p.name, fields[cls][p.name]) for cls, p in carried] == \
+        [(cls.__name__, p.name, p.default) for cls, p in carried]
+
+
+@pytest.mark.parametrize(("hfov", "valid"), [(0.0, False), (1e-3, True), (60.0, True), (179.9, True), (180.0, False),
+                                             (-60.0, False)])
+def test_the_default_lens_takes_a_field_of_view_between_0_and_180_degrees(hfov: float, valid: bool) -> None:
+    if valid:
+        fx, fy, cx, cy = default_intrinsics(1, 48, 64, hfov)[0]
+        assert fx == fy > 0 and (cx, cy) == (32, 24)
+    else:
+        with pytest.raises(ValueError, match=r"horizontal FOV must be in \(0, 180\) degrees"):
+            default_intrinsics(1, 48, 64, hfov)
