@@ -92,7 +92,8 @@ def valid_array(spec: c.TensorSpec) -> np.ndarray:
 
 def float_cases(spec: c.TensorSpec) -> list[Case]:
     good = valid_array(spec)
-    cases = [Case(spec.name, "as sent", good, False), Case(spec.name, "empty", good[:0], True)]
+    cases = [Case(spec.name, "as sent", good, False), Case(spec.name, "one row", good[:1], False),
+             Case(spec.name, "empty", good[:0], True)]  # any number of rows (-1), at least one
     for axis, size in enumerate(spec.dims):
         if size > 0:  # a fixed dimension, one short and one long
             for label, n in (("short", size - 1), ("long", size + 1)):
