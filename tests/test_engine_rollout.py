@@ -156,3 +156,15 @@ def test_an_open_ended_session_keeps_constant_memory(engine: WorldModelEngine) -
         assert len(set(sizes)) == 1  # allocated once for the window, whatever the length
         assert session.cache.length == session.cache.capacity and session.cache.evicted_tokens > 0
         assert session.condition.steady is not None and session.condition.feature_cache is None
+
+
+def test_a_block_reports_its_compute_time_in_milliseconds(engine: WorldModelEngine) -> None:
+    """dit_ms (the response's timing_ms[0]) is the block's own wall time: within what the caller measured around it,
+    and most of it."""
+    import time
+
+    with engine.session(tiny_request(num_frames=9, decode=False)) as session:
+        began = time.perf_counter()
+        (out,) = engine.run_block([session])
+        wall_ms = (time.perf_counter() - began) * 1000.0
+    assert 0.5 * wall_ms <= out.dit_ms <= wall_ms
