@@ -214,15 +214,17 @@ class Signals(HostSignals):
 
 
 class Waits(threading.Event):
-    """The healer's stop event, keeping every wait's timeout: its polls and its backoffs."""
+    """The healer's stop event, keeping every wait's timeout: its polls and its backoffs (waited for, or with
+    `instant` only counted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, instant: bool = False) -> None:
         super().__init__()
+        self.instant = instant
         self.timeouts: list[float] = []
 
     def wait(self, timeout: float | None = None) -> bool:
         self.timeouts.append(timeout)
-        return super().wait(timeout)
+        return self.is_set() if self.instant and timeout != heal.POLL_S else super().wait(timeout)
 
 
 @pytest.mark.timeout(30)
@@ -249,6 +251,19 @@ def test_the_healer_tries_every_configured_reload_with_doubling_backoff(monkeypa
     assert (done.healed, done.attempts, done.why) == (healed_at is not None, healed_at or 3, "rank 1 lost its peer")
     assert len(server.loads) == (healed_at or 3) and server.unloading == 0 and server.loads[0] > server.ready_until
     assert [t for t in waits.timeouts if t != heal.POLL_S] == [0.03, 0.06][: (healed_at or 3) - 1]
+
+
+@pytest.mark.timeout(30)
+def test_by_default_the_healer_loads_4_times_1_2_and_4_s_apart(monkeypatch, tmp_path: Path) -> None:
+    """What docs/serving.md promises an operator: up to 4 loads, 1, 2 and 4 s between them (the backoffs counted,
+    not waited for)."""
+    server = ReloadingServer(failing=10)
+    monkeypatch.setattr(heal, "grpcclient", SimpleNamespace(InferenceServerClient=server.client))
+    healer = Healer("fake:1", "m", HostSignals(tmp_path), {})
+    healer._stop = waits = Waits(instant=True)
+    done = healer._heal("rank 0 died")
+    assert (done.healed, done.attempts, len(server.loads)) == (False, 4, 4)
+    assert [t for t in waits.timeouts if t != heal.POLL_S] == [1.0, 2.0, 4.0]
 
 
 @pytest.mark.timeout(30)

@@ -116,3 +116,39 @@ def test_the_bridge_removes_its_videos_when_it_stops() -> None:
         return app[VIDEOS]
 
     assert not asyncio.run(serve_and_stop()).exists()
+
+
+def test_each_page_message_reaches_its_player(monkeypatch) -> None:
+    """start, keys, event (with its recache) and stop, each to the page's own Player, the calls in the order sent
+    (the real app in this process; the Player's methods recorded, no Triton behind it)."""
+    import json
+
+    from client.web import app as web_app
+
+    calls: list[tuple] = []
+
+    async def play(self, request) -> None:
+        calls.append(("play", request.prompt, request.keys))
+
+    monkeypatch.setattr(web_app.Player, "play", play)
+    monkeypatch.setattr(web_app.Player, "hold", lambda self, keys: calls.append(("hold", keys)))
+    monkeypatch.setattr(web_app.Player, "event", lambda self, prompt, recache=False: calls.append(("event", prompt,
+                                                                                                     recache)))
+    monkeypatch.setattr(web_app.Player, "stop", lambda self: calls.append(("stop",)))
+    messages = [{"type": "start", "prompt": "a castle", "keys": "w", "height": 64, "width": 64},
+                {"type": "keys", "keys": "wa"}, {"type": "event", "prompt": "it snows", "recache": True},
+                {"type": "event", "prompt": "rain"}, {"type": "keys"}, {"type": "stop"}]
+
+    async def send_all() -> None:
+        app = web_app.make_app("127.0.0.1:1", "lingbot_world", 5.0, web_app.Access(frozenset({"*"})))
+        async with TestClient(TestServer(app)) as client:
+            async with client.ws_connect("/ws") as ws:
+                for message in messages:
+                    await ws.send_str(json.dumps(message))
+                while len(calls) < len(messages):
+                    await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(send_all(), 15))
+    assert ("play", "a castle", "w") in calls  # its own task, started on the start message
+    assert [c for c in calls if c[0] != "play"] == [("hold", "wa"), ("event", "it snows", True), ("event", "rain", False),
+                                                  ("hold", ""), ("stop",)]
