@@ -92,6 +92,15 @@ def test_the_agent_answers_each_connection_once_reads_nothing_and_probes_at_most
             CapacityAgent(probe, taken.getsockname()[1])  # type: ignore[arg-type]
 
 
+def test_an_agent_left_serving_does_not_keep_its_process_alive() -> None:
+    """A launcher that exits without stopping its agent (an error on the way out) still exits."""
+    code = ("from backend.launch.agent import CapacityAgent, GroupState\n"
+            "class Probe:\n    def state(self): return GroupState(True, 1, 2)\n"
+            "print(CapacityAgent(Probe(), 0).start().port, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and int(done.stdout) > 0, done.stderr
+
+
 @needs_haproxy
 def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
     groups = [GroupAddress("group0", "127.0.0.1", 9001, 9000, 9003), GroupAddress.parse("10.0.0.2:8001:8000:8003",
