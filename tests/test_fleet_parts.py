@@ -254,11 +254,33 @@ def test_the_healer_tries_every_configured_reload_with_doubling_backoff(monkeypa
         signals.ask_heal("rank 1 lost its peer")
         wait_until(lambda: healer.heals, 20, "the heal to end")
     finally:
-        healer.stop()
+        healer.stop(timeout_s=10)
+    assert not healer._thread.is_alive()  # stop() returns once the healer has stopped: no load after it
     (done,) = healer.heals
     assert (done.healed, done.attempts, done.why) == (healed_at is not None, healed_at or 3, "rank 1 lost its peer")
     assert len(server.loads) == (healed_at or 3) and server.unloading == 0 and server.loads[0] > server.ready_until
     assert [t for t in waits.timeouts if t != heal.POLL_S] == [0.03, 0.06][: (healed_at or 3) - 1]
+
+
+class NotLoaded:
+    """A gRPC client whose model is not loaded; it counts the questions."""
+
+    asked = 0
+
+    def is_model_ready(self, model: str) -> bool:
+        self.asked += 1
+        return False
+
+
+def test_the_stub_watch_asks_about_a_model_not_loaded_once_a_second(tmp_path: Path) -> None:
+    """While nothing is loaded the watch has no stubs to watch: it asks the server whether the model reads ready
+    once per ADOPT_EVERY_S (1 s), not at every poll."""
+    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=dict)
+    client = NotLoaded()
+    began = time.monotonic()
+    for _ in range(20):
+        assert healer._dead_stub(client) is None
+    assert 1 <= client.asked <= 1 + (time.monotonic() - began) // heal.ADOPT_EVERY_S
 
 
 @pytest.mark.timeout(30)
