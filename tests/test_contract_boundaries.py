@@ -276,11 +276,11 @@ def test_num_frames_takes_whole_blocks_and_height_and_width_the_patch_factor(eng
         frames = c.whole_block_frames(blocks, block)
         engine.geometry_of(dataclasses.replace(whole(), num_frames=frames, poses=still_poses(frames)))
         for off in (frames - 1, frames + 1, frames - 4, frames + 4):
-            refused_as_invalid("num_frames", lambda: engine.geometry_of(dataclasses.replace(whole(), num_frames=off)))
+            refused_as_invalid("num_frames", lambda n=off: engine.geometry_of(dataclasses.replace(whole(), num_frames=n)))
     for side in ("height", "width"):
         engine.geometry_of(dataclasses.replace(whole(), **{side: 16}))
         for off in (15, 17, 8, 0):
-            refused_as_invalid("height", lambda: engine.geometry_of(dataclasses.replace(whole(), **{side: off})))
+            refused_as_invalid("height", lambda size={side: off}: engine.geometry_of(dataclasses.replace(whole(), **size)))
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["first block", "later block"])
@@ -297,7 +297,7 @@ def test_a_steered_block_takes_exactly_its_video_frames_of_poses(engine, first: 
 
     admitted(frames)
     for n in (frames - 1, frames + 1):
-        refused_as_invalid("camera_poses", lambda: admitted(n))
+        refused_as_invalid("camera_poses", lambda n=n: admitted(n))
 
 
 def test_a_request_s_defaults_are_the_contract_s() -> None:

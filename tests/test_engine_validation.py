@@ -210,7 +210,8 @@ def test_one_latent_frame_a_block_takes_every_1_plus_4k_frames(engine: WorldMode
         assert VideoGeometry.build(config, engine.ckpt, 64, 64, num_frames, error=InputError).num_blocks == blocks
 
 
-@pytest.mark.parametrize(("width", "height", "sp"), [(48, 48, 8), (16, 16, 8), (16, 112, 8), (112, 16, 8), (112, 80, 16), (48, 16, 32)])
+@pytest.mark.parametrize(("width", "height", "sp"), [(48, 48, 8), (16, 16, 8), (16, 112, 8), (112, 16, 8), (112, 80, 16),
+                                                     (48, 16, 32)])
 def test_the_near_sizes_are_the_nearest(width: int, height: int, sp: int) -> None:
     """Against every size of up to 64 patches a side: none that works is nearer than the ones named."""
     def distance(size: tuple[int, int]) -> int:

@@ -93,7 +93,8 @@ def _settings_section(cls: type, defaults: dict[str, str]) -> str:
 
 
 def render() -> str:
-    inputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), _allowed(minimum=s.minimum, positive_columns=s.positive_columns), s.doc]
+    inputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), _allowed(minimum=s.minimum,
+                                                                      positive_columns=s.positive_columns), s.doc]
               for s in contract.INPUTS]
     outputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), s.doc] for s in contract.OUTPUTS]
     params = [[f"`{p.name}`", type(p.default).__name__, f"`{p.default}`", _allowed(p.choices, p.minimum), p.doc]
