@@ -242,15 +242,15 @@ def test_the_healer_tries_every_configured_reload_with_doubling_backoff(monkeypa
                                                                         how: str, healed_at: int | None) -> None:
     """3 loads configured: a model whose loads fail is tried exactly 3 times, 0.03 s then 0.06 s apart, and left
     unloaded; one that loads on the k-th try is healed at k. The heal is asked for while the healer idles (it has
-    looked twice), and its first load waits until the failed model reads not ready (its unload)."""
-    server = ReloadingServer(failing, how, unloading=2)
+    looked once), and its first load waits until the failed model reads not ready (its unload)."""
+    server = ReloadingServer(failing, how, unloading=1)
     monkeypatch.setattr(heal, "grpcclient", SimpleNamespace(InferenceServerClient=server.client))
     signals = Signals(tmp_path)
     healer = Healer("fake:1", "m", signals, {}, attempts=3, first_backoff_s=0.03)
     healer._stop = waits = Waits()
     healer.start()
     try:
-        wait_until(lambda: signals.looks >= 2, 10, "the healer to look for requests")
+        wait_until(lambda: signals.looks >= 1, 10, "the healer to look for requests")
         signals.ask_heal("rank 1 lost its peer")
         wait_until(lambda: healer.heals, 20, "the heal to end")
     finally:
