@@ -125,7 +125,7 @@ QUIET_CALLS = {"debug", "info", "warning", "error", "exception", "print", "warn"
 
 
 def _quiet(node: ast.AST) -> bool:
-    """A node whose text is a message: a docstring, a log call, an f-string, what a raise says."""
+    """A node whose text is a message: a docstring, a log call, an f-string, what a raise or an assert says."""
     if isinstance(node, (ast.JoinedStr, ast.Raise, ast.Assert)):
         return True
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
@@ -225,7 +225,7 @@ def mutants_of(room: Room) -> list[Mutant]:
             for child in ast.iter_child_nodes(node):
                 parents[id(child)] = node
             if _quiet(node):
-                quiet |= {id(n) for n in ast.walk(node)} - ({id(node)} if isinstance(node, ast.Raise) else set())
+                quiet |= {id(n) for n in ast.walk(node)}
         for node in ast.walk(scope):
             if id(node) in skip or id(node) in quiet or not hasattr(node, "lineno"):
                 continue
