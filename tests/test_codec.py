@@ -1,15 +1,17 @@
 """Triton tensors to engine requests and back, and instance placement, without a server."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from backend.api import contract as p
-from backend.api.errors import ConfigError, InputError
+from backend.api.errors import ConfigError, InputError, ResponseError
 from backend.adapter.placement import instance_rank
-from backend.api.codec import block_outputs, parse_request
+from backend.api.codec import BlockUsed, Place, block_outputs, parse_block, parse_place, parse_request, place_outputs
+from backend.api.provenance import latents_sha256
 from backend.api.request import StepRequest
 from factories import forward_poses, sample_image
 
@@ -61,6 +63,49 @@ def test_block_outputs() -> None:
     assert set(out) == {p.BLOCK_INDEX, p.NUM_BLOCKS, p.FRAMES, p.TIMING_MS, p.HELD}
     assert out[p.BLOCK_INDEX].dtype == np.int32 and out[p.TIMING_MS].tolist() == [1.0, 2.0, 3.0]
     assert out[p.HELD].dtype == np.bool_ and not out[p.HELD][0]
+
+
+def test_a_block_s_outputs_read_back_as_the_block_a_client_sees() -> None:
+    """block_outputs and parse_block are each other's inverse, with what the block was made from (return_used);
+    a place in line reads back as a place, a block's response as none."""
+    camera = np.tile(np.eye(4, dtype=np.float32), (12, 1, 1))
+    latents = np.arange(4 * 3 * 8 * 8, dtype=np.float32).reshape(4, 3, 8, 8)
+    used = BlockUsed(camera, "it snows ❄", latents_sha256(latents), "block_frames=3;dtype=float32", recached=True)
+    frames = np.full((12, 8, 8, 3), 7, np.uint8)
+    out = block_outputs(2, 7, latents, frames, (1.0, 2.0, 3.0), held=True, used=used)
+    block = parse_block(out.get, 12.5)
+    assert (block.block_index, block.num_blocks, block.held, block.timing_ms, block.arrival_s) == (2, 7, True,
+                                                                                                  (1.0, 2.0, 3.0), 12.5)
+    assert np.array_equal(block.latents, latents) and np.array_equal(block.frames, frames)
+    assert block.used.prompt == used.prompt and block.used.recached and block.used.settings == used.settings
+    assert np.array_equal(block.used.camera, camera) and block.used.latents_sha256 == used.latents_sha256
+    plain = parse_block(block_outputs(0, 1, None, np.empty((0, 8, 8, 3), np.uint8), (1.0, 2.0, 3.0)).get, 0.0)
+    assert plain.used is None and plain.latents is None and not plain.held and plain.frames.shape == (0, 8, 8, 3)
+    later = block_outputs(3, 7, None, frames, (1.0, 2.0, 3.0), used=dataclasses.replace(used, settings=None,
+                                                                                        recached=False))
+    assert parse_block(later.get, 0.0).used.settings is None and not parse_block(later.get, 0.0).used.recached
+    assert parse_place(out.get) is None
+    assert parse_place(place_outputs(3, 12.5).get) == Place(3, 12.5)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    (p.CAMERA_USED, np.zeros((12, 4, 4), np.float64), r"'camera_used' as float64 \[12, 4, 4\]"),
+    (p.CAMERA_USED, np.zeros((12, 3, 4), np.float32), r"'camera_used' as float32 \[12, 3, 4\]"),
+    (p.FRAMES, np.zeros((12, 8, 8, 4), np.uint8), r"'frames' as uint8 \[12, 8, 8, 4\]"),
+    (p.FRAMES, np.zeros((12, 8, 8, 3), np.float32), r"'frames' as float32"),
+    (p.BLOCK_INDEX, np.array([1, 2], np.int32), r"lacks a one-element 'block_index'"),
+    (p.PROMPT_USED, None, r"lacks a one-element 'prompt_used'"),
+    (p.PROMPT_USED, np.array([b"a", b"b"], dtype=object), r"lacks a one-element 'prompt_used'"),
+    (p.LATENTS_SHA256, np.array([b"\xff"], dtype=object), r"'latents_sha256' that is not UTF-8"),
+])
+def test_a_response_that_breaks_the_contract_is_refused_naming_the_output(name: str, value, message: str) -> None:
+    used = BlockUsed(np.tile(np.eye(4, dtype=np.float32), (12, 1, 1)), "a castle", "0" * 64)
+    out = block_outputs(1, 2, None, np.zeros((12, 8, 8, 3), np.uint8), (1.0, 2.0, 3.0), used=used)
+    out = {k: v for k, v in (out | {name: value}).items() if v is not None}
+    with pytest.raises(ResponseError, match=message):
+        parse_block(out.get, 0.0)
+    with pytest.raises(ResponseError, match="without one-element"):
+        parse_place({p.QUEUE_POSITION: np.array([1], np.int32)}.get)
 
 
 def test_sequence_requests_parse_as_starts_and_steps() -> None:

@@ -10,10 +10,6 @@ from backend.launch.api_doc import API_DOC, field_comments, render
 from backend.launch.model_repository import SETTINGS
 from backend.launch.paths import REPO_ROOT
 
-# docs/ pages that other work adds; the README lists them already.
-PENDING = {"docs/security.md", "docs/checkpoints.md", "docs/fidelity.md", "docs/parallelism.md"}
-
-
 def test_committed_api_doc_is_the_current_rendering() -> None:
     assert API_DOC.read_text() == render(), "docs/api.md is stale: run `python -m backend.launch.generated`"
 
@@ -31,14 +27,14 @@ def test_api_doc_has_every_input_output_parameter_and_setting_with_a_description
 def test_readme_links_resolve_and_it_stays_short() -> None:
     readme = (REPO_ROOT / "README.md").read_text()
     links = set(re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme))
-    missing = sorted(link for link in links - PENDING if not link.startswith("http") and not (REPO_ROOT / link).exists())
+    missing = sorted(link for link in links if not link.startswith("http") and not (REPO_ROOT / link).exists())
     assert not missing, missing
     assert not [link for link in links if link.startswith("http")], "the README stands alone: no links outside"
     assert len(readme.splitlines()) <= 180
     for page in (REPO_ROOT / "docs").glob("*.md"):
         for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             target = (page.parent / link).resolve()
-            assert target.exists() or str(target.relative_to(REPO_ROOT)) in PENDING, (page.name, link)
+            assert target.exists(), (page.name, link)
 
 
 def test_serving_doc_lists_every_metric() -> None:

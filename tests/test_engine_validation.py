@@ -1,6 +1,7 @@
 """Start-up validation fails with a clear message before any weight is read; request validation too."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import backend.engine.parts
-from backend.engine.geometry import sizes_near
+from backend.engine.geometry import VideoGeometry, sizes_near
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import checked_spec
 from backend.model.kv_cache import SelfAttentionCache
@@ -196,6 +197,30 @@ def test_the_sp_size_error_names_near_sizes_that_work(sp: int) -> None:
     for width, height in near:
         assert width % 16 == 0 and height % 16 == 0 and (3 * (width // 16) * (height // 16)) % sp == 0
         assert abs(width - 48) + abs(height - 48) <= 2 * sp * 16
+
+
+@pytest.mark.parametrize(("num_frames", "blocks"), [(0, None), (1, 1), (2, None), (4, None), (5, 2), (9, 3)])
+def test_one_latent_frame_a_block_takes_every_1_plus_4k_frames(engine: WorldModelEngine, num_frames: int,
+                                                                blocks: int | None) -> None:
+    """block_frames=1, the smallest block: a 1-frame clip is one block, each 4 frames more another."""
+    config = dataclasses.replace(engine.config, block_frames=1)
+    if blocks is None:
+        with pytest.raises(InputError, match=f"num_frames={num_frames} must be 1 \\+ 4 x k"):
+            VideoGeometry.build(config, engine.ckpt, 64, 64, num_frames, error=InputError)
+    else:
+        assert VideoGeometry.build(config, engine.ckpt, 64, 64, num_frames, error=InputError).num_blocks == blocks
+
+
+@pytest.mark.parametrize(("width", "height", "sp"), [(48, 48, 8), (16, 16, 8), (16, 112, 8), (112, 16, 8), (112, 80, 16),
+                                                     (48, 16, 32)])
+def test_the_near_sizes_are_the_nearest(width: int, height: int, sp: int) -> None:
+    """Against every size of up to 64 patches a side: none that works is nearer than the ones named."""
+    def distance(size: tuple[int, int]) -> int:
+        return abs(size[0] - width) + abs(size[1] - height)
+
+    near = sizes_near(width, height, 16, 16, block_frames=3, sp=sp)
+    works = [(16 * w, 16 * h) for w in range(1, 65) for h in range(1, 65) if (3 * w * h) % sp == 0]
+    assert sorted(map(distance, near)) == sorted(map(distance, works))[:3]
 
 
 def test_ffn_width_not_divisible_by_tp_is_named(unreadable_checkpoint: str) -> None:

@@ -19,7 +19,8 @@ from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_
 from backend.launch.drain import streams_open
 from backend.launch.fleet import main
 from backend.launch.restart import launcher_of
-from backend.launch.control import ModelControl
+from backend.launch.control import ControlError, ModelControl
+from backend.launch import heal
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
 from backend.serving.host_signals import HostSignals
 from polling import wait_until
@@ -133,6 +134,15 @@ def test_the_agent_answers_each_connection_once_reads_nothing_and_probes_at_most
             CapacityAgent(probe, taken.getsockname()[1])  # type: ignore[arg-type]
 
 
+def test_an_agent_left_serving_does_not_keep_its_process_alive() -> None:
+    """A launcher that exits without stopping its agent (an error on the way out) still exits."""
+    code = ("from backend.launch.agent import CapacityAgent, GroupState\n"
+            "class Probe:\n    def state(self): return GroupState(True, 1, 2)\n"
+            "print(CapacityAgent(Probe(), 0).start().port, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and int(done.stdout) > 0, done.stderr
+
+
 @needs_haproxy
 def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
     groups = [GroupAddress("group0", "127.0.0.1", 9001, 9000, 9003), GroupAddress.parse("10.0.0.2:8001:8000:8003",
@@ -209,6 +219,135 @@ def test_a_model_ready_with_no_stub_left_is_healed_even_if_the_watch_never_saw_o
         assert healer._dead_stub(ReadyModel()) is None
         time.sleep(0.05)
     assert healer.watch.stubs == {0: os.getpid()}
+
+
+class ReloadingServer:
+    """A model server as the healer's ModelControl reaches it: the failed model reads ready for its first
+    `unloading` questions (its unload under way), then not; its first `failing` loads fail (an error, or a load that
+    leaves it not ready), later ones make it ready. It keeps when each load came and when it last read ready before
+    one."""
+
+    def __init__(self, failing: int, how: str = "error", unloading: int = 0) -> None:
+        self.failing, self.how, self.unloading = failing, how, unloading
+        self.loads: list[float] = []
+        self.ready_until = 0.0  # when the failed model last read ready
+        self.ready = False
+
+    def unload_model(self, model: str) -> None:
+        pass
+
+    def is_model_ready(self, model: str) -> bool:
+        if not self.loads and self.unloading:
+            self.unloading -= 1
+            self.ready_until = time.monotonic()
+            return True
+        return self.ready
+
+    def load_model(self, model: str, timeout_s: float) -> None:
+        self.loads.append(time.monotonic())
+        if len(self.loads) <= self.failing and self.how == "error":
+            raise ControlError(f"load {len(self.loads)} failed")
+        self.ready = len(self.loads) > self.failing
+
+
+class Signals(HostSignals):
+    """Host signals that count the healer's looks for a request."""
+
+    looks = 0
+
+    def take_heal(self) -> str | None:
+        self.looks += 1
+        return super().take_heal()
+
+
+class Waits(threading.Event):
+    """The healer's stop event, keeping every wait's timeout: its polls and its backoffs (waited for, or with
+    `instant` only counted)."""
+
+    def __init__(self, instant: bool = False) -> None:
+        super().__init__()
+        self.instant = instant
+        self.timeouts: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        return self.is_set() if self.instant and timeout != heal.POLL_S else super().wait(timeout)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("failing", "how", "healed_at"), [(2, "error", 3), (3, "error", None), (1, "not ready", 2)])
+def test_the_healer_tries_every_configured_reload_with_doubling_backoff(tmp_path: Path, failing: int,
+                                                                        how: str, healed_at: int | None) -> None:
+    """3 loads configured: a model whose loads fail is tried exactly 3 times, 0.03 s then 0.06 s apart, and left
+    unloaded; one that loads on the k-th try is healed at k. The heal is asked for while the healer idles (it has
+    looked once), and its first load waits until the failed model reads not ready (its unload)."""
+    server = ReloadingServer(failing, how, unloading=1)
+    signals = Signals(tmp_path)
+    healer = Healer(server, "m", signals, attempts=3, first_backoff_s=0.03)
+    healer._stop = waits = Waits()
+    healer.start()
+    try:
+        wait_until(lambda: signals.looks >= 1, 10, "the healer to look for requests")
+        signals.ask_heal("rank 1 lost its peer")
+        wait_until(lambda: healer.heals, 20, "the heal to end")
+    finally:
+        healer.stop(timeout_s=10)
+    assert not healer._thread.is_alive()  # stop() returns once the healer has stopped: no load after it
+    (done,) = healer.heals
+    assert (done.healed, done.attempts, done.why) == (healed_at is not None, healed_at or 3, "rank 1 lost its peer")
+    assert len(server.loads) == (healed_at or 3) and server.unloading == 0 and server.loads[0] > server.ready_until
+    assert [t for t in waits.timeouts if t != heal.POLL_S] == [0.03, 0.06][: (healed_at or 3) - 1]
+
+
+class NotLoaded:
+    """A server whose model is not loaded, as the healer's ModelControl reaches it; it counts the questions."""
+
+    asked = 0
+
+    def is_model_ready(self, model: str) -> bool:
+        self.asked += 1
+        return False
+
+
+def test_the_stub_watch_asks_about_a_model_not_loaded_once_a_second(tmp_path: Path) -> None:
+    """While nothing is loaded the watch has no stubs to watch: it asks the server whether the model reads ready
+    once per ADOPT_EVERY_S (1 s), not at every poll."""
+    client = NotLoaded()
+    healer = Healer(client, "m", HostSignals(tmp_path), stubs=dict)
+    began = time.monotonic()
+    for _ in range(20):
+        assert healer._dead_stub(client) is None
+    assert 1 <= client.asked <= 1 + (time.monotonic() - began) // heal.ADOPT_EVERY_S
+
+
+@pytest.mark.timeout(30)
+def test_by_default_the_healer_loads_4_times_1_2_and_4_s_apart(tmp_path: Path) -> None:
+    """What docs/serving.md promises an operator: up to 4 loads, 1, 2 and 4 s between them (the backoffs counted,
+    not waited for)."""
+    server = ReloadingServer(failing=10)
+    healer = Healer(server, "m", HostSignals(tmp_path))
+    healer._stop = waits = Waits(instant=True)
+    done = healer._heal("rank 0 died")
+    assert (done.healed, done.attempts, len(server.loads)) == (False, 4, 4)
+    assert [t for t in waits.timeouts if t != heal.POLL_S] == [1.0, 2.0, 4.0]
+
+
+@pytest.mark.timeout(30)
+def test_a_stub_that_dies_while_the_model_reads_ready_is_healed_after_the_grace(tmp_path: Path) -> None:
+    """The watch adopts the model's stubs once it reads ready; one of them dies; DEAD_STUB_GRACE_S later (no
+    survivor asked for a heal meanwhile) the healer names its rank."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    healer = Healer("127.0.0.1:1", "m", HostSignals(tmp_path), {}, stubs=lambda: {0: child.pid, 1: os.getpid()})
+    try:
+        assert healer._dead_stub(ReadyModel()) is None and healer.watch.stubs == {0: child.pid, 1: os.getpid()}
+        assert healer._dead_stub(ReadyModel()) is None  # both alive
+    finally:
+        child.kill()
+        child.wait()
+    died = time.monotonic()
+    why = wait_until(lambda: healer._dead_stub(ReadyModel()), DEAD_STUB_GRACE_S + 5, "the healer to name the death")
+    assert why == "the stub of rank 0 died and the model still read ready"
+    assert time.monotonic() - died >= DEAD_STUB_GRACE_S - 0.1
 
 
 def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:

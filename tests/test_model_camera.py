@@ -113,6 +113,25 @@ def test_interpolation_at_non_integer_positions() -> None:
     np.testing.assert_allclose(out[1, :3, :3].numpy(), rot_z(math.radians(-5)), atol=1e-6)
 
 
+def rot_y(a: float) -> np.ndarray:
+    c, s = math.cos(a), math.sin(a)
+    return np.array([[c, 0, s], [0, 1, 0], [-s, 0, c]], dtype=np.float64)
+
+
+@pytest.mark.parametrize("axis", [rot_x, rot_y, rot_z], ids=["pitch", "yaw", "roll"])
+def test_a_camera_that_turns_all_the_way_round_interpolates_on_its_own_arc(axis) -> None:
+    """A turn of 5 degrees a frame, 73 frames (a full circle), about one axis: past 90 degrees the quaternion is
+    read from that axis's diagonal entry, not the trace. Every 4th pose comes back, and each midpoint is the turn
+    halfway (2.5 degrees on), whichever branch read it."""
+    step = math.radians(5)
+    poses = np.stack([pose(axis(step * i) @ rot_x(0.01), [0.0, 0.1 * i, 0.0]) for i in range(73)])
+    every_4th = cam.interpolate_poses(poses, 19).numpy()
+    np.testing.assert_allclose(every_4th, poses[::4].astype(np.float32), atol=2e-6)
+    halves = cam.interpolate_poses(poses, 145).numpy()[1::2]
+    want = np.stack([pose(axis(step * (i + 0.5)) @ rot_x(0.01), [0.0, 0.1 * (i + 0.5), 0.0]) for i in range(72)])
+    np.testing.assert_allclose(halves, want.astype(np.float32), atol=2e-6)
+
+
 def test_camera_features_shape_and_first_frame_at_origin() -> None:
     c2w = np.stack([pose(rot_z(0.02 * i), [0.1 * i, 0, 0]) for i in range(9)]).astype(np.float32)
     poses = CameraTrack.whole(c2w, np.array([20, 20, 16, 8], np.float32), 3).next_block(c2w)

@@ -15,7 +15,9 @@ from backend.api.errors import InputError
 from backend.api.provenance import RESULT_SETTINGS, latents_sha256, parse_settings
 from backend.api.request import Controls
 from backend.engine.blocks import BlockControls
+from client import replay
 from client.recording import Recorder, Recording, RecordingError
+from client.replay import whole_request
 from factories import tiny_request
 
 SETTINGS = "block_frames=3;denoise_steps=4;dtype=float32;sink_frames=3;timestep_shift=5.0;window_frames=9"
@@ -64,11 +66,12 @@ def test_expect_settings_are_checked_before_any_work(engine) -> None:
         parse_request(request_arrays(request).get, json.dumps({"pose_scale": "largest"}))
 
 
-def block(index: int, prompt: str, frames: int, held: bool = False, settings: str | None = None) -> BlockResponse:
+def block(index: int, prompt: str, frames: int, held: bool = False, settings: str | None = None,
+          recached: bool = False) -> BlockResponse:
     camera = np.tile(np.eye(4, dtype=np.float32), (frames, 1, 1))
     camera[:, 2, 3] = np.arange(frames) * 0.05 + index
     return BlockResponse(index, 0, None, np.empty((0, 0, 0, 3), np.uint8), (), 0.0, held,
-                         BlockUsed(camera, prompt, f"{index:064x}", settings))
+                         BlockUsed(camera, prompt, f"{index:064x}", settings, recached))
 
 
 @pytest.fixture
@@ -101,6 +104,54 @@ def test_a_recording_notes_its_snapshots_and_one_written_before_them_loads_with_
     recorder = Recorder(steered_request())
     with pytest.raises(RecordingError, match="block 0, which was not recorded"):
         recorder.note_snapshot("c" * 32, 0)
+
+
+def test_a_recache_under_the_prompt_in_force_is_recorded_as_its_event_and_replays_with_it(tmp_path: Path) -> None:
+    """A world event that repeats the prompt in force with recache on changes no prompt, yet its block's latents
+    (its cache was recomputed): the server reports it (recached, the same prompt_used), the recording keeps it as
+    that block's event with its recache, loads, and its step by step replay sends it again."""
+    recorder = Recorder(steered_request(prompt="a castle"))
+    recorder.add(block(0, "a castle", 9, settings=SETTINGS))
+    recorder.add(block(1, "a castle", 12, recached=True))  # "@!a castle"
+    recorder.add(block(2, "it snows", 12, recached=True))  # "@!it snows"
+    recorder.add(block(3, "it snows", 12, recached=True))  # "@!it snows" again
+    recorder.add(block(4, "it snows", 12))
+    loaded = Recording.load(recorder.save(tmp_path / "world.npz"))
+    assert [(b.event, b.recache) for b in loaded.blocks] == [(None, False), ("a castle", True), ("it snows", True),
+                                                             ("it snows", True), (None, False)]
+    assert replay_steps_of(loaded) == [Controls(poses=b.camera, prompt=b.event, recache=b.recache)
+                                       for b in loaded.blocks[1:]]
+    with pytest.raises(RecordingError, match=r"world events at block\(s\) \[1, 2, 3\].*--steps"):
+        whole_request(loaded, decode=False)  # a recache changes latents: one whole trajectory cannot carry it
+
+
+def replay_steps_of(recording: Recording) -> list[Controls]:
+    """The steps `replay --steps` sends after the first request: what a fake steered session is handed."""
+    sent: list[Controls] = []
+
+    class Session:
+        def __init__(self, url: str, model_name: str, on_place, connection) -> None:
+            pass
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def start(self, request) -> None:
+            pass
+
+        def step(self, controls: Controls, end: bool = False) -> None:
+            sent.append(controls)
+
+        def next_block(self, timeout: float) -> BlockResponse:
+            return block(len(sent), recording.prompt, 12)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replay, "SteeredSession", Session)
+        replay.replay_steps(recording, "unused:1", "lingbot_world", False, 1.0)
+    return sent
 
 
 def rewrite(path: Path, **changes) -> Path:
@@ -144,6 +195,8 @@ def meta_blocks(path: Path) -> list[dict]:
     (lambda p: rewrite(p, meta={"snapshots": [{"id": "a" * 32, "block": 4}]}), "holds blocks 0 to 3"),
     (lambda p: rewrite(p, meta={"snapshots": [{"id": "a" * 32, "block": 1}] * 2}), "each once"),
     (lambda p: rewrite(p, meta={"snapshots": {"a" * 32: 1}}), "meta.snapshots must be a list"),
+    (lambda p: rewrite(p, meta={"blocks": [b | {"event": " "} if i == 2 else b for i, b in enumerate(meta_blocks(p))]}),
+     "prompt is empty"),
 ])
 def test_a_damaged_recording_is_refused_naming_what_is_wrong(recording_file: Path, corrupt, message: str) -> None:
     with pytest.raises(RecordingError, match=message):
@@ -201,6 +254,42 @@ def test_a_crafted_recording_is_refused_before_anything_large_is_read(recording_
 def test_out_of_range_start_inputs_are_refused(recording_file: Path, meta: dict, message: str) -> None:
     with pytest.raises(RecordingError, match=message):
         Recording.load(rewrite(recording_file, meta=meta))
+
+
+@pytest.mark.parametrize(("meta", "loads"), [
+    ({"seed": 2**63 - 1}, True), ({"seed": 2**63}, False), ({"seed": -(2**63)}, True), ({"seed": -(2**63) - 1}, False),
+    ({"height": 1, "width": 65536}, True), ({"height": 0}, False), ({"width": 65537}, False),
+])
+def test_start_inputs_at_their_bounds(recording_file: Path, meta: dict, loads: bool) -> None:
+    """The seed is int64 (as the wire's), each side 1 to MAX_SIDE."""
+    path = rewrite(recording_file, meta=meta)
+    if loads:
+        assert [getattr(Recording.load(path), k) for k in meta] == list(meta.values())
+    else:
+        with pytest.raises(RecordingError, match=r"64 bits|1 to 65536"):
+            Recording.load(path)
+
+
+def test_block_frames_of_one_is_a_recording_s_smallest_block(tmp_path: Path) -> None:
+    """1 latent frame a block: 1 video frame first, then 4 each (contract.block_video_frames)."""
+    recorder = Recorder(steered_request(prompt="a castle"))
+    recorder.add(block(0, "a castle", 1, settings=SETTINGS.replace("block_frames=3", "block_frames=1")))
+    recorder.add(block(1, "a castle", 4))
+    loaded = Recording.load(recorder.save(tmp_path / "one.npz"))
+    assert loaded.block_frames == 1 and [len(b.camera) for b in loaded.blocks] == [1, 4]
+
+
+def test_the_intrinsics_sent_and_a_column_major_image_come_back_as_they_were(tmp_path: Path) -> None:
+    """A session's own intrinsics are kept; an image numpy stores column-major (a transposed array) reads back
+    as the same picture."""
+    image = np.asfortranarray(np.random.default_rng(3).integers(0, 256, (64, 48, 3), dtype=np.uint8))
+    intrinsics = np.array([[50.0, 60.0, 24.0, 32.0]], np.float32)
+    recorder = Recorder(steered_request(prompt="a castle", image=image, intrinsics=intrinsics))
+    recorder.add(block(0, "a castle", 9, settings=SETTINGS))
+    loaded = Recording.load(recorder.save(tmp_path / "world.npz"))
+    assert np.array_equal(loaded.image, image) and np.array_equal(loaded.intrinsics, intrinsics)
+    with pytest.raises(RecordingError, match=r"intrinsics must be finite float32 \[k, 4\]"):
+        Recording.load(rewrite(tmp_path / "world.npz", intrinsics=np.ones((1, 5), np.float32)))
 
 
 def test_deeply_nested_meta_is_refused(recording_file: Path) -> None:

@@ -266,25 +266,34 @@ def fuzz_case(rng: np.random.Generator) -> list[grpcclient.InferInput]:
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "refusal"),
     [
-        {contract.HEIGHT: np.array([1 << 16], np.int32), contract.WIDTH: np.array([1 << 16], np.int32)},
-        {contract.NUM_FRAMES: np.array([2**31 - 1], np.int32)},
-        {contract.IMAGE: np.zeros((1, 1, 3), np.uint8)},
-        {contract.CAMERA_INTRINSICS: np.full((9, 4), np.inf, np.float32)},
-        {contract.SEED: np.array([-(2**63)], np.int64)},
+        ({contract.HEIGHT: np.array([1 << 16], np.int32), contract.WIDTH: np.array([1 << 16], np.int32)},
+         r"width x height = 65536 x 65536 = 4294967296 pixels is more than max_pixels="),
+        ({contract.NUM_FRAMES: np.array([2**31 - 1], np.int32)}, r"num_frames=2147483647 must be between 1 and "
+         r"max_frames="),
+        ({contract.IMAGE: np.zeros((1, 1, 3), np.uint8)}, None),  # resized to 64 x 64
+        ({contract.CAMERA_INTRINSICS: np.full((9, 4), np.inf, np.float32)},
+         r"camera_intrinsics must be finite with fx, fy > 0"),
+        ({contract.CAMERA_INTRINSICS: np.array([[0.0, 55.4, 32.0, 32.0]], np.float32)},
+         r"camera_intrinsics must be finite with fx, fy > 0"),
+        ({contract.SEED: np.array([-(2**63)], np.int64)}, None),
     ],
-    ids=["huge_size", "huge_frames", "one_pixel_image", "inf_intrinsics", "min_seed"],
+    ids=["huge_size", "huge_frames", "one_pixel_image", "inf_intrinsics", "zero_fx", "min_seed"],
 )
-def test_extreme_inputs(sp1_server, changes: dict) -> None:
+def test_extreme_inputs(sp1_server, changes: dict, refusal: str | None) -> None:
+    """Each extreme gets its own outcome on the real server: a refusal with INVALID_INPUT naming the input and the
+    limit, or its one block at the requested size; the server serves the next request either way."""
     with StreamingSession(sp1_server.grpc_url) as session:
         session.send(inputs_with(**changes))
-        try:
+        if refusal is None:
             blocks = list(session.responses(timeout=60))
-        except StreamError as exc:
-            assert re.search(r"max_pixels|max_frames|camera_intrinsics", str(exc)), exc
+            assert [(b.block_index, b.num_blocks, b.frames.shape) for b in blocks] == [(0, 1, (9, 64, 64, 3))]
         else:
-            assert len(blocks) == 1
+            with pytest.raises(StreamError) as caught:
+                list(session.responses(timeout=60))
+            assert caught.value.code == contract.INVALID_INPUT and re.search(refusal, caught.value.sentence), \
+                caught.value
     assert len(stream(sp1_server.grpc_url, tiny_request(num_frames=9))) == 1
 
 

@@ -15,7 +15,7 @@ from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
 from backend.serving.config import ServingConfig
 from backend.engine.geometry import VideoGeometry
-from backend.serving.line import UNKNOWN_WAIT_S, Clocks, line_waits, slot_waits
+from backend.serving.line import UNKNOWN_WAIT_S, Clocks, LineCounts, line_waits, slot_waits
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
 from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
 from backend.serving.streams import SteeredStream
@@ -238,3 +238,45 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
     clocks.batch.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
     # "b" frees its slot after 2 blocks (4 s), "a" after 4 (8 s); "c" takes b's and holds it 1 block (2 s)
     assert line_waits(s, clocks, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]
+
+
+def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
+    """A slot frees after its holder's blocks left (a clip) or its expected life less its age (open-ended), not
+    after a whole session from the start: the wait told to the line and a full line's retry time alike."""
+    s = Scheduler(ServingConfig(max_sessions=2, max_queue=1, max_batch=2))
+    s.plan([RankEvents(submissions=[sub("a", blocks=4), steered("b")])])
+    for _ in range(2):  # both run a block, then another ("b" on its first camera, then a step's)
+        s.plan([dataclasses.replace(deliver_all(s), steps=[StepEvent("b", Controls(keys="d"))])])
+    s.plan([dataclasses.replace(deliver_all(s), submissions=[sub("c", blocks=1)])])  # "a" runs its 3rd: 1 left
+    assert [s.table[sid].computed for sid in ("a", "b")] == [3, 3] and [w.id for w in s.waiting()] == ["c"]
+    clocks = Clocks()
+    clocks.batch.observe(2.0)  # a round of both slots: 2 s
+    clocks.life.observe(30.0)  # open-ended sessions have lived 30 s
+    opened = {"a": 0.0, "b": 0.0}
+    # "a" frees its slot after its 1 block left (2 s), before "b", open 25 s of its expected 30 (5 s left).
+    assert line_waits(s, clocks, opened, 25.0, extra=1) == [2.0, 4.0]
+    # At 29 s "b" is 1 s from its expected end, though never less than a round away; "a" has 1 block left (2 s).
+    assert line_waits(s, clocks, opened, 29.0, extra=1) == [2.0, 2.0]
+
+
+def test_a_round_serves_every_slot_in_batches_and_a_waiting_open_ended_session_holds_its_whole_life() -> None:
+    """max_batch 1 and 2 slots held: each holder has a block every 2 batches. A waiting open-ended session, once
+    in a slot, holds it for the measured life of those that ended (its age there starts at 0)."""
+    s = Scheduler(ServingConfig(max_sessions=2, max_queue=2, max_batch=1))
+    s.plan([RankEvents(submissions=[sub("a", blocks=3), sub("b", blocks=20), steered("d")])])
+    clocks = Clocks()
+    clocks.batch.observe(2.0)
+    clocks.life.observe(30.0)
+    # A round is 2 batches (4 s): "a" frees its slot after 3 rounds (12 s), "b" after 20 (80 s); "d" takes a's
+    # slot at 12 s and holds it 30 s, so the place behind it frees at 42 s.
+    assert line_waits(s, clocks, {"a": 0.0, "b": 0.0}, 0.0, extra=1) == [12.0, 42.0]
+
+
+def test_the_line_s_counts_for_the_metrics_port() -> None:
+    s = Scheduler(ServingConfig(max_sessions=3, max_queue=2))
+    s.plan([RankEvents(submissions=[sub("a"), steered("b"), sub("c", size=32), sub("d"), sub("e")])])
+    s.plan([RankEvents(steps=[StepEvent("b", Controls(keys="d"), end=True)])])  # "b" ends after its steps
+    counts = LineCounts.of(s, s.settings, [1.5])
+    assert counts == LineCounts(pending=2, active=2, ending=1, waiting=2, free_slots=0, waited_s=[1.5])
+    s.plan([RankEvents(cancelled=["d", "e", "c"])])  # and "b" runs its last step
+    assert LineCounts.of(s, s.settings, []) == LineCounts(pending=0, active=1, ending=0, waiting=0, free_slots=2)

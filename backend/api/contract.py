@@ -30,6 +30,7 @@ class TensorSpec:
     doc: str
     optional: bool = False
     minimum: int | None = None  # a one-value integer input's smallest value
+    positive_columns: int = 0  # a float input's leading columns, each above 0 in every row
 
     @property
     def triton_dtype(self) -> str:
@@ -37,8 +38,8 @@ class TensorSpec:
 
 
 def _spec(name: str, dtype: type, dims: tuple[int, ...], doc: str, optional: bool = False,
-          minimum: int | None = None) -> TensorSpec:
-    return TensorSpec(name, np.dtype(dtype), dims, doc, optional, minimum)
+          minimum: int | None = None, positive_columns: int = 0) -> TensorSpec:
+    return TensorSpec(name, np.dtype(dtype), dims, doc, optional, minimum, positive_columns)
 
 
 IMAGE = "image"
@@ -70,7 +71,7 @@ INPUTS: tuple[TensorSpec, ...] = (
     _spec(CAMERA_POSES, np.float32, (-1, 4, 4), "camera-to-world poses, OpenCV axes: every frame of a whole "
           "trajectory, or a steered block's new frames", optional=True),
     _spec(CAMERA_INTRINSICS, np.float32, (-1, 4), "fx, fy, cx, cy in output pixels (first row used); default 60 "
-          "degree FOV", optional=True),
+          "degree FOV", optional=True, positive_columns=2),
     _spec(ACTION, np.object_, (1,), "keys held during a steered block, e.g. \"wa\" (see backend/api/controls.py)",
           optional=True),
     _spec(NUM_FRAMES, np.int32, (1,), "video frames of a whole trajectory: 1 + 4k, a whole number of AR blocks",

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import (MAX_PROMPT_BYTES, NO_FORK, ON_STARVE, PARAM_RECACHE, PARAM_RESUME, POSE_SCALES, PROMPT,
-                       SNAPSHOT_ID_PATTERN, block_video_frames)
+from .contract import (CAMERA_INTRINSICS, INPUT_SPECS, MAX_PROMPT_BYTES, NO_FORK, ON_STARVE, PARAM_RECACHE,
+                       PARAM_RESUME, POSE_SCALES, PROMPT, SNAPSHOT_ID_PATTERN, block_video_frames)
 from .errors import InputError
 from .provenance import parse_settings
 
 DEFAULT_HFOV_DEG = 60.0
+_INTRINSICS = INPUT_SPECS[CAMERA_INTRINSICS]  # fx, fy: its positive columns
 
 
 def default_intrinsics(num_frames: int, height: int, width: int, hfov_deg: float = DEFAULT_HFOV_DEG) -> np.ndarray:
@@ -174,7 +175,7 @@ def check_request(request: SessionRequest) -> None:
         k = request.intrinsics
         if k.dtype != np.float32 or k.ndim != 2 or k.shape[1] != 4 or len(k) < 1:
             raise InputError(f"camera_intrinsics must be FP32 [n, 4]; got {k.dtype} {list(k.shape)}")
-        if not np.isfinite(k).all() or (k[:, :2] <= 0).any():
+        if not np.isfinite(k).all() or (k[:, :_INTRINSICS.positive_columns] <= 0).any():
             raise InputError("camera_intrinsics must be finite with fx, fy > 0")
 
 

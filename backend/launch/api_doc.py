@@ -45,10 +45,12 @@ sequence on one instance, the one that answers it. A raw `tritonclient` user sen
 """
 
 
-def _allowed(choices: tuple[str, ...] = (), minimum: int | None = None) -> str:
+def _allowed(choices: tuple[str, ...] = (), minimum: int | None = None, positive_columns: int = 0) -> str:
     """A contract entry's declared choices or range, as parse_request enforces them."""
     if choices:
         return ", ".join(f"`{c}`" for c in choices)
+    if positive_columns:
+        return f"> 0 in its first {positive_columns} columns"
     return "" if minimum is None else f">= {minimum}"
 
 
@@ -91,7 +93,8 @@ def _settings_section(cls: type, defaults: dict[str, str]) -> str:
 
 
 def render() -> str:
-    inputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), _allowed(minimum=s.minimum), s.doc]
+    inputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), _allowed(minimum=s.minimum,
+                                                                      positive_columns=s.positive_columns), s.doc]
               for s in contract.INPUTS]
     outputs = [[f"`{s.name}`", s.triton_dtype, _dims(s.dims), s.doc] for s in contract.OUTPUTS]
     params = [[f"`{p.name}`", type(p.default).__name__, f"`{p.default}`", _allowed(p.choices, p.minimum), p.doc]
