@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.paths import REPO_ROOT
 from backend.launch.server import STUB_THREAD_ENVIRONMENT
@@ -22,7 +22,7 @@ from backend.parallel.group import GroupHandles
 from backend.parallel.local import free_port, run_group
 from backend.parallel.mesh import Mesh
 from backend.parallel.sequence import SequenceParallel
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.threads import instance_cores
 from backend.api.contract import BLOCK_FRAMES, video_frames_for
 from backend.api.request import SessionRequest
@@ -42,7 +42,7 @@ class Workload:
 
     height: int
     width: int
-    blocks: int  # AR blocks of BLOCK_FRAMES latent frames (engine_config sets it, whichever the layout)
+    blocks: int  # AR blocks of BLOCK_FRAMES latent frames (engine_settings sets it, whichever the layout)
     dtype: str
     window_frames: int
     sink_frames: int
@@ -103,17 +103,17 @@ def ensure_checkpoint(path: Path | None, preset: str) -> Path:
     return root
 
 
-def engine_config(checkpoint: Path, w: Workload, sp: int, device: str = "cpu", tp: int = 1) -> EngineConfig:
-    return EngineConfig(
+def engine_settings(checkpoint: Path, w: Workload, sp: int, device: str = "cpu", tp: int = 1) -> EngineSettings:
+    return EngineSettings(
         checkpoint=str(checkpoint), sp_degree=sp, tp_degree=tp, dtype=w.dtype, device=device, block_frames=BLOCK_FRAMES,
         window_frames=w.window_frames, sink_frames=w.sink_frames, default_height=w.height, default_width=w.width,
     )
 
 
-def server_parameters(config: EngineConfig) -> dict[str, str]:
+def server_parameters(config: EngineSettings) -> dict[str, str]:
     """config.pbtxt parameters serving exactly `config`, on a free rendezvous port (the instance group sets the
     device)."""
-    return to_parameters(config) | to_parameters(ServingConfig(rendezvous_port=free_port()))
+    return to_parameters(config) | to_parameters(ServingSettings(rendezvous_port=free_port()))
 
 
 def make_request(w: Workload, decode: bool = True) -> SessionRequest:
@@ -139,7 +139,7 @@ class RankResult:
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
 
 
-def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest, warmup_blocks: int) -> RankResult:
+def rollout(groups: GroupHandles, config: EngineSettings, request: SessionRequest, warmup_blocks: int) -> RankResult:
     """One warm-up session of `warmup_blocks`, then one timed full request (on config.tp_degree x sp_degree
     ranks). Importable for spawned ranks."""
     if config.device == "cuda":
@@ -225,7 +225,7 @@ def sweep_sp(
     request = make_request(w)
     results: dict[Layout, list[RankResult]] = {}
     for tp, sp in layouts:
-        config = engine_config(checkpoint, w, sp, device, tp)
+        config = engine_settings(checkpoint, w, sp, device, tp)
         results[tp, sp] = run(tp * sp, rollout, (config, request, warmup_blocks))
         lead = results[tp, sp][0]
         print(f"{layout_label((tp, sp))} done: {lead.request_s:.2f} s, attention {lead.attention}", flush=True)

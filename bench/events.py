@@ -19,7 +19,7 @@ from backend.api.request import Controls
 from backend.engine.blocks import BlockControls
 from backend.engine.rollout import WorldModelEngine
 from backend.model.config import TransformerConfig
-from bench.common import GPU, TINY, add_workload_args, engine_config, ensure_checkpoint, format_table, make_request, \
+from bench.common import GPU, TINY, add_workload_args, engine_settings, ensure_checkpoint, format_table, make_request, \
     workload_from_args
 from bench.flops import block_keys, forward_flops
 
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     w = workload_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint, args.preset)
-    engine = WorldModelEngine.load(engine_config(checkpoint, w, sp=1))
+    engine = WorldModelEngine.load(engine_settings(checkpoint, w, sp=1))
     request = dataclasses.replace(make_request(w, decode=False), num_frames=None, poses=None, keys="w")
     times = step_latencies(engine, request, args.rounds, args.warmup)
     plain = statistics.median(times["plain step"])

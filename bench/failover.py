@@ -42,7 +42,7 @@ from backend.launch.model_repository import write_model_repository
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from backend.parallel.ports import free_port
-from bench.common import BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, server_parameters
+from bench.common import BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, server_parameters
 from bench.timing import wait_for
 from client.steer import SteeredSession
 from client.world import DEFAULT_SAVE_EVERY, PlayedWorld
@@ -104,7 +104,7 @@ HEADER = ["case", "block ms", "kill -> given up s", "kill -> next block s", "in 
 
 @contextlib.contextmanager
 def running_fleet(checkpoint: Path, out: Path) -> Iterator[tuple[str, list[dict], Path, subprocess.Popen]]:
-    parameters = server_parameters(engine_config(checkpoint, TINY, 1)) | {"max_sessions": "2", "max_batch": "1",
+    parameters = server_parameters(engine_settings(checkpoint, TINY, 1)) | {"max_sessions": "2", "max_batch": "1",
                                                                          "max_frames": "1000"}
     for own in ("rendezvous_port", "snapshot_dir"):  # the fleet's: a port per group, one store for all
         parameters.pop(own)
@@ -194,7 +194,7 @@ def fleet_cases(checkpoint: Path, args: argparse.Namespace) -> list[list[str]]:
 
 def sp2_case(checkpoint: Path, args: argparse.Namespace) -> list[str]:
     out = BUILD_DIR / "bench" / "failover_sp2"
-    params = server_parameters(engine_config(checkpoint, TINY, 2)) | {
+    params = server_parameters(engine_settings(checkpoint, TINY, 2)) | {
         "collective_timeout_s": "5", "max_batch": "1", "max_frames": "1000", "snapshot_dir": str(out / "snapshots")}
     repo = write_model_repository(out / "repo", instances=2, kind="KIND_CPU", parameters=params)
     with TritonServer(repo, backends_dir=prepare_backends(), log_path=out / "tritonserver.log", heal=True) as server:

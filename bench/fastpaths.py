@@ -3,12 +3,12 @@ and the latents' distance from the exact path.
 
     python -m bench.fastpaths [--preset mid] [--blocks 8] [--height 64 --width 64]
 
-Each row is one fast path (a setting, off by default: EngineConfig.kv_reuse, window_frames / sink_frames): the
+Each row is one fast path (a setting, off by default: EngineSettings.kv_reuse, window_frames / sink_frames): the
 exact path (window 18, sink 6, the commit forward), kv_reuse, smaller windows and sinks, kv_reuse with the
 smallest window.
 
 * 14B columns (no run): one full-window block of the published model (480x832, 3 latent frames of 1,560 tokens
-  a block) from bench/flops' FLOP model: its forwards (EngineConfig.forwards_per_block), TFLOP, the bound of a
+  a block) from bench/flops' FLOP model: its forwards (EngineSettings.forwards_per_block), TFLOP, the bound of a
   bf16 H200 at 790 TFLOP/s (SP1, matrix products only), one session's self-attention cache at SP1 in bf16
   (model/memory.self_cache_bytes) and the K/V the block's forwards read.
 * CPU columns (one run, SP1): one set of random `--preset` weights in float32 shared by an engine per fast path;
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.model.config import TransformerConfig
 from backend.model.dtypes import TORCH_DTYPES
 from backend.model.memory import self_cache_bytes
@@ -57,7 +57,7 @@ class FastPath:
     window_frames: int = GPU.window_frames
     sink_frames: int = GPU.sink_frames
 
-    def config(self, base: EngineConfig) -> EngineConfig:
+    def config(self, base: EngineSettings) -> EngineSettings:
         return dataclasses.replace(base, kv_reuse=self.kv_reuse, window_frames=self.window_frames,
                                    sink_frames=self.sink_frames)
 
@@ -83,7 +83,7 @@ class BlockCost:
     kv_read_bytes: int  # the cached K/V every forward's self-attention reads, summed over the block's forwards
 
 
-def full_window_cost(cfg: TransformerConfig, config: EngineConfig) -> BlockCost:
+def full_window_cost(cfg: TransformerConfig, config: EngineSettings) -> BlockCost:
     """One block whose history fills the window (the steady state of a long session) at the 14B geometry."""
     tokens = BLOCK_FRAMES * TOKENS_PER_FRAME_14B
     keys = config.window_frames * TOKENS_PER_FRAME_14B
@@ -106,8 +106,8 @@ class PathRun:
     latents: np.ndarray  # [1, z, frames, h, w], every block
 
 
-def base_config(w: Workload) -> EngineConfig:
-    return dataclasses.replace(gpu_random_weights.engine_config(w, "cpu", False), block_frames=BLOCK_FRAMES)
+def base_config(w: Workload) -> EngineSettings:
+    return dataclasses.replace(gpu_random_weights.engine_settings(w, "cpu", False), block_frames=BLOCK_FRAMES)
 
 
 def measure(preset: str, w: Workload, paths: tuple[FastPath, ...]) -> list[PathRun]:
@@ -145,7 +145,7 @@ def measure(preset: str, w: Workload, paths: tuple[FastPath, ...]) -> list[PathR
 # ---------------------------------------------------------------- the table
 
 
-def table(paths: tuple[FastPath, ...], base: EngineConfig, runs: list[PathRun]) -> str:
+def table(paths: tuple[FastPath, ...], base: EngineSettings, runs: list[PathRun]) -> str:
     cfg = TransformerConfig.lingbot_14b()
     costs = [full_window_cost(cfg, p.config(base)) for p in paths]
     exact_cost, exact_run = costs[0], runs[0]

@@ -34,7 +34,7 @@ from backend.api import contract
 from backend.api.request import Controls
 from backend.launch.balancer import server_stats
 from backend.parallel.ports import free_port
-from bench.common import (BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, percentile,
+from bench.common import (BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, percentile,
                           server_parameters)
 from bench.timing import wait_for
 from client.steer import SteeredSession
@@ -58,7 +58,7 @@ class Fleet:
 @contextlib.contextmanager
 def running_fleet(checkpoint: Path, sessions: int, out: Path, **settings: str) -> Iterator[Fleet]:
     """settings: more server parameters of every group."""
-    parameters = server_parameters(engine_config(checkpoint, TINY, 1)) | {"max_sessions": str(sessions),
+    parameters = server_parameters(engine_settings(checkpoint, TINY, 1)) | {"max_sessions": str(sessions),
                                                                          "max_queue": str(4 * sessions)} | settings
     parameters.pop("rendezvous_port", None)  # the fleet gives each group its own
     parameters.pop("snapshot_dir", None)  # and every group one store, so SIGTERM drains a group

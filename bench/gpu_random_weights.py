@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.api.request import SessionRequest
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.engine.blocks import BlockOutput
 from backend.engine.parts import EngineParts
 from backend.engine.rollout import WorldModelEngine
@@ -91,8 +91,8 @@ def model_configs(preset: str) -> tuple[TransformerConfig, dict]:
     return transformer_config(PRESETS[preset]), vae_arguments(PRESETS[preset])
 
 
-def engine_config(w: Workload, device: str, compile: bool) -> EngineConfig:
-    return EngineConfig(checkpoint="(random weights in memory)", dtype=w.dtype, device=device, compile=compile,
+def engine_settings(w: Workload, device: str, compile: bool) -> EngineSettings:
+    return EngineSettings(checkpoint="(random weights in memory)", dtype=w.dtype, device=device, compile=compile,
                         window_frames=w.window_frames, sink_frames=w.sink_frames, default_height=w.height,
                         default_width=w.width)
 
@@ -106,7 +106,7 @@ def build_parts(transformer: TransformerConfig, vae: dict, dtype: torch.dtype, d
     )
 
 
-def build_engine(config: EngineConfig, transformer: TransformerConfig, vae: dict, parts: EngineParts) -> WorldModelEngine:
+def build_engine(config: EngineSettings, transformer: TransformerConfig, vae: dict, parts: EngineParts) -> WorldModelEngine:
     ckpt = CheckpointConfigs(transformer, VaeConfig.from_dict(vae), None, DIFFUSERS.source_defaults)
     return WorldModelEngine(spec_from_configs(config, ckpt, world_size=1), parts=parts)
 
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     request = make_request(w)
     runs = []
     for mode in args.modes:
-        engine = build_engine(engine_config(w, str(device), mode == "compiled"), transformer, vae, parts)
+        engine = build_engine(engine_settings(w, str(device), mode == "compiled"), transformer, vae, parts)
         start = time.perf_counter()
         warm_up(engine, request, args.warmup_blocks or w.blocks)
         print(f"{mode}: attention {engine.attention_name}, warm-up {time.perf_counter() - start:.1f} s", flush=True)

@@ -25,7 +25,7 @@ from backend.api.contract import MODEL_NAME
 from backend.launch.model_repository import write_model_repository
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
-from bench.common import BUILD_DIR, TINY, engine_config, ensure_checkpoint, format_table, make_request, server_parameters
+from bench.common import BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, server_parameters
 from bench.streaming import stream_request
 from bench.timing import wait_for
 from client.stream import StreamingSession
@@ -103,7 +103,7 @@ def first_block_s(url: str, since: float) -> float:
 
 def run_case(checkpoint: Path, sp: int, victim: int, case: str) -> list[str]:
     out = BUILD_DIR / "bench" / f"kill_sp{sp}_r{victim}_{case}"
-    params = server_parameters(engine_config(checkpoint, TINY, sp)) | {
+    params = server_parameters(engine_settings(checkpoint, TINY, sp)) | {
         "collective_timeout_s": str(COLLECTIVE_TIMEOUT_S), "max_batch": "1", "max_frames": "1000"}
     repo = write_model_repository(out / "repo", instances=sp, kind="KIND_CPU", parameters=params)
     server = TritonServer(repo, backends_dir=prepare_backends(), log_path=out / "tritonserver.log", heal=True)

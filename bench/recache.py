@@ -33,7 +33,7 @@ from backend.model.dtypes import TORCH_DTYPES
 from backend.model.kv_cache import SelfAttentionCache
 from backend.model.memory import commit_record_bytes
 from backend.model.tiny_checkpoint import PRESETS
-from bench.common import GPU, TINY, Workload, engine_config, ensure_checkpoint, format_table, make_request
+from bench.common import GPU, TINY, Workload, engine_settings, ensure_checkpoint, format_table, make_request
 from bench.flops import block_keys, forward_flops
 from bench import gpu_random_weights
 
@@ -120,7 +120,7 @@ def random_engine(preset: str, w: Workload) -> WorldModelEngine:
     """SP1 on CPU with random weights made in memory (bench.gpu --random-weights' builders)."""
     transformer, vae = gpu_random_weights.model_configs(preset)
     parts = gpu_random_weights.build_parts(transformer, vae, TORCH_DTYPES[w.dtype], torch.device("cpu"), w.seed)
-    return gpu_random_weights.build_engine(gpu_random_weights.engine_config(w, "cpu", False), transformer, vae, parts)
+    return gpu_random_weights.build_engine(gpu_random_weights.engine_settings(w, "cpu", False), transformer, vae, parts)
 
 
 # ---------------------------------------------------------------- 2. cost at the 14B geometry
@@ -198,7 +198,7 @@ def main() -> None:
                         "recache / block", "records kept (B)"], flop_rows(TransformerConfig.lingbot_14b(), GPU, 8)))
 
     effect = dataclasses.replace(TINY, blocks=args.effect_blocks)
-    engine = WorldModelEngine.load(engine_config(ensure_checkpoint(None, args.effect_preset), effect, sp=1))
+    engine = WorldModelEngine.load(engine_settings(ensure_checkpoint(None, args.effect_preset), effect, sp=1))
     request = make_request(effect, decode=False)
     for at in args.event_blocks:
         print(f"\n3. {args.effect_preset} preset, {effect.height}x{effect.width}, {effect.dtype}, window "

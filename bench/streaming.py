@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.engine.rollout import WorldModelEngine
 from backend.launch.model_repository import write_model_repository
 from backend.launch.procfs import status_kib
@@ -40,7 +40,7 @@ from bench.common import (
     TINY,
     Workload,
     add_workload_args,
-    engine_config,
+    engine_settings,
     ensure_checkpoint,
     format_table,
     make_request,
@@ -111,7 +111,7 @@ def peak_rss_mib(pids: list[int]) -> list[float] | None:
 def sp_server(checkpoint: Path, w: Workload, sp: int) -> Iterator[TritonServer]:
     out = BUILD_DIR / "bench"
     repo = write_model_repository(out / f"repo_sp{sp}", instances=sp, kind="KIND_CPU",
-                                  parameters=server_parameters(engine_config(checkpoint, w, sp)))
+                                  parameters=server_parameters(engine_settings(checkpoint, w, sp)))
     with TritonServer(repo, backends_dir=prepare_backends(), log_path=out / f"tritonserver_sp{sp}.log") as server:
         server.wait_ready(MODEL_NAME, timeout=300)
         yield server
@@ -169,7 +169,7 @@ class Timings:
 _engine: WorldModelEngine | None = None  # the direct engine process's own
 
 
-def _load_direct(config: EngineConfig, threads: int, request: SessionRequest) -> None:
+def _load_direct(config: EngineSettings, threads: int, request: SessionRequest) -> None:
     global _engine
     torch.set_num_threads(threads)
     _engine = WorldModelEngine.load(config)
@@ -197,7 +197,7 @@ def direct_engine(checkpoint: Path, w: Workload, request: SessionRequest) -> Ite
     """The in-process engine as a user runs it, in a process of its own: SP1 with every core's torch threads and
     the server stubs' thread settings (numpy here was loaded without them)."""
     use_stub_thread_environment()
-    with mp.get_context("spawn").Pool(1, _load_direct, (engine_config(checkpoint, w, 1), instance_cores(1), request)) \
+    with mp.get_context("spawn").Pool(1, _load_direct, (engine_settings(checkpoint, w, 1), instance_cores(1), request)) \
             as pool:
         yield pool
 

@@ -61,9 +61,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engine(tiny_checkpoint: str):
     """One SP1 engine on the tiny checkpoint, shared by every test that does not change its settings."""
     from backend.engine.rollout import WorldModelEngine
-    from factories import tiny_config
+    from factories import tiny_settings
 
-    return WorldModelEngine.load(tiny_config(tiny_checkpoint))
+    return WorldModelEngine.load(tiny_settings(tiny_checkpoint))
 
 
 @pytest.fixture(scope="session")
@@ -102,11 +102,11 @@ def sp2_group(tiny_checkpoint: str, snapshot_dir: str):
     """One SP2 serving group of two local processes (serving/local_group, no tritonserver) for the whole run:
     one session per forward (latents compare bit for bit with SP1), no frame decode, a short steered-session
     idle limit."""
-    from backend.serving.config import ServingConfig
+    from backend.serving.settings import ServingSettings
     from backend.serving.local_group import LocalGroup
-    from factories import tiny_config
+    from factories import tiny_settings
 
-    serving = ServingConfig(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,
+    serving = ServingSettings(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,
                             snapshot_dir=snapshot_dir)
-    with LocalGroup(tiny_config(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, world=2) as group:
+    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, world=2) as group:
         yield group

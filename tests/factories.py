@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.api.request import SessionRequest
 
 TINY_SIZE = 64
@@ -13,8 +13,8 @@ TINY_SIZE = 64
 TINY_FRAMES = 57
 
 
-def tiny_config(checkpoint: str, **overrides) -> EngineConfig:
-    base = EngineConfig(
+def tiny_settings(checkpoint: str, **overrides) -> EngineSettings:
+    base = EngineSettings(
         checkpoint=checkpoint,
         dtype="float32",
         window_frames=9,

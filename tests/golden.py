@@ -132,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the stored latents and their pinned SHA-256")
     args = parser.parse_args(argv)
     from backend.model.tiny_checkpoint import write_checkpoint
-    from factories import tiny_config, tiny_request
+    from factories import tiny_settings, tiny_request
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=CHECKPOINT_SEED)
-        engine = WorldModelEngine.load(tiny_config(str(checkpoint)))
+        engine = WorldModelEngine.load(tiny_settings(str(checkpoint)))
         if args.write:
             write(engine, tiny_request())
             return 0

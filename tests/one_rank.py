@@ -9,7 +9,7 @@ from backend.api.request import ResumeRequest, SessionRequest, StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.serving.admission import Admission
 from backend.serving.bootstrap import snapshot_store
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
 from backend.serving.line import LineCounts
 from backend.serving.loop import GroupLoop, LoopHooks
@@ -19,7 +19,7 @@ from backend.serving.threads import CoreSplit
 
 
 class OneRank:
-    def __init__(self, engine: WorldModelEngine, settings: ServingConfig,
+    def __init__(self, engine: WorldModelEngine, settings: ServingSettings,
                  on_failure: Callable[[BaseException], None] = lambda exc: None,
                  on_ended: Callable[[str], None] | None = None, on_line: Callable[[LineCounts], None] | None = None,
                  threads: CoreSplit | None = None, cpu: LoopCpu | None = None) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.engine.rollout import WorldModelEngine
 from backend.model.vae import StreamingVae
 from backend.parallel.group import GroupHandles
@@ -12,7 +12,7 @@ from backend.parallel.sequence import SequenceParallel
 from backend.api.request import SessionRequest
 
 
-def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest) -> dict:
+def rollout(groups: GroupHandles, config: EngineSettings, request: SessionRequest) -> dict:
     """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block forwards and exchange
     bytes, the final cache shards, this rank's weight and cache bytes and each camera modulation it made."""
     sp = SequenceParallel(groups.data)
@@ -56,14 +56,14 @@ def rollout(groups: GroupHandles, config: EngineConfig, request: SessionRequest)
         }
 
 
-def prompt_states(groups: GroupHandles, config: EngineConfig, prompts: list[str]) -> dict:
+def prompt_states(groups: GroupHandles, config: EngineSettings, prompts: list[str]) -> dict:
     """Each prompt's states on this rank, whether it holds the text encoder and how many prompts it encoded."""
     engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
     states = [engine.prompts.states(p).float().numpy() for p in prompts]
     return {"states": states, "has_encoder": engine.prompts.encoder is not None, "encoded": engine.prompts.encoded}
 
 
-def split_decode(groups: GroupHandles, config: EngineConfig, request: SessionRequest) -> dict:
+def split_decode(groups: GroupHandles, config: EngineSettings, request: SessionRequest) -> dict:
     """A session's blocks decoded split across the ranks (frames on rank 0), and on rank 0 the same latents
     decoded whole by a VAE without a decode group."""
     engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
@@ -80,7 +80,7 @@ def split_decode(groups: GroupHandles, config: EngineConfig, request: SessionReq
     return {"shared": shared, "blocks": blocks}
 
 
-def steered_events(groups: GroupHandles, config: EngineConfig, request: SessionRequest, steps: list) -> dict:
+def steered_events(groups: GroupHandles, config: EngineSettings, request: SessionRequest, steps: list) -> dict:
     """A steered session through `steps` (Controls; a step's prompt set as a world event before its block) on
     every rank; returns the latents, this rank's text K/V bytes after each block and its final text K/V shards."""
     from backend.engine.blocks import BlockControls
@@ -103,7 +103,7 @@ def steered_events(groups: GroupHandles, config: EngineConfig, request: SessionR
         }
 
 
-def recache_event(groups: GroupHandles, config: EngineConfig, request: SessionRequest, prompt: str, blocks: int,
+def recache_event(groups: GroupHandles, config: EngineSettings, request: SessionRequest, prompt: str, blocks: int,
                   at: int) -> dict:
     """On every rank: a session whose event `prompt` before block `at` is recached, and its teacher-forced ground
     truth (bench.recache): each with its latents and this rank's cache shards as the event left them."""
@@ -235,7 +235,7 @@ def resume_and_play(engine: WorldModelEngine, store, snapshot_id: str, steps: li
         engine.close_session(session)
 
 
-def snapshot_roundtrip(groups: GroupHandles, config: EngineConfig, request: SessionRequest, steps: list,
+def snapshot_roundtrip(groups: GroupHandles, config: EngineSettings, request: SessionRequest, steps: list,
                        save_after: int, store_root: str, resume_ids: list[str]) -> dict:
     """On every rank of a tp_degree x sp_degree group: the steered session through `steps`, saved after block
     `save_after`; then its own snapshot and each of `resume_ids` resumed and played to the end."""

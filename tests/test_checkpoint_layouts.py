@@ -21,12 +21,12 @@ from backend.model.layouts import resolve_layout
 from backend.model.official_checkpoint import official_copy
 from backend.model.pth_files import read_pth_index, read_pth_tensors
 from backend.model.tiny_checkpoint import write_checkpoint
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.local_group import LocalGroup
 from client.recording import RecordedBlock, Recording
 from client.replay import replay_whole
 from client.stream import StreamError
-from factories import forward_poses, sample_image, tiny_config, tiny_request
+from factories import forward_poses, sample_image, tiny_settings, tiny_request
 from client.__main__ import main as client_main
 from triton_harness import latents_of, running_server, stream
 
@@ -128,7 +128,7 @@ def test_the_same_weights_in_both_layouts_load_alike_and_give_bit_identical_late
     settings = dict(block_frames=4, timestep_shift=10.0, window_frames=12, sink_frames=2, dtype="bfloat16")
     latents = []
     for root in both_layouts:
-        engine = WorldModelEngine.load(tiny_config(str(root), **settings))
+        engine = WorldModelEngine.load(tiny_settings(str(root), **settings))
         request = tiny_request(num_frames=61, decode=False)  # 4 blocks: the window slides
         session = engine.open_session(request, engine.geometry_of(request))
         blocks = []
@@ -141,20 +141,20 @@ def test_the_same_weights_in_both_layouts_load_alike_and_give_bit_identical_late
 
 def test_each_layout_defaults_to_its_own_source_and_a_parameter_wins(both_layouts) -> None:
     diffusers, official = (str(p) for p in both_layouts)
-    spec = checked_spec(tiny_config(official, **UNSET), 1)
+    spec = checked_spec(tiny_settings(official, **UNSET), 1)
     assert {k: (s.value, s.source.split(" (")[0]) for k, s in spec.settings.items()} == {
         "block_frames": (4, "official script default"), "timestep_shift": (10.0, "official script default"),
         "window_frames": (18, "official script default"), "sink_frames": (6, "official script default"),
     }
     assert "run_fast.sh --sink_size" in spec.settings["sink_frames"].source
     assert (spec.config.block_frames, spec.shift, spec.window_frames, spec.sink_frames) == (4, 10.0, 18, 6)
-    spec = checked_spec(tiny_config(diffusers, **UNSET), 1)
+    spec = checked_spec(tiny_settings(diffusers, **UNSET), 1)
     assert {k: s.value for k, s in spec.settings.items()} == {
         "block_frames": 3, "timestep_shift": 5.0, "window_frames": 9, "sink_frames": 3}
     assert spec.settings["window_frames"].source.endswith("transformer/config.json local_attn_size")
     assert spec.settings["timestep_shift"].source.endswith("scheduler/scheduler_config.json shift")
     assert spec.settings["block_frames"].source.startswith("diffusers layout default")
-    spec = checked_spec(tiny_config(official, **{**UNSET, "block_frames": 3, "sink_frames": 3}), 1)
+    spec = checked_spec(tiny_settings(official, **{**UNSET, "block_frames": 3, "sink_frames": 3}), 1)
     assert (spec.settings["block_frames"].source, spec.settings["sink_frames"].source) == ("parameter", "parameter")
     assert spec.config.block_frames == 3 and spec.settings["window_frames"].value == 18
     assert describe_settings(spec)[0] == "block_frames = 3 (parameter)"
@@ -166,7 +166,7 @@ def test_a_global_window_in_the_checkpoint_is_served_as_global_attention(tiny_ch
     config = root / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"local_attn_size": 9', '"local_attn_size": -1'))
     assert read_checkpoint_configs(resolve_layout(str(root))).settings["window_frames"].value == -1
-    engine = WorldModelEngine.load(tiny_config(str(root), window_frames=0, sink_frames=-1))
+    engine = WorldModelEngine.load(tiny_settings(str(root), window_frames=0, sink_frames=-1))
     assert engine.window_frames == -1 and any("global attention" in line for line in describe_settings(
         checked_spec(engine.config, 1)))
     request = tiny_request(num_frames=45, decode=False)  # 4 blocks, 12 latent frames
@@ -211,8 +211,8 @@ def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts
         assert client_main(["--url", server.grpc_url, "--prompt", "a castle", "--camera", "forward", "--no-decode",
                             "--out", str(tmp_path / "cli.mp4"), "--timeout", "240"]) == 0
         assert "77 frames at 64x64" in capsys.readouterr().out
-    config = tiny_config(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
-    with LocalGroup(config, ServingConfig(max_batch=1), world=2) as group:
+    config = tiny_settings(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
+    with LocalGroup(config, ServingSettings(max_batch=1), world=2) as group:
         blocks[2] = group.stream(request, rank=1, timeout_s=240)
     for sp, served in blocks.items():
         assert [b.frames.shape[0] for b in served] == [13, 16, 16, 16, 16], sp

@@ -18,7 +18,7 @@ from backend.api.codec import controls_arrays, parse_request, request_arrays
 from backend.api.errors import InputError
 from backend.api.request import Controls, ResumeRequest, SessionRequest, StepRequest, default_intrinsics
 from backend.serving.admission import Admission
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from factories import tiny_request
 
 STEP_KEY = "7"  # a running steered session's Triton sequence
@@ -245,7 +245,7 @@ def test_every_request_parameter_at_its_boundaries(case: Case) -> None:
 # ---------------------------------------------------------------- ranges checked at admission
 
 
-LIMITS = ServingConfig()
+LIMITS = ServingSettings()
 
 
 def still_poses(frames: int) -> np.ndarray:

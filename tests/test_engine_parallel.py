@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.parallel.local import run_group
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 from sp_workers import prompt_states, rollout
 
 pytestmark = pytest.mark.server  # starts groups of local processes (slow)
@@ -20,7 +20,7 @@ HEADS = 4  # tiny preset
 @pytest.fixture(scope="module")
 def rollouts(tiny_checkpoint: str) -> dict[int, list[dict]]:
     request = tiny_request()
-    config = tiny_config(tiny_checkpoint, decode_frames=False)
+    config = tiny_settings(tiny_checkpoint, decode_frames=False)
     return {sp: run_group(sp, rollout, (dataclasses.replace(config, sp_degree=sp), request)) for sp in (1, 2, 4)}
 
 
@@ -78,7 +78,7 @@ def test_kv_reuse_runs_4_forwards_a_block_and_sp2_matches_sp1_bit_for_bit(
     """kv_reuse keeps the K/V of each block's last DMD step (each rank its head shard) instead of running the
     commit forward: 4 forwards a block on every rank, SP2 == SP1, and only the blocks after the first (the first
     has no history) differ from the exact path."""
-    config = tiny_config(tiny_checkpoint, decode_frames=False, kv_reuse=True)
+    config = tiny_settings(tiny_checkpoint, decode_frames=False, kv_reuse=True)
     reuse = {sp: run_group(sp, rollout, (dataclasses.replace(config, sp_degree=sp), tiny_request())) for sp in (1, 2)}
     single, exact = reuse[1][0], rollouts[1][0]
     assert exact["forwards"] == [5] * 5 and single["forwards"] == [4] * 5
@@ -113,7 +113,7 @@ def test_float32_gemm_bits_depend_on_neither_rows_nor_threads() -> None:
 
 
 def test_bfloat16_sp2_matches_sp1(tiny_checkpoint: str) -> None:
-    config = tiny_config(tiny_checkpoint, dtype="bfloat16", decode_frames=False)
+    config = tiny_settings(tiny_checkpoint, dtype="bfloat16", decode_frames=False)
     request = tiny_request(num_frames=33)
     single = run_group(1, rollout, (config, request))[0]["latents"]
     double = run_group(2, rollout, (dataclasses.replace(config, sp_degree=2), request))[0]["latents"]
@@ -123,7 +123,7 @@ def test_bfloat16_sp2_matches_sp1(tiny_checkpoint: str) -> None:
 
 
 def test_prompt_states_equal_on_every_rank_while_one_rank_encodes(tiny_checkpoint: str) -> None:
-    config = dataclasses.replace(tiny_config(tiny_checkpoint, decode_frames=False), sp_degree=2)
+    config = dataclasses.replace(tiny_settings(tiny_checkpoint, decode_frames=False), sp_degree=2)
     prompts = ["a castle", "a street at night", "a castle"]  # the repeat is an LRU hit on every rank
     ranks = run_group(2, prompt_states, (config, prompts))
     (single,) = run_group(1, prompt_states, (dataclasses.replace(config, sp_degree=1), prompts))

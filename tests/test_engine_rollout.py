@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend.engine.rollout import WorldModelEngine
-from factories import forward_poses, sample_image, tiny_config, tiny_request
+from factories import forward_poses, sample_image, tiny_settings, tiny_request
 
 
 def latents_of(engine: WorldModelEngine, num_frames: int = 21, **overrides) -> np.ndarray:
@@ -120,20 +120,20 @@ def test_close_session_frees_caches(engine: WorldModelEngine) -> None:
 
 def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
     from backend.api.settings import from_parameters
-    from backend.engine.config import EngineConfig
+    from backend.engine.settings import EngineSettings
     from backend.api.errors import ConfigError
 
-    config = from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
+    config = from_parameters(EngineSettings, {"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
     assert dataclasses.astuple(config)[:2] == (tiny_checkpoint, 2) and config.decode_frames is False
-    with pytest.raises(ConfigError, match=r"unknown EngineConfig parameter\(s\) \['sp'\]"):
-        from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp": "2"})
+    with pytest.raises(ConfigError, match=r"unknown EngineSettings parameter\(s\) \['sp'\]"):
+        from_parameters(EngineSettings, {"checkpoint": tiny_checkpoint, "sp": "2"})
     with pytest.raises(ConfigError, match=r"parameter sp_degree='two': expected int"):
-        from_parameters(EngineConfig, {"checkpoint": tiny_checkpoint, "sp_degree": "two"})
+        from_parameters(EngineSettings, {"checkpoint": tiny_checkpoint, "sp_degree": "two"})
 
 
 def test_compiled_blocks_stay_close_to_eager(tiny_checkpoint: str, engine: WorldModelEngine) -> None:
     request = tiny_request(num_frames=21)  # two blocks: the first (no history) and one that attends to it
-    compiled = WorldModelEngine.load(tiny_config(tiny_checkpoint, compile=True))
+    compiled = WorldModelEngine.load(tiny_settings(tiny_checkpoint, compile=True))
     for (eager_out, eager_frames), (out, frames) in zip(engine.generate(request), compiled.generate(request)):
         assert np.abs(out.latents.numpy() - eager_out.latents.numpy()).max() < 1e-4
         assert np.abs(frames.astype(int) - eager_frames.astype(int)).max() <= 2

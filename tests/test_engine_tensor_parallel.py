@@ -19,9 +19,9 @@ from backend.model.config import read_checkpoint_configs
 from backend.model.layouts import resolve_layout
 from backend.model.memory import camera_modulation_bytes, self_cache_bytes, text_cache_bytes, weight_parameters
 from backend.model.tensor_slices import TensorPart
-from backend.parallel.layout import RankLayout
+from backend.parallel.grid import RankGrid
 from backend.parallel.local import run_group
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 from sp_workers import rollout, steered_events
 from test_world_events import TWO_EVENTS, keys, steered
 
@@ -35,7 +35,7 @@ FLOAT32 = 4
 @pytest.fixture(scope="module")
 def rollouts(tiny_checkpoint: str) -> dict[tuple[int, int], list[dict]]:
     request = tiny_request()
-    config = tiny_config(tiny_checkpoint, decode_frames=False)
+    config = tiny_settings(tiny_checkpoint, decode_frames=False)
     runs = {(1, 1): run_group(1, rollout, (config, request))}
     for tp, sp in LAYOUTS:
         runs[tp, sp] = run_group(tp * sp, rollout, (dataclasses.replace(config, tp_degree=tp, sp_degree=sp), request))
@@ -48,15 +48,15 @@ def tiny_transformer(tiny_checkpoint: str):
 
 
 def test_rank_layout_puts_tp_groups_on_consecutive_ranks() -> None:
-    layout = RankLayout(tp=2, sp=2)
+    layout = RankGrid(tp=2, sp=2)
     assert layout.tp_groups() == [[0, 1], [2, 3]]
     assert layout.sp_groups() == [[0, 2], [1, 3]]
-    assert RankLayout(tp=4, sp=2).tp_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert RankGrid(tp=4, sp=2).tp_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [(layout.tp_rank(r), layout.sp_rank(r)) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    RankLayout(tp=2, sp=4).check_hosts(2)  # 4 instances per host hold two TP groups
+    RankGrid(tp=2, sp=4).check_hosts(2)  # 4 instances per host hold two TP groups
     with pytest.raises(Exception, match=r"tp_degree=4 must divide the instances of each server \(8 instances over "
                                         r"host_count=4\)"):
-        RankLayout(tp=4, sp=2).check_hosts(4)
+        RankGrid(tp=4, sp=2).check_hosts(4)
 
 
 @pytest.mark.parametrize(("tp", "sp"), LAYOUTS)
@@ -75,7 +75,7 @@ def test_latents_match_single_rank_within_float32_rounding(rollouts, tp: int, sp
 def test_cache_shards_hold_heads_over_tp_times_sp(rollouts, tp: int, sp: int, kind: str) -> None:
     """Rank (tp_rank t, sp_rank s) holds heads t x H/tp + s x H/(tp sp) onwards, H/(tp sp) of them."""
     local = HEADS // (tp * sp)
-    layout = RankLayout(tp, sp)
+    layout = RankGrid(tp, sp)
     for rank, result in enumerate(rollouts[tp, sp]):
         first = layout.tp_rank(rank) * HEADS // tp + layout.sp_rank(rank) * local
         for layer, shard in enumerate(result[kind]):
@@ -163,7 +163,7 @@ def test_bfloat16_tp2_sp2_stays_as_close_to_float32_as_sp1(rollouts, tiny_checkp
     more than bf16's own error (SP1 bf16 against SP1 float32) to the float32 result."""
     request = tiny_request()
     exact = rollouts[1, 1][0]["latents"]  # the same request in float32
-    bf16 = tiny_config(tiny_checkpoint, decode_frames=False, dtype="bfloat16")
+    bf16 = tiny_settings(tiny_checkpoint, decode_frames=False, dtype="bfloat16")
     single = run_group(1, rollout, (bf16, request))[0]["latents"]
     split = run_group(4, rollout, (dataclasses.replace(bf16, tp_degree=2, sp_degree=2), request))[0]["latents"]
     own, tp_vs_sp1, tp_vs_exact = (np.abs(a - b) for a, b in ((single, exact), (split, single), (split, exact)))
@@ -204,11 +204,11 @@ def test_a_tp_rank_reads_only_its_slices(tiny_checkpoint: str, tiny_transformer,
 def test_tp2_x_sp2_ranks_rebuild_only_their_head_shards(tiny_checkpoint: str) -> None:
     """Two events under TP2 x SP2: the latents match SP1 to float32 rounding, each rank's text K/V after the events
     is its heads' slice of SP1's, and its size never changes."""
-    config = tiny_config(tiny_checkpoint, decode_frames=False)
+    config = tiny_settings(tiny_checkpoint, decode_frames=False)
     args = (steered(Controls(keys="w")), keys(TWO_EVENTS))
     single = run_group(1, steered_events, (config,) + args)[0]
     split = run_group(4, steered_events, (dataclasses.replace(config, tp_degree=2, sp_degree=2),) + args)
-    layout, local = RankLayout(2, 2), HEADS // 4
+    layout, local = RankGrid(2, 2), HEADS // 4
     for rank, result in enumerate(split):
         assert float(np.abs(result["latents"] - single["latents"]).max()) < 1e-5
         assert len(set(result["text_bytes"])) == 1 and result["text_bytes"][0] * 4 == single["text_bytes"][0]

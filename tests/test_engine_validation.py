@@ -21,8 +21,8 @@ from backend.parallel.sequence import SequenceParallel
 from backend.api.codec import parse_request, request_arrays, request_parameters
 from backend.api.contract import CAMERA_POSES, IMAGE
 from backend.serving.admission import Admission
-from backend.serving.config import ServingConfig
-from factories import forward_poses, tiny_config, tiny_request
+from backend.serving.settings import ServingSettings
+from factories import forward_poses, tiny_settings, tiny_request
 
 
 class FakeGroup(SequenceParallel):
@@ -82,16 +82,16 @@ def test_config_errors_before_weights(
     unreadable_checkpoint: str, overrides: dict, world: int, message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        WorldModelEngine.load(tiny_config(unreadable_checkpoint, **overrides), FakeGroup(world))
+        WorldModelEngine.load(tiny_settings(unreadable_checkpoint, **overrides), FakeGroup(world))
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        WorldModelEngine.load(tiny_config(str(tmp_path / "nowhere")))
+        WorldModelEngine.load(tiny_settings(str(tmp_path / "nowhere")))
     (tmp_path / "model_index.json").write_text('{"transformer": ["backend", "WanModelFast"]}')
     with pytest.raises(ConfigError, match=r"partial diffusers layout .*missing \['text_encoder', 'tokenizer', "
                                           r"'transformer', 'vae'\]"):
-        WorldModelEngine.load(tiny_config(str(tmp_path)))
+        WorldModelEngine.load(tiny_settings(str(tmp_path)))
 
 
 def test_mismatched_weights_are_reported(tiny_checkpoint: str, tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_mismatched_weights_are_reported(tiny_checkpoint: str, tmp_path: Path) -
     config_path = root / "transformer" / "config.json"
     config_path.write_text(config_path.read_text().replace('"num_layers": 2', '"num_layers": 3'))
     with pytest.raises(ConfigError, match=r"missing 35 \[blocks\.2\."):
-        WorldModelEngine.load(tiny_config(str(root)))
+        WorldModelEngine.load(tiny_settings(str(root)))
 
 
 def bad_poses(kind: str) -> np.ndarray:
@@ -145,7 +145,7 @@ def test_request_errors(engine: WorldModelEngine, overrides: dict, message: str)
         request.num_frames = overrides["num_frames"]
     arrays = request_arrays(request) | {IMAGE: request.image, CAMERA_POSES: request.poses}
     with pytest.raises(InputError, match=message):
-        Admission(ServingConfig(), engine.spec).session(parse_request(arrays.get, json.dumps(request_parameters(request))),
+        Admission(ServingSettings(), engine.spec).session(parse_request(arrays.get, json.dumps(request_parameters(request))),
                                                         "s", 0)
 
 
@@ -174,7 +174,7 @@ def reference_visible_frames(window: int, sink: int, block: int, blocks: int, fo
 def test_every_reference_geometry_is_accepted_and_cached_as_the_reference_does(
     unreadable_checkpoint: str, window: int, sink: int
 ) -> None:
-    spec = checked_spec(tiny_config(unreadable_checkpoint, window_frames=window, sink_frames=sink), 1)
+    spec = checked_spec(tiny_settings(unreadable_checkpoint, window_frames=window, sink_frames=sink), 1)
     assert (spec.window_frames, spec.sink_frames) == (window, sink)
 
     block, blocks, forwards = 3, 8, 5  # 4 denoising steps and the commit
@@ -227,4 +227,4 @@ def test_ffn_width_not_divisible_by_tp_is_named(unreadable_checkpoint: str) -> N
     config_path = Path(unreadable_checkpoint) / "transformer" / "config.json"
     config_path.write_text(config_path.read_text().replace('"ffn_dim": 128', '"ffn_dim": 130'))
     with pytest.raises(ConfigError, match=r"ffn_dim=130 is not divisible by tp_degree=4 \(FFN column split\)"):
-        WorldModelEngine.load(tiny_config(unreadable_checkpoint, tp_degree=4), FakeGroup(4))
+        WorldModelEngine.load(tiny_settings(unreadable_checkpoint, tp_degree=4), FakeGroup(4))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backend.api import contract as c
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.fair import HOUR_S, HourlyUsage
 from backend.serving.keys import Principal, Quota
 from backend.serving.line import Clocks, line_waits
@@ -27,7 +27,7 @@ def ids(sessions) -> list[str]:
 
 
 def test_key_b_gets_the_next_free_slot_after_key_a_queued_ten() -> None:
-    s = Scheduler(ServingConfig(max_sessions=2, max_queue=16))
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=16))
     opened = s.plan([RankEvents(submissions=[of("A", f"a{i}") for i in range(10)])]).opens
     assert ids(opened) == ["a0", "a1"]  # A's first two take the slots; eight wait
     s.plan([RankEvents(submissions=[of("B", "b0")])])
@@ -37,7 +37,7 @@ def test_key_b_gets_the_next_free_slot_after_key_a_queued_ten() -> None:
 
 
 def test_slots_alternate_between_keys_and_each_waiting_session_knows_its_place() -> None:
-    s = Scheduler(ServingConfig(max_sessions=1, max_queue=16))
+    s = Scheduler(ServingSettings(max_sessions=1, max_queue=16))
     s.plan([RankEvents(submissions=[of("C", "c0")])])  # holds the one slot
     s.plan([RankEvents(submissions=[of("A", "a0"), of("A", "a1"), of("A", "a2"), of("B", "b0"), of("B", "b1")])])
     line = ids(s.waiting())
@@ -49,13 +49,13 @@ def test_slots_alternate_between_keys_and_each_waiting_session_knows_its_place()
 
 
 def test_without_keys_the_line_is_first_come_first_served() -> None:
-    s = Scheduler(ServingConfig(max_sessions=1, max_queue=8))
+    s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("", f"s{i}") for i in range(4)])])
     assert ids(s.waiting()) == ["s1", "s2", "s3"]
 
 
 def test_a_key_at_its_session_cap_waits_for_its_own_while_another_key_is_served_at_once() -> None:
-    s = Scheduler(ServingConfig(max_sessions=4, max_queue=8))
+    s = Scheduler(ServingSettings(max_sessions=4, max_queue=8))
     plan = s.plan([RankEvents(submissions=[of("A", f"a{i}", sessions=2, queue=1) for i in range(4)])])
     assert ids(plan.opens) == ["a0", "a1"]  # its cap, though two slots are free
     (sid, ending), = plan.ended  # a3: past sessions + queue
@@ -67,7 +67,7 @@ def test_a_key_at_its_session_cap_waits_for_its_own_while_another_key_is_served_
 
 
 def test_a_capped_keys_place_counts_the_sessions_that_overtake_it() -> None:
-    s = Scheduler(ServingConfig(max_sessions=2, max_queue=8))
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=8))
     s.plan([RankEvents(submissions=[of("A", "a0", sessions=1), of("C", "c0")])])
     s.plan([RankEvents(submissions=[of("A", "a1", sessions=1), of("B", "b0"), of("B", "b1")])])
     # a0 frees first in the round robin's order: B (never served) takes it, A (served before C) the next; A's a1
@@ -77,7 +77,7 @@ def test_a_capped_keys_place_counts_the_sessions_that_overtake_it() -> None:
 
 
 def test_the_line_waits_follow_the_fair_order() -> None:
-    s = Scheduler(ServingConfig(max_sessions=1, max_queue=8))
+    s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("A", "a0", blocks=2)])])
     s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks=2) for i in (1, 2)] + [of("B", "b0", blocks=2)])])
     clocks = Clocks()
@@ -87,7 +87,7 @@ def test_the_line_waits_follow_the_fair_order() -> None:
 
 
 def test_blocks_per_hour_ends_a_running_session_and_refuses_new_ones_until_blocks_age_out() -> None:
-    s = Scheduler(ServingConfig(max_sessions=4, max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_sessions=4, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[of("A", "a0", blocks_per_hour=3), of("B", "b0")], clock_s=1000.0)])
     batches = [s.plan([RankEvents(clock_s=1000.0 + 10 * i)]) for i in range(1, 5)]
     assert [p.batch for p in batches[:3]] == [["a0", "b0"]] * 3
@@ -102,21 +102,21 @@ def test_blocks_per_hour_ends_a_running_session_and_refuses_new_ones_until_block
 
 
 def test_a_batch_never_takes_a_key_past_its_quota() -> None:
-    s = Scheduler(ServingConfig(max_sessions=4, max_batch=4, max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_sessions=4, max_batch=4, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks_per_hour=2) for i in range(3)], clock_s=5.0)])
     plan = s.plan([RankEvents(clock_s=6.0)])
     assert plan.batch == ["a0", "a1"] and plan.ended_by(EndReason.QUOTA) == ["a2"]
 
 
 def test_the_boundary_clock_is_the_latest_rank_clock_and_never_goes_back() -> None:
-    s = Scheduler(ServingConfig())
+    s = Scheduler(ServingSettings())
     s.plan([RankEvents(clock_s=50.0), RankEvents(clock_s=70.0)])
     s.plan([RankEvents(clock_s=60.0)])
     assert s.now == 70.0
 
 
 def test_a_revoked_keys_sessions_end_running_and_waiting_on_every_rank_alike() -> None:
-    ranks = [Scheduler(ServingConfig(max_sessions=1, max_queue=4)) for _ in range(2)]
+    ranks = [Scheduler(ServingSettings(max_sessions=1, max_queue=4)) for _ in range(2)]
     for s in ranks:  # each rank its own copy, as unpickled from the events
         s.plan([RankEvents(submissions=[of("A", "a0"), of("B", "b0"), of("A", "a1")])])
     plans = [s.plan([RankEvents(), RankEvents(revoked=["tag-A"])]) for s in ranks]

@@ -109,11 +109,11 @@ def test_a_recache_under_kv_reuse_replays_each_block_s_last_step(reuse: WorldMod
 def test_the_fast_path_table_s_14b_block_costs() -> None:
     """bench.fastpaths' 14B columns: a full-window block of 4,680 tokens, 5 forwards on the exact path (the camera
     branch in the first alone: 5 x 261.3 less 4 x 39.8 TFLOP), 4 under kv_reuse (3 x 39.8 less)."""
-    from backend.engine.config import EngineConfig
+    from backend.engine.settings import EngineSettings
     from backend.model.config import TransformerConfig
     from bench.fastpaths import EXACT, PATHS, full_window_cost
 
-    cfg, base = TransformerConfig.lingbot_14b(), EngineConfig(checkpoint="(none)")
+    cfg, base = TransformerConfig.lingbot_14b(), EngineSettings(checkpoint="(none)")
     costs = {p.name: full_window_cost(cfg, p.config(base)) for p in PATHS}
     exact, reuse = costs[EXACT.name], costs["kv_reuse"]
     assert (exact.forwards, reuse.forwards) == (5, 4)

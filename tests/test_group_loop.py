@@ -11,7 +11,7 @@ from backend.api.request import Controls
 from backend.engine.rollout import WorldModelEngine
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.loop import GroupLoop
 from backend.serving.scheduler import StepEvent
 from factories import tiny_request
@@ -42,7 +42,7 @@ def of(letters: list[mail.IntakeLetter], session_id: str) -> list[str]:
 
 @pytest.fixture()
 def loop(engine: WorldModelEngine):
-    settings = ServingConfig(max_sessions=1, max_queue=1, max_blocks_ahead=2)
+    settings = ServingSettings(max_sessions=1, max_queue=1, max_blocks_ahead=2)
     answers = Answers()
     group = GroupLoop(engine, settings, None, answers.letters.put)
     yield group, answers, Admission(settings, engine.spec)

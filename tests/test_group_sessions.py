@@ -13,10 +13,10 @@ from backend.api.codec import request_arrays
 from backend.api.contract import SEQUENCE_START
 from backend.api.controls import integrate, parse_key_script
 from backend.api.request import Controls, SessionRequest
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.local_group import LocalGroup, LocalStreamError
 from conftest import GROUP_IDLE_S
-from factories import forward_poses, tiny_config, tiny_request
+from factories import forward_poses, tiny_settings, tiny_request
 from polling import wait_until
 
 pytestmark = pytest.mark.server  # starts groups of processes
@@ -138,8 +138,8 @@ def test_bad_steps_get_clear_errors_and_the_session_goes_on(sp2_group) -> None:
 
 
 def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
-    config = tiny_config(tiny_checkpoint, decode_frames=False)
-    with LocalGroup(config, ServingConfig(max_session_s=3.0), world=1) as group:
+    config = tiny_settings(tiny_checkpoint, decode_frames=False)
+    with LocalGroup(config, ServingSettings(max_session_s=3.0), world=1) as group:
         session = group.steered(steered(Controls(keys="w")))
         session.next_block()
         deadline = time.monotonic() + 30
@@ -187,8 +187,8 @@ def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_gr
     with pytest.raises(LocalStreamError, match=r"'recache' rides on a world event: send it with 'prompt'"):
         session.step(Controls(keys="w"), recache=True).next()
     session.step(None, end=True).next()
-    config = tiny_config(tiny_checkpoint, decode_frames=False, window_frames=-1)
-    with LocalGroup(config, ServingConfig(), world=1) as group:
+    config = tiny_settings(tiny_checkpoint, decode_frames=False, window_frames=-1)
+    with LocalGroup(config, ServingSettings(), world=1) as group:
         bounded = group.steered(steered(Controls(keys="w"), max_blocks=4))
         bounded.next_block()
         with pytest.raises(LocalStreamError, match=r"'recache' needs a sliding window: this server runs "

@@ -16,9 +16,9 @@ from backend.engine.blocks import BlockOutput
 from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 from test_one_rank import RecordingResponder
 
 STEERED_KEY = "7"
@@ -45,8 +45,8 @@ class FakeLoop:
 @pytest.fixture()
 def intake(tiny_checkpoint: str):
     loop = FakeLoop()
-    settings = ServingConfig(session_idle_timeout_s=0.5)
-    spec = checked_spec(tiny_config(tiny_checkpoint), 1)
+    settings = ServingSettings(session_idle_timeout_s=0.5)
+    spec = checked_spec(tiny_settings(tiny_checkpoint), 1)
     side = Intake(0, settings, Admission(settings, spec), loop.post, every_s=0.05)
     yield side, loop
     side.close()

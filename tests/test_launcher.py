@@ -15,7 +15,7 @@ from backend.api import contract
 from backend.api.description import split_description
 from backend.api.errors import ConfigError
 from backend.api.settings import format_value, parameter_fields
-from backend.engine.config import EngineConfig
+from backend.engine.settings import EngineSettings
 from backend.engine.validation import checked_spec
 from backend.launch.launcher import Termination, build_parser, drains_on_sigterm, main, parse_param, render
 from backend.launch.generated import rendered
@@ -23,8 +23,8 @@ from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
 from backend.launch.server import CPU_ONLY_ARGS, TritonServer
 from backend.parallel.ports import port_in_use
-from backend.serving.config import ServingConfig, split_parameters
-from backend.serving.described import check_description
+from backend.serving.settings import ServingSettings, split_parameters
+from backend.serving.description import check_description
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:
@@ -58,7 +58,7 @@ def test_committed_config_is_the_default_rendering() -> None:
 
 def test_every_setting_is_a_parameter_with_its_default() -> None:
     params = params_of(render_config(instances=1, kind="KIND_CPU"))
-    fields = [f for cls in (EngineConfig, ServingConfig) for f in parameter_fields(cls)]
+    fields = [f for cls in (EngineSettings, ServingSettings) for f in parameter_fields(cls)]
     assert sorted(params) == sorted(f.name for f in fields)
     for f in fields:
         if f.default is not dataclasses.MISSING:
@@ -77,7 +77,7 @@ def _other_value(f: dataclasses.Field) -> str:
     return f"{f.name}-value"
 
 
-@pytest.mark.parametrize("cls", [EngineConfig, ServingConfig])
+@pytest.mark.parametrize("cls", [EngineSettings, ServingSettings])
 def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -> None:
     for f in parameter_fields(cls):
         if f.name == "sp_degree":
@@ -92,7 +92,7 @@ def test_each_field_round_trips_through_param_flags(tmp_path: Path, cls: type) -
         repository, _, _ = render(args)
         text = (repository / contract.MODEL_NAME / "config.pbtxt").read_text()
         engine, serving = split_parameters(params_of(text))
-        settings = engine if cls is EngineConfig else serving
+        settings = engine if cls is EngineSettings else serving
         assert format_value(getattr(settings, f.name)) == value, f.name
         # --sp instances on each server, each one rank of tp x sp
         assert engine.sp_degree * engine.tp_degree == int(instances) * serving.host_count
@@ -169,7 +169,7 @@ def test_one_host_picks_a_free_rendezvous_port(tmp_path: Path) -> None:
         _, serving = split_parameters(params_of((render(args)[0] / contract.MODEL_NAME / "config.pbtxt").read_text()))
         assert not port_in_use(serving.rendezvous_port)
         ports.add(serving.rendezvous_port)
-    assert ServingConfig.rendezvous_port not in ports  # not the fixed default a second server would share
+    assert ServingSettings.rendezvous_port not in ports  # not the fixed default a second server would share
 
 
 def test_busy_rendezvous_port_fails_at_once_naming_port_and_parameter(tmp_path: Path, capsys) -> None:

@@ -14,17 +14,17 @@ from backend.api.codec import request_arrays, request_parameters
 from backend.api.contract import SEQUENCE_END, SEQUENCE_START
 from backend.api.request import Controls
 from backend.model.memory import weight_parameters
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.serving.local_group import LocalGroup, LocalStreamError
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 
 pytestmark = pytest.mark.server  # starts groups of processes
 
 
 @pytest.fixture(scope="module")
 def counted_sp2(tiny_checkpoint: str):
-    config = tiny_config(tiny_checkpoint, sp_degree=2, decode_frames=False)
-    with LocalGroup(config, ServingConfig(max_batch=1, collective_timeout_s=30.0), world=2,
+    config = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
+    with LocalGroup(config, ServingSettings(max_batch=1, collective_timeout_s=30.0), world=2,
                     setup="sp_workers:count_admissions") as group:
         yield group
 
@@ -70,8 +70,8 @@ def test_tp2_x_sp2_serves_two_owners_at_once_within_float32_rounding(tiny_checkp
     direct = engine.generate(request)
     expected = np.concatenate([out.latents[0].numpy() for out, _ in direct], axis=1)
     expected_frames = np.concatenate([f for _, f in direct]).astype(int)
-    config = tiny_config(tiny_checkpoint, sp_degree=2, tp_degree=2)
-    with LocalGroup(config, ServingConfig(max_batch=1, collective_timeout_s=60.0), world=4) as group:
+    config = tiny_settings(tiny_checkpoint, sp_degree=2, tp_degree=2)
+    with LocalGroup(config, ServingSettings(max_batch=1, collective_timeout_s=60.0), world=4) as group:
         calls = [group.request(rank, *whole_trajectory(group, request)) for rank in (1, 3)]
         results = [call.blocks(240) for call in calls]
         weights = [group.call(r, "sp_workers:weight_bytes") for r in range(4)]
@@ -91,8 +91,8 @@ def whole_trajectory(group: LocalGroup, request) -> tuple:
 def test_a_hung_rank_is_detected_in_bounded_time_and_the_survivor_errors_its_streams(tiny_checkpoint: str) -> None:
     """SIGSTOP: the peer neither answers nor closes its sockets (a dead one: test_robustness, through Triton)."""
     timeout_s = 5.0
-    config = tiny_config(tiny_checkpoint, sp_degree=2, decode_frames=False)
-    with LocalGroup(config, ServingConfig(collective_timeout_s=timeout_s), world=2) as group:
+    config = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
+    with LocalGroup(config, ServingSettings(collective_timeout_s=timeout_s), world=2) as group:
         calls = [group.request(rank, *whole_trajectory(group, tiny_request(num_frames=129, seed=rank)))
                  for rank in (0, 1)]
         assert all(call.next(60).block_index == 0 for call in calls)  # both ranks own a running stream

@@ -13,7 +13,7 @@ import torch
 
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from one_rank import OneRank
 from backend.serving.loop_cpu import LoopCpu
 from backend.serving.threads import CoreSplit
@@ -54,7 +54,7 @@ class RecordingResponder:
 @pytest.fixture()
 def coordinator(engine: WorldModelEngine):
     failures: list[BaseException] = []
-    group = OneRank(engine, ServingConfig(max_sessions=2), on_failure=failures.append)
+    group = OneRank(engine, ServingSettings(max_sessions=2), on_failure=failures.append)
     yield group
     group.stop()
     assert not failures, failures
@@ -148,7 +148,7 @@ def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_
     reports: list[tuple[float, int]] = []
     failures: list[BaseException] = []
     before = torch.get_num_threads()
-    group = OneRank(engine, ServingConfig(max_sessions=2), on_failure=failures.append,
+    group = OneRank(engine, ServingSettings(max_sessions=2), on_failure=failures.append,
                              threads=CoreSplit(dit=1, decode=2), cpu=LoopCpu(lambda s, n: reports.append((s, n))))
     try:
         responder = RecordingResponder()
@@ -175,7 +175,7 @@ def steered_request(**overrides):
 def counted(engine: WorldModelEngine):
     """A one-rank loop with short steered-session limits that counts its block-boundary exchanges."""
     failures: list[BaseException] = []
-    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=2.0, collective_timeout_s=600)
+    settings = ServingSettings(max_sessions=2, session_idle_timeout_s=2.0, collective_timeout_s=600)
     group = OneRank(engine, settings, on_failure=failures.append)
     exchanges = [0]
     real = group.control.exchange
@@ -253,7 +253,7 @@ def ended(engine: WorldModelEngine):
     """A one-rank loop (steered idle limit 2 s) that records why the sessions it owned ended."""
     failures: list[BaseException] = []
     reasons: list[str] = []
-    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=2.0)
+    settings = ServingSettings(max_sessions=2, session_idle_timeout_s=2.0)
     group = OneRank(engine, settings, on_failure=failures.append, on_ended=reasons.append)
     yield group, reasons
     group.stop()
@@ -315,7 +315,7 @@ def test_pauses_without_a_running_session_get_errors_naming_the_pause(ended) -> 
 def test_an_open_pause_still_ends_at_max_session_s(engine: WorldModelEngine) -> None:
     reasons: list[str] = []
     failures: list[BaseException] = []
-    settings = ServingConfig(max_sessions=2, session_idle_timeout_s=60.0, max_session_s=2.0)
+    settings = ServingSettings(max_sessions=2, session_idle_timeout_s=60.0, max_session_s=2.0)
     group = OneRank(engine, settings, on_failure=failures.append, on_ended=reasons.append)
     try:
         first, paused = RecordingResponder(), RecordingResponder()

@@ -15,7 +15,7 @@ from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import GLOBAL_WINDOW
 from backend.model.memory import commit_record_bytes
 from bench.recache import EventRun, event_rollout, ground_truth
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 from sp_workers import recache_event
 
 SNOW = "it starts to snow"
@@ -112,7 +112,7 @@ def test_after_evictions_the_layout_stays_and_only_the_cached_frames_are_replaye
 def test_a_replay_of_partly_evicted_blocks_keeps_the_layout(tiny_checkpoint: str) -> None:
     """A 4-frame sink cuts block 1 (frame 3 in the sink, 4 and 5 evicted) and the window block 3 (frame 9
     evicted): the replay of blocks 0, 1, 3, 4 evicts those three frames again (recache checks it)."""
-    engine = WorldModelEngine.load(tiny_config(tiny_checkpoint, sink_frames=4))
+    engine = WorldModelEngine.load(tiny_settings(tiny_checkpoint, sink_frames=4))
     request = request_of(5)
     with engine.session(request, keep_commits=True) as session:
         for _ in engine.blocks(session, decode=False):
@@ -134,7 +134,7 @@ HEADS = 4  # tiny preset
 def groups(tiny_checkpoint: str) -> dict[tuple[int, int], list[dict]]:
     from backend.parallel.local import run_group
 
-    config = tiny_config(tiny_checkpoint, decode_frames=False)
+    config = tiny_settings(tiny_checkpoint, decode_frames=False)
     return {(tp, sp): run_group(tp * sp, recache_event, (dataclasses.replace(config, tp_degree=tp, sp_degree=sp),
                                                           request_of(BLOCKS), SNOW, BLOCKS, AT))
             for tp, sp in LAYOUTS}

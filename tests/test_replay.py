@@ -18,7 +18,7 @@ from client.recording import Recorder, Recording
 from client.replay import base_request, check_blocks, replay_steps, replay_whole
 from client.steer import SteeredSession
 from client.stream import StreamError
-from factories import TINY_SIZE, sample_image, tiny_config, tiny_request
+from factories import TINY_SIZE, sample_image, tiny_settings, tiny_request
 from polling import wait_until
 
 pytestmark = pytest.mark.server  # starts real tritonservers
@@ -87,7 +87,7 @@ def test_a_recording_written_before_the_one_lifecycle_replays_on_torch_s_vae_ker
     assert "latents bit-identical to the recording: " in out and "missing" not in out  # all 3 came back
 
     recording = Recording.load(path)
-    engine = WorldModelEngine.load(tiny_config(tiny_checkpoint, cpu_vae_kernels="torch"))
+    engine = WorldModelEngine.load(tiny_settings(tiny_checkpoint, cpu_vae_kernels="torch"))
     with engine.session(base_request(recording, False, poses=recording.blocks[0].camera, num_frames=None)) as session:
         hashes = []
         for block in recording.blocks:

@@ -21,7 +21,7 @@ from backend.api.refusal import Refusal
 from backend.api.request import Controls, ResumeRequest, SessionRequest, StepRequest
 from backend.engine.blocks import BlockOutput
 from backend.engine.rollout import WorldModelEngine
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from factories import tiny_request
 from backend.serving.bootstrap import snapshot_store
 from one_rank import OneRank
@@ -128,7 +128,7 @@ def snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def group(engine: WorldModelEngine, snapshots: Path):
-    ranks = OneRank(engine, ServingConfig(max_sessions=2, snapshot_dir=str(snapshots), max_blocks_ahead=100))
+    ranks = OneRank(engine, ServingSettings(max_sessions=2, snapshot_dir=str(snapshots), max_blocks_ahead=100))
     yield ranks
     ranks.stop()
 
@@ -170,7 +170,7 @@ def test_a_resumed_world_is_held_back_only_when_its_client_falls_behind(engine, 
                                                                        saved) -> None:
     """Its client has the blocks before the snapshot: a group with the default max_blocks_ahead (2) plays a resumed
     world on past two blocks while its client keeps up."""
-    ranks = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=str(snapshots)))
+    ranks = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=str(snapshots)))
     try:
         assert ranks.settings.max_blocks_ahead == 2
         world = World(ranks, resume_request(saved, STEPS[SAVED_AFTER], key="b"))
@@ -259,7 +259,7 @@ def test_saves_past_the_quota_are_refused_at_once_while_others_play(engine: Worl
     geometry = engine.geometry_of(request)
     facts = engine.snapshot_facts
     reserved = facts.snapshot_size(request, geometry, facts.most_blocks(request, geometry), True).total
-    full = OneRank(engine, ServingConfig(max_sessions=2, snapshot_dir=str(tmp_path), max_blocks_ahead=100,
+    full = OneRank(engine, ServingSettings(max_sessions=2, snapshot_dir=str(tmp_path), max_blocks_ahead=100,
                                          snapshot_quota_bytes=reserved + 1024))
     try:
         other = World(full, start_request("other"))  # plays throughout
@@ -283,7 +283,7 @@ def test_saves_past_the_quota_are_refused_at_once_while_others_play(engine: Worl
 def test_a_save_whose_block_never_runs_frees_its_reservation(engine: WorldModelEngine, tmp_path: Path) -> None:
     """A start that asks for a save waits in line, and its client leaves: the reservation is dropped (no staging
     folder, nothing held against the quota) and its stream is closed, not held for a save that will never be."""
-    ranks = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=str(tmp_path)))
+    ranks = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=str(tmp_path)))
     try:
         playing = World(ranks, start_request("playing"))
         waiting = Client()
@@ -299,7 +299,7 @@ def test_a_save_whose_block_never_runs_frees_its_reservation(engine: WorldModelE
 
 
 def test_without_a_snapshot_dir_a_save_or_a_resume_is_refused_naming_it(engine: WorldModelEngine) -> None:
-    bare = OneRank(engine, ServingConfig(max_sessions=1))
+    bare = OneRank(engine, ServingSettings(max_sessions=1))
     try:
         world = World(bare, start_request())
         with pytest.raises(RefusedError, match="snapshot_dir"):
@@ -337,7 +337,7 @@ def test_a_resume_takes_a_world_event_and_counts_its_blocks_on_from_the_snapshot
     with a recache): the blocks are the uninterrupted session's, bit for bit; and the resumed session's blocks
     count on from the snapshot's, as the group's backpressure does (the default max_blocks_ahead, 2, would hold a
     session whose delivered blocks counted from 0 after its second block)."""
-    group = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=str(snapshots)))
+    group = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=str(snapshots)))
     try:
         world = World(group, start_request("e"))
         world.step(STEPS[0], save=True)
@@ -366,7 +366,7 @@ def test_a_world_saved_on_sp2_resumes_on_one_rank_and_one_saved_there_resumes_on
     played.step(None, end=True)
     assert notice.error is None
     assert all(np.array_equal(a, b) for a, b in zip(latents, uninterrupted[:SAVED_AFTER + 1], strict=True))
-    one = OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=snapshot_dir))
+    one = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=snapshot_dir))
     try:
         world = World(one, resume_request(notice.snapshot_id, STEPS[SAVED_AFTER], key="sp1"))
         world.step(STEPS[SAVED_AFTER + 1], save=True)  # saved on one rank, after block 6
@@ -378,7 +378,7 @@ def test_a_world_saved_on_sp2_resumes_on_one_rank_and_one_saved_there_resumes_on
     back = sp2_group.resumed(resume_request(there.snapshot_id, Controls(keys="w"), key=""))
     block = back.next_block()
     back.step(None, end=True)
-    reference = World(OneRank(engine, ServingConfig(max_sessions=1, snapshot_dir=snapshot_dir)),
+    reference = World(OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=snapshot_dir)),
                       resume_request(there.snapshot_id, Controls(keys="w"), key="ref"))
     reference.end()
     reference.group.stop()

@@ -13,7 +13,7 @@ from backend.api.contract import EXPIRED as EXPIRED_CODE
 from backend.api.refusal import Refusal
 from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
-from backend.serving.config import ServingConfig
+from backend.serving.settings import ServingSettings
 from backend.engine.geometry import VideoGeometry
 from backend.serving.line import UNKNOWN_WAIT_S, Clocks, LineCounts, line_waits, slot_waits
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
@@ -54,7 +54,7 @@ def keys_of(plan: Plan, sid: str) -> str | None:
 
 
 def test_admission_limits_and_queue_rejection() -> None:
-    s = Scheduler(ServingConfig(max_sessions=2, max_queue=1))
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=1))
     plan = s.plan([RankEvents(submissions=[sub("a"), sub("b")]), RankEvents(submissions=[sub("c"), sub("d")])])
     assert [o.id for o in plan.opens] == ["a", "b"]
     assert plan.ended_by(REJECTED) == ["d"]  # "c" waits: one queue slot
@@ -66,14 +66,14 @@ def test_admission_limits_and_queue_rejection() -> None:
 
 
 def test_round_robin_batches_one_geometry_and_rotates() -> None:
-    s = Scheduler(ServingConfig(max_sessions=8, max_batch=2, max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_sessions=8, max_batch=2, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[sub("a"), sub("b", 128), sub("c"), sub("d")])])
     batches = [s.plan([RankEvents()]).batch for _ in range(4)]
     assert batches == [["a", "c"], ["b"], ["d", "a"], ["c", "d"]]
 
 
 def test_backpressure_holds_sessions_whose_client_lags() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=2))
+    s = Scheduler(ServingSettings(max_blocks_ahead=2))
     s.plan([RankEvents(submissions=[sub("a")])])
     assert s.plan([RankEvents()]).batch == ["a"]
     assert s.plan([RankEvents()]).batch == ["a"]
@@ -83,7 +83,7 @@ def test_backpressure_holds_sessions_whose_client_lags() -> None:
 
 
 def test_cancels_of_running_waiting_and_new_sessions() -> None:
-    s = Scheduler(ServingConfig(max_sessions=1))
+    s = Scheduler(ServingSettings(max_sessions=1))
     s.plan([RankEvents(submissions=[sub("a"), sub("b")])])
     a = s.table["a"]
     plan = s.plan([RankEvents(submissions=[sub("c")], cancelled=["a", "b", "c"])])
@@ -93,12 +93,12 @@ def test_cancels_of_running_waiting_and_new_sessions() -> None:
 
 
 def test_stop_from_any_rank_stops_all() -> None:
-    s = Scheduler(ServingConfig())
+    s = Scheduler(ServingSettings())
     assert s.plan([RankEvents(), RankEvents(stop=True)]).stop
 
 
 def test_steered_session_runs_a_block_per_camera_and_waits_for_the_next() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a")])])
     first = s.plan([RankEvents()])
     assert first.batch == ["a"] and keys_of(first, "a") == "w" and not first.finishing
@@ -108,14 +108,14 @@ def test_steered_session_runs_a_block_per_camera_and_waits_for_the_next() -> Non
 
 
 def test_steps_sent_early_queue_in_order() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a")], steps=[StepEvent("a", Controls(keys="d"))]), step("a", "s")])
     assert [keys_of(s.plan([RankEvents()]), "a") for _ in range(3)] == ["w", "d", "s"]
     assert s.plan([RankEvents()]).idle
 
 
 def test_hold_runs_one_block_on_the_last_motion_then_waits() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a", on_starve="hold")])])
     assert keys_of(s.plan([RankEvents()]), "a") == "w"
     held = s.plan([RankEvents()])
@@ -126,7 +126,7 @@ def test_hold_runs_one_block_on_the_last_motion_then_waits() -> None:
 
 
 def test_end_flag_with_a_camera_makes_that_block_the_last() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a", on_starve="hold")])])
     s.plan([RankEvents()])
     a = s.table["a"]
@@ -137,7 +137,7 @@ def test_end_flag_with_a_camera_makes_that_block_the_last() -> None:
 
 
 def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
-    s = Scheduler(ServingConfig(max_sessions=1, max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_sessions=1, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[steered("a"), steered("b")])])
     a = s.table["a"]
     s.plan([RankEvents()])  # a runs its first block; b waits for a slot
@@ -147,7 +147,7 @@ def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
 
 
 def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None:
-    s = Scheduler(ServingConfig(max_sessions=1, max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_sessions=1, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[sub("a"), steered("b")])])
     s.plan([step("b", "d", end=True)])  # b still waits for a slot, with two cameras and the end flag
     assert s.table["b"].state is State.ENDING
@@ -157,7 +157,7 @@ def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None
 
 
 def test_a_set_length_ends_with_its_last_block_and_failures_end_before_any_block() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=100))
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[sub("clip", blocks=2), steered("bounded", max_blocks=1), sub("broken")])])
     failed = Ending(REJECTED, "could not open")
     first = s.plan([RankEvents(), RankEvents(failed=[("broken", failed), ("unknown", failed)])])
@@ -195,7 +195,7 @@ def block(index: int) -> BlockOutput:
 
 def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
     """The idle clock runs only while the server waits on the client (every request answered)."""
-    settings = ServingConfig(session_idle_timeout_s=60, max_session_s=100)
+    settings = ServingSettings(session_idle_timeout_s=60, max_session_s=100)
     stream = SteeredStream(Answered())
     owner = OwnerPart(stream=stream, sequence_key="7", started_s=time.monotonic())
     far = owner.started_s + 99.0  # past the idle limit, within the lifetime
@@ -215,7 +215,7 @@ def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
 
 
 def test_a_recache_event_runs_at_a_boundary_of_its_own_then_its_block_says_so() -> None:
-    s = Scheduler(ServingConfig(max_blocks_ahead=100, max_batch=4))
+    s = Scheduler(ServingSettings(max_blocks_ahead=100, max_batch=4))
     s.plan([RankEvents(submissions=[steered("a"), steered("b")])])
     s.plan([RankEvents()])  # both run their first block
     event = Controls(keys="d", prompt="it starts to snow", recache=True)
@@ -231,7 +231,7 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
     """Each waiting session takes the slot that frees first, and holds it for its own length."""
     assert slot_waits([30.0, 10.0], free=0, queued_s=[5.0, 5.0, 5.0]) == [10.0, 15.0, 20.0]
     assert slot_waits([30.0], free=1, queued_s=[8.0, 4.0]) == [0.0, 8.0]
-    s = Scheduler(ServingConfig(max_sessions=2, max_queue=2, max_batch=2))
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=2, max_batch=2))
     s.plan([RankEvents(submissions=[sub("a", blocks=4), sub("b", blocks=2), sub("c", blocks=1), sub("d")])])
     clocks = Clocks()
     assert line_waits(s, clocks, {}, 0.0) == [UNKNOWN_WAIT_S, UNKNOWN_WAIT_S]  # nothing measured yet
@@ -243,7 +243,7 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
 def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
     """A slot frees after its holder's blocks left (a clip) or its expected life less its age (open-ended), not
     after a whole session from the start: the wait told to the line and a full line's retry time alike."""
-    s = Scheduler(ServingConfig(max_sessions=2, max_queue=1, max_batch=2))
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=1, max_batch=2))
     s.plan([RankEvents(submissions=[sub("a", blocks=4), steered("b")])])
     for _ in range(2):  # both run a block, then another ("b" on its first camera, then a step's)
         s.plan([dataclasses.replace(deliver_all(s), steps=[StepEvent("b", Controls(keys="d"))])])
@@ -262,7 +262,7 @@ def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
 def test_a_round_serves_every_slot_in_batches_and_a_waiting_open_ended_session_holds_its_whole_life() -> None:
     """max_batch 1 and 2 slots held: each holder has a block every 2 batches. A waiting open-ended session, once
     in a slot, holds it for the measured life of those that ended (its age there starts at 0)."""
-    s = Scheduler(ServingConfig(max_sessions=2, max_queue=2, max_batch=1))
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=2, max_batch=1))
     s.plan([RankEvents(submissions=[sub("a", blocks=3), sub("b", blocks=20), steered("d")])])
     clocks = Clocks()
     clocks.batch.observe(2.0)
@@ -273,7 +273,7 @@ def test_a_round_serves_every_slot_in_batches_and_a_waiting_open_ended_session_h
 
 
 def test_the_line_s_counts_for_the_metrics_port() -> None:
-    s = Scheduler(ServingConfig(max_sessions=3, max_queue=2))
+    s = Scheduler(ServingSettings(max_sessions=3, max_queue=2))
     s.plan([RankEvents(submissions=[sub("a"), steered("b"), sub("c", size=32), sub("d"), sub("e")])])
     s.plan([RankEvents(steps=[StepEvent("b", Controls(keys="d"), end=True)])])  # "b" ends after its steps
     counts = LineCounts.of(s, s.settings, [1.5])

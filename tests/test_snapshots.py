@@ -28,7 +28,7 @@ from backend.model.feature_caches import vae_decoder_state
 from backend.model.tiny_vae import TinyDecodeState
 from backend.model.tiny_checkpoint import write_checkpoint
 from backend.model.tiny_vae_weights import write_weights
-from factories import sample_image, tiny_config, tiny_request
+from factories import sample_image, tiny_settings, tiny_request
 from sp_workers import play, resume_and_play, save_in_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,7 +130,7 @@ def test_kv_reuse_and_the_tiny_decoder_resume_bit_for_bit_and_other_settings_are
         engine: WorldModelEngine, saved: Saved, tmp_path: Path) -> None:
     checkpoint = write_checkpoint(tmp_path / "tiny16", "tiny16", seed=0)  # the tiny decoder decodes 16 channels
     weights = write_weights(tmp_path / "taew2_1.pth")
-    fast = WorldModelEngine.load(tiny_config(str(checkpoint), kv_reuse=True, decoder="tiny",
+    fast = WorldModelEngine.load(tiny_settings(str(checkpoint), kv_reuse=True, decoder="tiny",
                                              tiny_decoder_path=str(weights)))
     store = SnapshotStore(tmp_path / "snapshots", QUOTA, TTL_S)
     run = save_and_play(fast, store, saved.steps, steered_request(saved.steps, size=32))
@@ -331,7 +331,7 @@ def layouts(saved: Saved, tiny_checkpoint: str) -> dict[str, dict]:
     from backend.parallel.local import run_group
     from sp_workers import snapshot_roundtrip
 
-    config, request, root = tiny_config(tiny_checkpoint), steered_request(saved.steps), str(saved.store.root)
+    config, request, root = tiny_settings(tiny_checkpoint), steered_request(saved.steps), str(saved.store.root)
     sp2 = run_group(2, snapshot_roundtrip, (dataclasses.replace(config, sp_degree=2), request, saved.steps,
                                            SAVE_AFTER, root, [saved.snapshot_id]))[0]
     tp2_sp2 = run_group(4, snapshot_roundtrip, (dataclasses.replace(config, tp_degree=2, sp_degree=2), request,

@@ -8,7 +8,7 @@ import pytest
 
 from backend.parallel.local import run_group
 from backend.parallel.rows import band_sizes
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 from sp_workers import split_decode
 
 pytestmark = pytest.mark.server  # starts groups of local processes (slow)
@@ -30,7 +30,7 @@ def test_bands_are_balanced_and_cover_every_row() -> None:
 # SP2 splits 64x64 frames' 8 latent rows 4/4, SP4 48x64 frames' 6 rows unevenly 2/2/1/1.
 @pytest.mark.parametrize("sp, height", [(2, 64), (4, 48)])
 def test_split_decode_equals_whole_frame_decode(tiny_checkpoint: str, sp: int, height: int) -> None:
-    config = dataclasses.replace(tiny_config(tiny_checkpoint), sp_degree=sp)
+    config = dataclasses.replace(tiny_settings(tiny_checkpoint), sp_degree=sp)
     request = tiny_request(height=height)  # 57 frames: 5 blocks, the decoder's causal cache carried across
     results = run_group(sp, split_decode, (config, request), timeout_s=300)
     owner = results[0]

@@ -18,7 +18,7 @@ from backend.model.tiny_checkpoint import write_checkpoint
 from backend.model.tiny_vae import StreamingTinyDecoder, load_tiny_decoder
 from backend.model.tiny_vae_weights import published_layout, write_weights
 from backend.model.vae import StreamingVae
-from factories import sample_image, tiny_config, tiny_request
+from factories import sample_image, tiny_settings, tiny_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,7 +104,7 @@ def wan21_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.timeout(120)
 def test_the_engine_decodes_with_it_and_records_it(wan21_checkpoint: str, tiny_checkpoint: str, weights: Path,
                                                    tiny: StreamingTinyDecoder) -> None:
-    config = tiny_config(wan21_checkpoint, decoder="tiny", tiny_decoder_path=str(weights))
+    config = tiny_settings(wan21_checkpoint, decoder="tiny", tiny_decoder_path=str(weights))
     engine = WorldModelEngine.load(config)
     assert engine.conditions.vae.decoder is None  # the VAE keeps its encoder only
     assert parse_settings(engine.settings_used, "settings_used")["decoder"] == "tiny"

@@ -16,18 +16,18 @@ from backend.api.request import SessionRequest
 from backend.api.settings import to_parameters
 from backend.api.description import ServerDescription
 from backend.engine.validation import checked_spec
-from backend.serving.config import ServingConfig, split_parameters
-from backend.serving.described import describe
+from backend.serving.settings import ServingSettings, split_parameters
+from backend.serving.description import describe
 from client.stream import StreamingSession, request_inputs
-from factories import tiny_config, tiny_request
+from factories import tiny_settings, tiny_request
 
 SP2_IDLE_S = 4.0  # session_idle_timeout_s of the shared SP2 server (conftest.sp2_server)
 
 
 def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str]:
     """config.pbtxt parameters of a server on the tiny checkpoint (the engine settings of the engine tests)."""
-    serving = ServingConfig(rendezvous_port=free_port(), collective_timeout_s=20.0, max_frames=129)
-    return to_parameters(tiny_config(checkpoint, sp_degree=sp)) | to_parameters(serving) | overrides
+    serving = ServingSettings(rendezvous_port=free_port(), collective_timeout_s=20.0, max_frames=129)
+    return to_parameters(tiny_settings(checkpoint, sp_degree=sp)) | to_parameters(serving) | overrides
 
 
 def description_of(parameters: dict[str, str], sp: int) -> ServerDescription:

@@ -13,7 +13,7 @@ from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
 from ..parallel.host_claim import claim_for_this_host
 from ..serving.bootstrap import GroupMember, Hooks, Place
-from ..serving.config import split_parameters
+from ..serving.settings import split_parameters
 from ..serving.host_signals import HostSignals, StopWatch
 from ..serving.key_watch import KeyWatch, gate_of
 from ..serving.line import LineCounts
@@ -33,7 +33,7 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         description, params = split_description(params)
-        engine_config, serving = split_parameters(params)
+        engine_settings, serving = split_parameters(params)
         rank, world = instance_rank(args, model_config, serving.host_rank, serving.host_count)
         on_gpu = args["model_instance_kind"] == "GPU"
         place = Place(rank, world, f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu",
@@ -42,7 +42,7 @@ class TritonPythonModel:
         self.metrics = StreamMetrics(self.model_name, rank)
         self.metrics.line(LineCounts(0, 0, 0, 0, serving.max_sessions))  # Triton keeps a family's values: a reload
         # starts from an empty group
-        self.member = GroupMember(engine_config, serving, place, Hooks(
+        self.member = GroupMember(engine_settings, serving, place, Hooks(
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
             on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, on_snapshot=self.metrics.snapshot,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..api.errors import ConfigError
 from ..model.config import CheckpointConfigs
-from .config import EngineConfig
+from .settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class VideoGeometry:
 
     @staticmethod
     def build(
-        config: EngineConfig,
+        config: EngineSettings,
         ckpt: CheckpointConfigs,
         height: int,
         width: int,

@@ -37,7 +37,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.sequence import SequenceParallel
 from .blocks import BlockControls, BlockOutput
 from .camera_track import CameraTrack, split_blocks
-from .config import EngineConfig
+from .settings import EngineSettings
 from .geometry import VideoGeometry
 from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
@@ -106,7 +106,7 @@ class WorldModelEngine:
         self.prompt_events = 0  # world events applied (set_prompt calls)
 
     @classmethod
-    def load(cls, config: EngineConfig, sp: SequenceParallel | None = None,
+    def load(cls, config: EngineSettings, sp: SequenceParallel | None = None,
              decode_group: dist.ProcessGroup | None = None, mesh: Mesh | None = None) -> WorldModelEngine:
         """Validate the settings against the checkpoint's configs, then load its weights."""
         sp = sp or SequenceParallel()

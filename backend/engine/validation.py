@@ -14,8 +14,8 @@ from ..model.dtypes import TORCH_DTYPES
 from ..model.layout import Setting
 from ..model.layouts import resolve_layout
 from ..model import tiny_vae
-from .config import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, CPU_VAE_KERNELS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES,
-                     SUPPORTED_SP_MODES, EngineConfig)
+from .settings import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, CPU_VAE_KERNELS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES,
+                     SUPPORTED_SP_MODES, EngineSettings)
 from .geometry import VideoGeometry
 
 GLOBAL_WINDOW = -1  # window_frames: every frame of a session stays in its KV cache (the reference's -1)
@@ -27,7 +27,7 @@ class EngineSpec:
     """Engine settings checked against the checkpoint's configs: what an engine is built from. `config` holds
     the resolved block_frames, timestep_shift, window_frames and sink_frames; `settings` says where each came from."""
 
-    config: EngineConfig
+    config: EngineSettings
     checkpoint: CheckpointConfigs
     settings: dict[str, Setting]
 
@@ -44,13 +44,13 @@ class EngineSpec:
         return self.config.timestep_shift
 
 
-def checked_spec(config: EngineConfig, world_size: int) -> EngineSpec:
+def checked_spec(config: EngineSettings, world_size: int) -> EngineSpec:
     """Read the checkpoint's JSON configs, resolve what the settings leave to the checkpoint, and validate;
     no weight is read."""
     return spec_from_configs(config, read_checkpoint_configs(resolve_layout(config.checkpoint)), world_size)
 
 
-def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size: int) -> EngineSpec:
+def spec_from_configs(config: EngineSettings, ckpt: CheckpointConfigs, world_size: int) -> EngineSpec:
     """Resolve the settings against configs already in memory (a random-weights engine has no files), and validate."""
     settings = resolve_settings(config, ckpt)
     resolved = dataclasses.replace(config, **{name: s.value for name, s in settings.items()})
@@ -59,7 +59,7 @@ def spec_from_configs(config: EngineConfig, ckpt: CheckpointConfigs, world_size:
     return spec
 
 
-def resolve_settings(config: EngineConfig, ckpt: CheckpointConfigs) -> dict[str, Setting]:
+def resolve_settings(config: EngineSettings, ckpt: CheckpointConfigs) -> dict[str, Setting]:
     """The one place the settings of CHECKPOINT_SETTINGS are decided: an explicit parameter (any value but the
     table's) wins, else the checkpoint's (its file, else its layout's source default)."""
     return {name: ckpt.settings[name] if getattr(config, name) == unset else Setting(getattr(config, name), PARAMETER)
@@ -141,7 +141,7 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
     VideoGeometry.build(config, ckpt, config.default_height, config.default_width, None)
 
 
-def validate_decoder(config: EngineConfig, ckpt: CheckpointConfigs) -> None:
+def validate_decoder(config: EngineSettings, ckpt: CheckpointConfigs) -> None:
     """decoder=tiny: a weights file, and a VAE whose latents the tiny decoder reads (Wan 2.1's)."""
     if config.decoder not in DECODERS:
         raise ConfigError(f"decoder={config.decoder!r}; supported: {list(DECODERS)}")

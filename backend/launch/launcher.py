@@ -26,8 +26,8 @@ from ..api.errors import ConfigError
 from ..api.settings import from_parameters, to_parameters
 from ..parallel.ports import free_port, port_in_use
 from ..engine.validation import checked_spec
-from ..serving.config import ServingConfig, split_parameters
-from ..serving.described import describe
+from ..serving.settings import ServingSettings, split_parameters
+from ..serving.description import describe
 from .agent import CapacityAgent, GroupProbe
 from .drain import DRAIN_TIMEOUT_S, drain
 from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
@@ -163,7 +163,7 @@ def check_rendezvous_port(parameters: dict[str, str], hosts: int) -> None:
     if hosts == 1 and "rendezvous_port" not in parameters:
         parameters["rendezvous_port"] = str(free_port())
     keys = (*SET_BY_MPI, "rendezvous_port")
-    settings = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in keys})
+    settings = from_parameters(ServingSettings, {k: v for k, v in parameters.items() if k in keys})
     if settings.host_rank == 0 and port_in_use(settings.rendezvous_port):
         leave_out = ", or leave it out to have a free one picked" if hosts == 1 else ""
         raise ValueError(
@@ -195,7 +195,7 @@ def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
         }
         placement, secret = host_parameters(shared, ports_and_paths)
         parameters.update(placement)
-    hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
+    hosts = from_parameters(ServingSettings, {k: v for k, v in parameters.items() if k in SET_BY_MPI}).host_count
     if args.sp * hosts > 1 and not args.render_only:
         check_rendezvous_port(parameters, hosts)
     engine, serving = split_parameters({"checkpoint": DEFAULT_CHECKPOINT} | parameters)  # names a bad key or value
@@ -253,7 +253,7 @@ def drains_on_sigterm(args: argparse.Namespace) -> bool:
     """Whether SIGTERM drains the group before the stop: its server keeps snapshots and is the whole group (a
     server of a group of several hosts sees only its own streams: it stops at once, as before)."""
     parameters = dict(args.param)
-    hosts = from_parameters(ServingConfig, {k: v for k, v in parameters.items() if k == "host_count"}).host_count
+    hosts = from_parameters(ServingSettings, {k: v for k, v in parameters.items() if k == "host_count"}).host_count
     return parameters.get("snapshot_dir") != "" and not args.mpi and hosts == 1
 
 

@@ -1,4 +1,4 @@
-"""The TP x SP split of a group (layout in parallel/layout): each rank's TP group and its TP slice's SP group.
+"""The TP x SP split of a group (its grid in parallel/grid): each rank's TP group and its TP slice's SP group.
 
 The whole group (a SequenceParallel over every rank) keeps the group-wide work: broadcasts from the encoder
 rank, the split decode, the control plane. The model's exchanges use the mesh's two subgroups.
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .layout import RankLayout
+from .grid import RankGrid
 from .sequence import SequenceParallel
 from .tensor import TensorParallel
 
@@ -33,15 +33,15 @@ class Mesh:
             return cls.whole(world)
         if world.degree % tp_degree:
             raise ValueError(f"tp_degree={tp_degree} does not divide the group's {world.degree} ranks")
-        layout = RankLayout(tp_degree, world.degree // tp_degree)
+        grid = RankGrid(tp_degree, world.degree // tp_degree)
         timeout = datetime.timedelta(seconds=timeout_s)
         rank = dist.get_rank()
         tp_group = sp_group = None
-        for ranks in layout.tp_groups():
+        for ranks in grid.tp_groups():
             group = dist.new_group(ranks, timeout=timeout)
             tp_group = group if rank in ranks else tp_group
-        if layout.sp > 1:
-            for ranks in layout.sp_groups():
+        if grid.sp > 1:
+            for ranks in grid.sp_groups():
                 group = dist.new_group(ranks, timeout=timeout)
                 sp_group = group if rank in ranks else sp_group
         return cls(SequenceParallel(sp_group), TensorParallel(tp_group))

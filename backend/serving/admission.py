@@ -14,7 +14,7 @@ from ..engine.snapshot.sessions import SnapshotFacts
 from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
 from . import messages
-from .config import ServingConfig
+from .settings import ServingSettings
 from .keys import ANONYMOUS, Principal
 from .sessions import ResumeFrom, SharedSession
 
@@ -24,7 +24,7 @@ class Admission:
     settings and geometry; a save's room in the snapshot store, and a resume's snapshot. Holds the engine's spec
     and what a snapshot's size and fit depend on, not the engine: the weights may go while requests arrive."""
 
-    def __init__(self, limits: ServingConfig, spec: EngineSpec, facts: SnapshotFacts | None = None,
+    def __init__(self, limits: ServingSettings, spec: EngineSpec, facts: SnapshotFacts | None = None,
                  store: SnapshotStore | None = None) -> None:
         """facts: engine.snapshot_facts; store: the snapshot store, where snapshot_dir is set (else saving and
         resuming are refused)."""
@@ -85,7 +85,7 @@ class Admission:
         return self.store
 
 
-def check_limits(request: SessionRequest, limits: ServingConfig) -> None:
+def check_limits(request: SessionRequest, limits: ServingSettings) -> None:
     """The request's size against the serving limits, first. The image is judged by its shape alone, before
     anything copies or resizes it."""
     image_h, image_w = request.image.shape[:2]

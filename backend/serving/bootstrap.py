@@ -22,25 +22,25 @@ from ..api.description import ServerDescription
 from ..api.errors import ConfigError, InputError
 from ..api.refusal import Refusal
 from ..api.request import SessionRequest, StepRequest
-from ..engine.config import EngineConfig
+from ..engine.settings import EngineSettings
 from ..engine.rollout import WorldModelEngine
 from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
 from ..parallel.host_claim import claim_for_this_host
-from ..parallel.layout import RankLayout
+from ..parallel.grid import RankGrid
 from ..parallel.mesh import Mesh
 from ..parallel.secret import group_secret
 from ..parallel.sequence import SequenceParallel
 from . import messages
-from .config import ServingConfig
+from .settings import ServingSettings
 from . import mail
 from .admission import Admission
 from .intake import Intake
 from .keys import ANONYMOUS, Principal
 from .loop import GroupLoop, LoopHooks
-from .described import check_description
+from .description import check_description
 from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
 from .streams import Responder
@@ -75,21 +75,21 @@ class Hooks:
 class GroupMember:
     """One rank, joined and loaded, its group loop running."""
 
-    def __init__(self, engine_config: EngineConfig, serving: ServingConfig, place: Place, hooks: Hooks,
+    def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, place: Place, hooks: Hooks,
                  description: ServerDescription | None = None) -> None:
         """Validate alone (before waiting for peers or reading weights), join the group, load, start the loop.
         description: what the model config says of this server (api/description), checked against it."""
         rank, world = place.rank, place.world
-        layout = RankLayout(engine_config.tp_degree, engine_config.sp_degree)
-        if layout.world != world:
+        grid = RankGrid(engine_settings.tp_degree, engine_settings.sp_degree)
+        if grid.world != world:
             raise ConfigError(
-                f"tp_degree x sp_degree = {engine_config.tp_degree} x {engine_config.sp_degree} must equal the number "
+                f"tp_degree x sp_degree = {engine_settings.tp_degree} x {engine_settings.sp_degree} must equal the number "
                 f"of model instances of all servers ({world} = host_count={serving.host_count} x "
                 f"{world // serving.host_count})"
             )
-        layout.check_hosts(serving.host_count)
-        engine_config = dataclasses.replace(engine_config, device=place.device)
-        spec = checked_spec(engine_config, world)
+        grid.check_hosts(serving.host_count)
+        engine_settings = dataclasses.replace(engine_settings, device=place.device)
+        spec = checked_spec(engine_settings, world)
         check_description(description, spec, serving)
         on_gpu = place.device.startswith("cuda")
         threads = None
@@ -105,7 +105,7 @@ class GroupMember:
         self.rank, self.hooks, self._finalizing = rank, hooks, False
         hooks.on_settings(spec.settings)
         if rank == 0:
-            log.info("checkpoint %s: %s layout", engine_config.checkpoint, spec.checkpoint.layout.kind.name)
+            log.info("checkpoint %s: %s layout", engine_settings.checkpoint, spec.checkpoint.layout.kind.name)
             for line in describe_settings(spec):
                 log.info("setting %s", line)
         # One member per rank of this group on this host: a load while this group serves (the operator's reload)
@@ -118,12 +118,12 @@ class GroupMember:
             secret = group_secret() if world > 1 else ""
             groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port,
                                 "nccl" if on_gpu else "gloo", serving.init_timeout_s, serving.collective_timeout_s,
-                                secret, engine_config.split_decode)
+                                secret, engine_settings.split_decode)
             self.load_id = groups.load_id
             log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, place.device,
-                     engine_config.checkpoint, rss())
+                     engine_settings.checkpoint, rss())
             group = SequenceParallel(groups.data)
-            mesh = Mesh.build(group, engine_config.tp_degree, serving.collective_timeout_s)
+            mesh = Mesh.build(group, engine_settings.tp_degree, serving.collective_timeout_s)
             self.engine: WorldModelEngine | None = WorldModelEngine(spec, group, mesh=mesh,
                                                                     decode_group=groups.decode)
             self.settings_used = self.engine.settings_used  # sent with a session's first block on return_used
@@ -208,7 +208,7 @@ class GroupMember:
         self._release()
 
 
-def snapshot_store(serving: ServingConfig) -> SnapshotStore | None:
+def snapshot_store(serving: ServingSettings) -> SnapshotStore | None:
     """The snapshot store of this server's settings (None: snapshot_dir is not set, so worlds are not saved)."""
     if not serving.snapshot_dir:
         return None

@@ -25,7 +25,7 @@ from ..api.request import ResumeRequest, SessionRequest, StepRequest
 from ..engine.snapshot.manifest import SnapshotError
 from . import mail, messages
 from .admission import Admission
-from .config import ServingConfig
+from .settings import ServingSettings
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
 from .scheduler import StepEvent
 from .sessions import OwnerPart
@@ -39,7 +39,7 @@ _CLOSE = object()  # the intake's last letter
 
 
 class Intake:
-    def __init__(self, rank: int, settings: ServingConfig, admission: Admission,
+    def __init__(self, rank: int, settings: ServingSettings, admission: Admission,
                  to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
                  every_s: float = EVERY_S) -> None:
         """to_loop: the group loop's `post` (its inbox, then the doorbell); inbox: this intake's, made by the caller

@@ -6,7 +6,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from .config import ServingConfig
+from .settings import ServingSettings
 from .scheduler import Scheduler
 from .sessions import SharedSession, State
 
@@ -85,7 +85,7 @@ class LineCounts:
     waited_s: list[float] = field(default_factory=list)  # this rank's sessions that left the line since the last
 
     @classmethod
-    def of(cls, scheduler: Scheduler, settings: ServingConfig, waited_s: list[float]) -> LineCounts:
+    def of(cls, scheduler: Scheduler, settings: ServingSettings, waited_s: list[float]) -> LineCounts:
         states = [s.state for s in scheduler.table.values()]
         holding = sum(s.admitted for s in scheduler.table.values())
         return cls(sum(s is State.PENDING for s in states), sum(s is State.ACTIVE for s in states),

@@ -2,7 +2,7 @@
 requests reach a member as named arrays, as Triton hands them to the adapter (parse, admission, the group
 loop, the streams: everything but Triton's own machinery). For tests and benchmarks.
 
-    with LocalGroup(engine_config, ServingConfig(), world=2) as group:
+    with LocalGroup(engine_settings, ServingSettings(), world=2) as group:
         blocks = group.stream(request, rank=1)  # a whole trajectory, owned by rank 1
         session = group.steered(first_request)  # a steered session: session.step(controls) -> its block
 """
@@ -32,11 +32,11 @@ from ..api.errors import InputError
 from ..api.request import Controls, ResumeRequest, SessionRequest
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
-from ..engine.config import EngineConfig
+from ..engine.settings import EngineSettings
 from ..parallel.local import process_context
 from ..parallel.ports import free_port
 from ..parallel.secret import SECRET_VARIABLE
-from .config import ServingConfig
+from .settings import ServingSettings
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -106,7 +106,7 @@ class _QueueResponder:
             self.outbox.put((kind, self.call, payload))
 
 
-def _member_main(rank: int, world: int, engine_config: EngineConfig, serving: ServingConfig, secret: str,
+def _member_main(rank: int, world: int, engine_settings: EngineSettings, serving: ServingSettings, secret: str,
                  setup: str | None, inbox: mp.Queue, outbox: mp.Queue) -> None:
     from .bootstrap import GroupMember, Hooks, Place
 
@@ -114,7 +114,7 @@ def _member_main(rank: int, world: int, engine_config: EngineConfig, serving: Se
     try:
         if setup:
             _resolve(setup)(rank)
-        member = GroupMember(engine_config, serving, Place(rank, world, "cpu", world),
+        member = GroupMember(engine_settings, serving, Place(rank, world, "cpu", world),
                              Hooks(on_failure=lambda exc: outbox.put(("failed", rank, repr(exc)))))
     except BaseException:
         outbox.put(("crashed", rank, traceback.format_exc()))
@@ -226,7 +226,7 @@ class LocalSteered:
 class LocalGroup:
     """`world` members as local processes forming one serving group (gloo), started and loaded on entry."""
 
-    def __init__(self, engine_config: EngineConfig, serving: ServingConfig, world: int = 1,
+    def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, world: int = 1,
                  setup: str | None = None, start_timeout_s: float = 300.0) -> None:
         """setup: 'module:function', called with the rank in each member's process before it starts."""
         self.world = world
@@ -236,7 +236,7 @@ class LocalGroup:
         self._outbox: mp.Queue = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._procs = [ctx.Process(target=_member_main, daemon=True,
-                                   args=(r, world, engine_config, serving, secret, setup, self._inboxes[r],
+                                   args=(r, world, engine_settings, serving, secret, setup, self._inboxes[r],
                                          self._outbox)) for r in range(world)]
         self._calls: dict[int, LocalCall] = {}
         self._control: queue.Queue[tuple[str, int, Any]] = queue.Queue()

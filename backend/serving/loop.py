@@ -31,7 +31,7 @@ from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import mail, messages
-from .config import ServingConfig
+from .settings import ServingSettings
 from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
 from .line import MAX_RETRY_S, UNMEASURED_RETRY_S, Clocks, LineCounts, line_waits
@@ -71,7 +71,7 @@ class Saving:
 
 
 class GroupLoop:
-    def __init__(self, engine: WorldModelEngine, settings: ServingConfig, control_group: dist.ProcessGroup | None,
+    def __init__(self, engine: WorldModelEngine, settings: ServingSettings, control_group: dist.ProcessGroup | None,
                  to_intake: Callable[[mail.IntakeLetter], None], hooks: LoopHooks | None = None,
                  doorbell: Doorbell | None = None, threads: CoreSplit | None = None, cpu: LoopCpu | None = None) -> None:
         """to_intake: the intake's inbox; threads: torch threads of the loop (DiT) and the decode, None leaves them

@@ -17,7 +17,7 @@ from ..api.refusal import Refusal
 from ..api.request import Controls
 from ..engine.blocks import BlockControls
 from . import messages
-from .config import ServingConfig
+from .settings import ServingSettings
 from .fair import HourlyUsage, fair_order
 from .keys import KEY_REVOKED
 from .sessions import EndReason, Ending, SharedSession, State
@@ -82,7 +82,7 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, settings: ServingConfig) -> None:
+    def __init__(self, settings: ServingSettings) -> None:
         self.settings = settings
         # Every session not done, pending ones in arrival order, active ones in round-robin order.
         self.table: OrderedDict[str, SharedSession] = OrderedDict()

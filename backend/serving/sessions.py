@@ -18,7 +18,7 @@ from ..api.refusal import Refusal
 from ..api.request import Controls, SessionRequest
 from ..engine.geometry import VideoGeometry
 from . import messages
-from .config import ServingConfig
+from .settings import ServingSettings
 from .keys import ANONYMOUS, Principal
 from .streams import OwnerStream
 
@@ -168,18 +168,18 @@ class OwnerPart:
     def steered(self) -> bool:
         return self.sequence_key is not None
 
-    def lifetime_s(self, settings: ServingConfig) -> float:
+    def lifetime_s(self, settings: ServingSettings) -> float:
         """How long it may run: the server's max_session_s, or its key's session_s where that is shorter."""
         return min(settings.max_session_s, self.principal.quota.session_s or settings.max_session_s)
 
-    def deadline(self, settings: ServingConfig) -> float:
+    def deadline(self, settings: ServingSettings) -> float:
         """When a steered session is ended for its idle or lifetime limit (monotonic seconds). The idle clock
         runs only while the server waits on the client (every request answered)."""
         lifetime = self.started_s + self.lifetime_s(settings)
         waiting = self.stream.waits_on_client_since()
         return lifetime if waiting is None else min(lifetime, waiting + settings.session_idle_timeout_s)
 
-    def expiry(self, settings: ServingConfig, now: float) -> Refusal | None:
+    def expiry(self, settings: ServingSettings, now: float) -> Refusal | None:
         """Why the session must end now, or None."""
         if now - self.started_s >= (limit := self.lifetime_s(settings)):
             return messages.session_too_long(limit, by_key=limit < settings.max_session_s)

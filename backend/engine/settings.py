@@ -10,13 +10,13 @@ KNOWN_UNSUPPORTED_SP_MODES = ("ring", "all_gather", "a2a_permute", "hybrid")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
 DECODERS = ("vae", "tiny")  # the Wan VAE; the TAEHV tiny decoder for Wan 2.1 (backend/model/tiny_vae)
 CPU_VAE_KERNELS = ("onednn", "torch")  # the VAE's float32 CPU kernels (backend/model/cpu_vae); torch's own
-# The settings a checkpoint decides unless a parameter does, each with the EngineConfig value that leaves it to the
+# The settings a checkpoint decides unless a parameter does, each with the EngineSettings value that leaves it to the
 # checkpoint (its files, else its layout's source defaults); validation.resolve_settings reads this table.
 CHECKPOINT_SETTINGS = {"block_frames": 0, "timestep_shift": 0.0, "window_frames": 0, "sink_frames": -1}
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineSettings:
     """How one engine instance serves a checkpoint. Defaults match the LingBot-World v2 fast workload."""
 
     checkpoint: str  # the diffusers-layout checkpoint directory

@@ -6,10 +6,10 @@ from ..api.description import ServerDescription
 from ..api.errors import ConfigError
 from ..api.provenance import settings_of
 from ..engine.validation import EngineSpec
-from .config import ServingConfig
+from .settings import ServingSettings
 
 
-def describe(spec: EngineSpec, serving: ServingConfig) -> ServerDescription:
+def describe(spec: EngineSpec, serving: ServingSettings) -> ServerDescription:
     config = spec.config
     return ServerDescription(
         layout=spec.checkpoint.layout.kind.name, block_frames=config.block_frames,
@@ -20,7 +20,7 @@ def describe(spec: EngineSpec, serving: ServingConfig) -> ServerDescription:
     )
 
 
-def check_description(written: ServerDescription | None, spec: EngineSpec, serving: ServingConfig) -> None:
+def check_description(written: ServerDescription | None, spec: EngineSpec, serving: ServingSettings) -> None:
     """A model config's description against what this instance resolved; ConfigError names each difference."""
     if written is None:
         return

@@ -13,7 +13,7 @@ from ..api.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class RankLayout:
+class RankGrid:
     tp: int
     sp: int
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from ..api.contract import MAX_INPUT_PIXELS
 from ..api.errors import ConfigError
 from ..api.settings import from_parameters, parameter_fields
-from ..engine.config import EngineConfig
+from ..engine.settings import EngineSettings
 
 
 @dataclass(frozen=True)
-class ServingConfig:
+class ServingSettings:
     """Limits and group settings of the Triton model (config.pbtxt `parameters` beside the engine's)."""
 
     max_frames: int = 321  # video frames per request
@@ -42,9 +42,9 @@ class ServingConfig:
             raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
 
 
-def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, ServingConfig]:
+def split_parameters(params: Mapping[str, str]) -> tuple[EngineSettings, ServingSettings]:
     """The engine's and the serving layer's settings from one set of config.pbtxt parameters."""
-    serving_names = {f.name for f in parameter_fields(ServingConfig)}
+    serving_names = {f.name for f in parameter_fields(ServingSettings)}
     serving = {k: v for k, v in params.items() if k in serving_names}
     engine = {k: v for k, v in params.items() if k not in serving_names}
-    return from_parameters(EngineConfig, engine), from_parameters(ServingConfig, serving)
+    return from_parameters(EngineSettings, engine), from_parameters(ServingSettings, serving)
