@@ -110,6 +110,7 @@ class _Played:
 class _Saving:
     step: _Step | None  # the step it rides on, until its block came (or its refusal)
     asked: bool
+    release: str | None = None  # the older periodic snapshot it asks the server to delete once it is durable
     block_index: int | None = None
     snapshot_id: str | None = None
     error: str | None = None
@@ -149,6 +150,9 @@ class PlayedWorld:
         self._request: SessionRequest | None = None
         self._return_latents = True
         self._base_id: str | None = None
+        # This world's periodic snapshots known durable, oldest first: each periodic save releases the one before the
+        # base (so the server frees it once the new save is durable, while the base a failover may still need stays).
+        self._periodic: list[str] = []
         self._base_block: int | None = -1  # None: the caller's snapshot, until its next block says which it follows
         self._fork_seed: int | None = None  # the caller's resume's, while its snapshot is the base
         self._played: list[_Played] = []  # blocks returned since the base
@@ -207,9 +211,12 @@ class PlayedWorld:
         step = _Step(controls)
         self._queued.append(step)
         if save:
-            self._saving = _Saving(step, self._save_asked)
+            periodic = not self._save_asked
+            release = self._periodic[-2] if periodic and len(self._periodic) >= 2 else None
+            self._saving = _Saving(step, self._save_asked, release)
             self._save_asked = False
             self._last_save_block = self.last_index + len(self._queued)
+            controls = dataclasses.replace(controls, release=release)
         # The end rides on the step unless a save is under way: its outcome needs a request open after its block.
         ride = end and self._saving is None
         self._ending, self._end_sent = end, ride
@@ -302,6 +309,8 @@ class PlayedWorld:
         if saving.error is None:
             self._base_id, self._base_block, self._fork_seed = saving.snapshot_id, saving.block_index, None
             self._played = [p for p in self._played if p.index > saving.block_index]
+            if not saving.asked:
+                self._periodic = [s for s in self._periodic if s != saving.release] + [saving.snapshot_id]
         self._tell(Saved(saving.snapshot_id, saving.block_index, saving.asked, saving.error))
         self._send_owed_end()
 

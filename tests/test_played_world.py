@@ -33,6 +33,7 @@ class StandIn:
     tamper: bool = False  # a resumed world is another one
     forget: bool = False  # the store loses its snapshots
     store: dict[str, list[str]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)  # snapshots a durable save released (gone from the store)
     made: int = 0  # blocks made, every session's, replays included
     opens: list[str] = field(default_factory=list)  # "start" or the snapshot id of each session
 
@@ -120,6 +121,9 @@ class Session:
         if save:
             snapshot_id = secrets.token_hex(16)
             self.server.store[snapshot_id] = list(self.history)
+            if controls.release is not None:  # as the server does once the new snapshot is durable
+                del self.server.store[controls.release]
+                self.server.released.append(controls.release)
             self.on_snapshot(SnapshotNotice(snapshot_id))
 
     def _answer(self, answer: object) -> None:
@@ -183,6 +187,21 @@ def test_saves_every_n_blocks_and_a_failed_stream_resumes_from_the_last_without_
     assert (lost.snapshot_id, lost.resume_block, lost.replayed, lost.resent) == (saves[1].snapshot_id, 6, 1, 2)
     assert through.took_s is not None and through.took_s >= 0 and through.attempts == 1
     assert server.opens == ["start", saves[1].snapshot_id]
+
+
+def test_periodic_saves_release_the_snapshot_before_the_base_so_a_world_keeps_two() -> None:
+    """Each periodic save asks the server to delete the periodic snapshot before the world's base once it is durable:
+    the store holds a world's base and the one before it, never fewer (a failover resumes from the base, which is never
+    released), and a save the world's player asked for is never released."""
+    server = StandIn(fail_at={9: "error"})
+    keys = KEYS * 2
+    blocks, saves, failovers = play(server, keys=keys, save_every=2)
+    assert hashes(blocks) == [block_hash(keys[: i + 1]) for i in range(len(keys))]
+    periodic = [s.snapshot_id for s in saves]
+    assert server.released == periodic[:-2]  # each released once the save two after it was asked
+    assert sorted(server.store) == sorted(periodic[-2:])
+    lost, _ = failovers
+    assert lost.snapshot_id not in server.released[: periodic.index(lost.snapshot_id)]
 
 
 def test_a_moved_session_resumes_from_the_snapshot_its_group_made_and_a_healing_group_is_tried_again() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from backend.api import contract as c
-from backend.api.codec import SnapshotNotice, parse_request
+from backend.api.codec import SnapshotNotice, controls_arrays, parse_request, request_arrays
 from backend.api.errors import InputError
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, ResumeRequest, SessionRequest, StepRequest
@@ -296,6 +296,35 @@ def test_a_save_whose_block_never_runs_frees_its_reservation(engine: WorldModelE
         playing.end()
     finally:
         ranks.stop()
+
+
+def test_a_save_releases_the_older_snapshot_it_names_once_it_is_durable(engine: WorldModelEngine,
+                                                                         tmp_path: Path) -> None:
+    """Periodic saves free their predecessors: a save with release=ID deletes ID once the new snapshot is durable
+    (its bytes freed, a resume of it SNAPSHOT_UNKNOWN); release rides only on a save of a saved world."""
+    ranks = OneRank(engine, ServingSettings(max_sessions=2, snapshot_dir=str(tmp_path), max_blocks_ahead=100))
+    try:
+        world = World(ranks, start_request())
+        world.step(Controls(keys="w"), save=True)
+        older = world.saved().snapshot_id
+        held = snapshot_store(ranks.settings).usage()
+        world.step(Controls(keys="d", release=older), save=True)
+        newer = world.saved()
+        assert newer.error is None and not (tmp_path / older).exists() and (tmp_path / newer.snapshot_id).is_dir()
+        assert snapshot_store(ranks.settings).usage() <= held * 2  # one world's snapshot less than two
+        assert refusal_of(ranks, resume_request(older, Controls(keys="w"), key="late")).code == c.SNAPSHOT_UNKNOWN
+        world.end()
+    finally:
+        ranks.stop()
+    release = json.dumps({c.PARAM_RELEASE: "a" * 32})
+    step = controls_arrays(Controls(keys="w"))
+    with pytest.raises(InputError, match="'release' rides on a save"):
+        parse_request(step.get, release, KEY, 0)
+    with pytest.raises(InputError, match="a new world has none"):
+        parse_request(request_arrays(start_request()).get, json.dumps({c.PARAM_RELEASE: "a" * 32, c.PARAM_SAVE: True}),
+                      KEY, c.SEQUENCE_START)
+    with pytest.raises(InputError, match="'release' must be a snapshot id"):
+        parse_request(step.get, json.dumps({c.PARAM_RELEASE: "../" + "a" * 29, c.PARAM_SAVE: True}), KEY, 0)
 
 
 def test_without_a_snapshot_dir_a_save_or_a_resume_is_refused_naming_it(engine: WorldModelEngine) -> None:

@@ -29,9 +29,10 @@ def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
     return arrays
 
 
-def controls_parameters(controls: Controls) -> dict[str, bool]:
+def controls_parameters(controls: Controls) -> dict[str, bool | str]:
     """The request parameters a step's camera adds (a world event's recache, a save after its block)."""
-    return ({c.PARAM_RECACHE: True} if controls.recache else {}) | ({c.PARAM_SAVE: True} if controls.save else {})
+    return ({c.PARAM_RECACHE: True} if controls.recache else {}) | ({c.PARAM_SAVE: True} if controls.save else {}) \
+        | ({c.PARAM_RELEASE: controls.release} if controls.release else {})
 
 
 def resume_parameters(resume: ResumeRequest) -> dict[str, bool | int | str]:
@@ -133,8 +134,8 @@ def _controls(values: dict[str, np.ndarray]) -> Controls | None:
     return None
 
 
-_PAUSE, _SAVE, _RESUME = (next(p for p in c.REQUEST_PARAMETERS if p.name == name)
-                          for name in (c.PARAM_PAUSE, c.PARAM_SAVE, c.PARAM_RESUME))
+_PAUSE, _SAVE, _RESUME, _RELEASE = (next(p for p in c.REQUEST_PARAMETERS if p.name == name)
+                                    for name in (c.PARAM_PAUSE, c.PARAM_SAVE, c.PARAM_RESUME, c.PARAM_RELEASE))
 
 
 def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: bool, whole: bool) -> StepRequest:
@@ -178,7 +179,14 @@ def parse_request(
         raise InputError(f"request parameters are not valid JSON: {exc}") from exc
     start, end = bool(flags & c.SEQUENCE_START), bool(flags & c.SEQUENCE_END)
     whole = c.NUM_FRAMES in values
-    save = _parameter(params, _SAVE)
+    save, release = _parameter(params, _SAVE), _parameter(params, _RELEASE)
+    if release and not save:
+        raise InputError(f"request parameter '{c.PARAM_RELEASE}' rides on a save ('{c.PARAM_SAVE}'): the older "
+                         "snapshot goes once the new one is durable")
+    release = check_snapshot_id(release, c.PARAM_RELEASE) if release else None
+    if release and start and not _parameter(params, _RESUME):
+        raise InputError(f"request parameter '{c.PARAM_RELEASE}' names an older snapshot of a saved world; a new "
+                         "world has none")
     if _parameter(params, _PAUSE):
         if save:
             raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: a pause carries "
@@ -188,7 +196,7 @@ def parse_request(
         raise InputError(f"request parameter '{c.PARAM_SAVE}' saves a steered session's world; a whole trajectory "
                          f"('{c.NUM_FRAMES}' set) is not saved")
     if start and (resume := _parameter(params, _RESUME)):
-        return _resume(values, params, sequence_key, resume, save, end, whole)
+        return _resume(values, params, sequence_key, resume, save, release, end, whole)
     if sequence_key and not start and not whole:
         # The session's own inputs (image, seed, ...) are ignored on a step: tools such as perf_analyzer
         # repeat every input on every request of a sequence. A prompt on a step is a world event.
@@ -203,7 +211,7 @@ def parse_request(
         step = {p.name: _parameter(params, p) for p in c.REQUEST_PARAMETERS
                 if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_RECACHE)}
         if controls is not None:
-            controls.recache, controls.save = step[c.PARAM_RECACHE], save
+            controls.recache, controls.save, controls.release = step[c.PARAM_RECACHE], save, release
             controls.check()
         elif save:
             raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: send it with the "
@@ -248,8 +256,8 @@ def parse_request(
 RESUMED_INPUTS = (c.IMAGE, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # the snapshot's own
 
 
-def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool, end: bool,
-            whole: bool) -> ResumeRequest:
+def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool,
+            release: str | None, end: bool, whole: bool) -> ResumeRequest:
     """A steered session's start from a snapshot: its id and the next block's camera (with a world event's prompt,
     as a step's: a failover's replay may resume right before one); the rest is the snapshot's."""
     name = f"request parameter '{c.PARAM_RESUME}'"
@@ -269,7 +277,7 @@ def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snap
               if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_FORK_SEED, c.PARAM_RECACHE)}
     if c.PROMPT in values:
         controls.prompt = _text(values[c.PROMPT], c.PROMPT)
-    controls.save, controls.recache = save, chosen[c.PARAM_RECACHE]
+    controls.save, controls.release, controls.recache = save, release, chosen[c.PARAM_RECACHE]
     controls.check()
     return ResumeRequest(check_snapshot_id(snapshot_id), controls, sequence_key, chosen[c.PARAM_FORK_SEED],
                          chosen[c.PARAM_RETURN_LATENTS], chosen[c.PARAM_RETURN_USED])

@@ -160,6 +160,7 @@ PARAM_RECACHE = "recache"
 PARAM_SAVE = "save"
 PARAM_RESUME = "resume"
 PARAM_FORK_SEED = "fork_seed"
+PARAM_RELEASE = "release"
 NO_FORK = -1  # fork_seed's default: the saved noise goes on
 SNAPSHOT_ID_PATTERN = "[0-9a-f]{32}"  # a snapshot id: 128 random bits, a capability (docs/worlds.md)
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
@@ -196,6 +197,9 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
                   "parameters are the snapshot's: send none of them, only the next block's camera_poses (12 new "
                   "frames at 3 latent frames a block) or action, and a world event's prompt and recache as a step "
                   "would); its first response is the block after the snapshot's"),
+    ParameterSpec(PARAM_RELEASE, "", "with save: the id of an older snapshot of this world that it no longer needs "
+                  "(a periodic save's predecessor): deleted once this save is durable, its bytes freed (nothing is "
+                  "deleted when this save fails); empty: none"),
     ParameterSpec(PARAM_FORK_SEED, NO_FORK, "with resume: draw the noise from this seed from the resumed block "
                   f"on, so the same steps make another world ({NO_FORK}: the saved noise goes on)", minimum=NO_FORK),
 )

@@ -37,6 +37,7 @@ class Controls:
     prompt: str | None = None  # a step's world event: the session's prompt from this block on
     recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
     save: bool = False  # save the world after this block (request parameter save)
+    release: str | None = None  # with save: an older snapshot of the world, deleted once this save is durable
     snapshot_id: str | None = None  # the save's snapshot, reserved by the owner's admission (the server's, not sent)
 
     def check(self) -> None:
@@ -122,9 +123,9 @@ class ResumeRequest:
         return True
 
 
-def check_snapshot_id(snapshot_id: str) -> str:
+def check_snapshot_id(snapshot_id: str, name: str = PARAM_RESUME) -> str:
     if not re.fullmatch(SNAPSHOT_ID_PATTERN, snapshot_id):
-        raise InputError(f"request parameter '{PARAM_RESUME}' must be a snapshot id ({SNAPSHOT_ID_PATTERN}); got "
+        raise InputError(f"request parameter '{name}' must be a snapshot id ({SNAPSHOT_ID_PATTERN}); got "
                          f"{snapshot_id[:40]!r}")
     return snapshot_id
 

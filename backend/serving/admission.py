@@ -4,6 +4,7 @@ resolves travels in the shared session record, so no other rank checks it again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from ..api.contract import NO_FORK, PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
@@ -17,6 +18,8 @@ from . import messages
 from .settings import ServingSettings
 from .keys import ANONYMOUS, Principal
 from .sessions import ResumeFrom, SharedSession
+
+log = logging.getLogger(__name__)
 
 
 class Admission:
@@ -78,6 +81,11 @@ class Admission:
         keep_commits = self.spec.window_frames != GLOBAL_WINDOW  # what a steered session keeps (the group loop's)
         blocks = facts.most_blocks(request, geometry)
         return self._store().reserve(facts.snapshot_size(request, geometry, blocks, keep_commits).total)
+
+    def release(self, snapshot_id: str) -> None:
+        """An older snapshot its world no longer needs (a newer save of it is durable): deleted."""
+        if self.store is not None and self.store.release(snapshot_id):
+            log.info("snapshot %s released by a newer save of its world", snapshot_id)
 
     def _store(self) -> SnapshotStore:
         if self.store is None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from ..api.codec import SnapshotNotice
 from ..api.errors import InputError
 from ..api.refusal import Refusal
-from ..api.request import ResumeRequest, SessionRequest, StepRequest
+from ..api.request import Controls, ResumeRequest, SessionRequest, StepRequest
 from ..engine.snapshot.manifest import SnapshotError
 from . import mail, messages
 from .admission import Admission
@@ -165,7 +165,7 @@ class Intake:
         part = OwnerPart(stream, key if request.steered else None, principal=who, request=shared.request,
                          geometry=shared.geometry)
         if saving:
-            part.saves.add(first.snapshot_id)
+            self._saving(part, first)
         self._parts[sid] = part
         if request.steered:
             self._running[key] = sid
@@ -192,7 +192,7 @@ class Intake:
             return
         sid = self._running[key]
         if step.controls is not None and step.controls.snapshot_id is not None:
-            part.saves.add(step.controls.snapshot_id)
+            self._saving(part, step.controls)
         if step.end:  # no step may follow: the sequence's next request is told so
             self._forget_key(part, sid, messages.ENDED_BY_FLAG)
         sent = stream.sent
@@ -208,10 +208,18 @@ class Intake:
         if part.stream.sent > sent_before:
             self._to_loop(mail.Delivered(sid, part.stream.sent))
 
+    def _saving(self, part: OwnerPart, controls: Controls) -> None:
+        """A save under way; the older snapshot it releases goes once it is durable."""
+        part.saves.add(controls.snapshot_id)
+        if controls.release is not None:
+            part.releases[controls.snapshot_id] = controls.release
+
     def _saved(self, sid: str, part: OwnerPart, snapshot_id: str, error: Refusal | None) -> None:
         """A save of the session is over: its client is told (on a request it has open, else its next); a session
         the group drained ends with MOVED only when its snapshot is durable."""
         part.saves.discard(snapshot_id)
+        if (older := part.releases.pop(snapshot_id, None)) is not None and error is None:
+            self._admission.release(older)
         if snapshot_id != part.moved_to:  # a save its client asked for (a move's id comes with MOVED)
             part.stream.send_notice(SnapshotNotice(snapshot_id, None if error is None else error.message))
         elif error is not None and part.ending is not None:  # nothing to resume: it only ends

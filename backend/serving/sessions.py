@@ -159,6 +159,7 @@ class OwnerPart:
     geometry: VideoGeometry | None = None
     saves: set[str] = field(default_factory=set)  # its snapshots under way: asked for, or its move's
     moved_to: str | None = None  # the snapshot the group drains it into
+    releases: dict[str, str] = field(default_factory=dict)  # a save under way -> the older snapshot it releases
     ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until `saves` are told
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
     cancel_told: bool = False  # the group loop was told its client went away

@@ -32,8 +32,10 @@ class ServingSettings:
     sequence_slots: int = 4096  # Triton sequences held at once (a refused or abandoned start holds one a while)
     snapshot_dir: str = ""  # where saved worlds live (docs/worlds.md), shared by every group that resumes them; "":
     # saving and resuming are off (the launcher sets <its model repository>/../snapshots unless told otherwise)
-    snapshot_quota_bytes: int = 200 * 2**30  # the most the snapshots take: about 7 worlds of the 14B model at
-    # 480x832 (27 GiB each, docs/worlds.md); a save past it is refused at once
+    snapshot_quota_bytes: int = 400 * 2**30  # the most the snapshots take: the 14B model at 480x832 writes 27 GiB a
+    # snapshot (docs/worlds.md) and a played world keeps 3 (its base, the one before, a save under way: the
+    # clients' periodic saves release older ones), so max_sessions' 4 worlds hold ~324 GiB; a save past it is refused
+    # at once
     snapshot_ttl_s: float = 86400.0  # how long a snapshot lives after its save: a day, so a player who left may come
     # back the next day; the oldest go first
 

@@ -105,6 +105,16 @@ class SnapshotStore:
             fsync_folder(self.root)
         return manifest.total_bytes + len(text)
 
+    def release(self, snapshot_id: str) -> bool:
+        """Delete a published snapshot its world no longer needs (its holder said so with a newer save): it frees its
+        bytes at once, and a resume of it is SNAPSHOT_UNKNOWN. Returns whether there was one."""
+        folder = self.root / check_id(snapshot_id)
+        with self._locked():
+            if not _is_folder(folder):
+                return False
+            os.rename(folder, self.root / f"{TRASH}{secrets.token_hex(8)}")  # removed by the next sweep
+        return True
+
     def abandon(self, snapshot_id: str) -> None:
         """Drop a save that failed (its staging folder and what was written into it)."""
         shutil.rmtree(self.root / f"{STAGING}{check_id(snapshot_id)}", ignore_errors=True)
