@@ -11,7 +11,8 @@ video at 16 fps delivered per second since the first block (>= 1 keeps up with p
 it also writes what the server ran (held blocks' cameras included) for `python -m client replay FILE`.
 
 The world survives its server (client/world.py): it is saved every --save-every blocks (each snapshot's id is
-printed once durable, and noted in the recording), and when the stream fails the client resumes it from the last
+printed once durable, and noted in the recording; each periodic save releases the one two before it, which is
+printed and dropped from the recording, so a world keeps at most three), and when the stream fails the client resumes it from the last
 snapshot through the same --url and makes the blocks since again, printing "server lost, resuming at block K" and
 then how long it took. `--resume ID` plays on from a saved world (the key script's first entry is its next block).
 """
@@ -164,8 +165,10 @@ def show_saved(saved: Saved, recorder: Recorder | None) -> None:
         return
     print(f"snapshot {saved.snapshot_id} after block {saved.block_index}: durable (play on from it: --resume "
           f"{saved.snapshot_id})", flush=True)
+    if saved.released:
+        print(f"snapshot {saved.released} released: the world keeps the newer ones", flush=True)
     if recorder is not None:
-        recorder.note_snapshot(saved.snapshot_id, saved.block_index)
+        recorder.note_snapshot(saved.snapshot_id, saved.block_index, saved.released)
 
 
 def show_failover(failover: Failover) -> None:

@@ -3,7 +3,7 @@
 One `.npz` file (numpy's zip of arrays, read without pickle): `meta`, a JSON text that names the format and
 version and holds the start inputs (prompt, seed, size), the server's `settings_used` and one entry per block
 (its frame count, whether it was held, its world event, the SHA-256 of its latents) and the session's durable
-snapshots (`snapshots`: each id and the block it follows; absent in recordings written before snapshots, read as
+snapshots not released since (`snapshots`: each id and the block it follows; absent in recordings written before snapshots, read as
 none); `image`, the first frame as sent (once); `camera`, every video frame's camera-to-world pose as the server ran
 it (float32 [n, 4, 4]); `intrinsics` when the session sent them. `Recording.load` checks all of it and names what
 is wrong.
@@ -57,7 +57,7 @@ class Recording:
     settings: str  # the server's settings_used (api/provenance)
     intrinsics: np.ndarray | None = None  # float32 [k, 4], as sent
     blocks: list[RecordedBlock] = field(default_factory=list)
-    snapshots: dict[str, int] = field(default_factory=dict)  # a durable snapshot's id -> the block it follows
+    snapshots: dict[str, int] = field(default_factory=dict)  # snapshot id -> the block it follows (kept ones)
 
     @property
     def block_frames(self) -> int:
@@ -255,11 +255,13 @@ class Recorder:
         self.recording.blocks.append(RecordedBlock(used.camera, used.latents_sha256, block.held, event,
                                                    used.recached))
 
-    def note_snapshot(self, snapshot_id: str, block_index: int) -> None:
-        """A durable snapshot of the session, after its block `block_index` (recorded already)."""
+    def note_snapshot(self, snapshot_id: str, block_index: int, released: str = "") -> None:
+        """A durable snapshot of the session, after its block `block_index` (recorded already); `released`: an
+        older one it released, gone from the store, so no longer one the recording can replay from."""
         if self.recording is None or not 0 <= block_index < len(self.recording.blocks):
             raise RecordingError(f"snapshot {snapshot_id} follows block {block_index}, which was not recorded")
         self.recording.snapshots[snapshot_id] = block_index
+        self.recording.snapshots.pop(released, None)
 
     def save(self, path: str | Path) -> Path | None:
         """Write what was recorded (None: no block arrived, nothing written)."""

@@ -77,6 +77,7 @@ class Saved:
     block_index: int | None  # the block the snapshot follows (None: refused before its block ran)
     asked: bool  # asked for with save(), not a periodic save
     error: str | None = None
+    released: str = ""  # durable: the older periodic snapshot it released, deleted from the store ("": none)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class _Played:
 class _Saving:
     step: _Step | None  # the step it rides on, until its block came (or its refusal)
     asked: bool
-    release: str | None = None  # the older periodic snapshot it asks the server to delete once it is durable
+    release: str = ""  # the older periodic snapshot it asks the server to delete once it is durable
     block_index: int | None = None
     snapshot_id: str | None = None
     error: str | None = None
@@ -212,7 +213,7 @@ class PlayedWorld:
         self._queued.append(step)
         if save:
             periodic = not self._save_asked
-            release = self._periodic[-2] if periodic and len(self._periodic) >= 2 else None
+            release = self._periodic[-2] if periodic and len(self._periodic) >= 2 else ""
             self._saving = _Saving(step, self._save_asked, release)
             self._save_asked = False
             self._last_save_block = self.last_index + len(self._queued)
@@ -311,7 +312,8 @@ class PlayedWorld:
             self._played = [p for p in self._played if p.index > saving.block_index]
             if not saving.asked:
                 self._periodic = [s for s in self._periodic if s != saving.release] + [saving.snapshot_id]
-        self._tell(Saved(saving.snapshot_id, saving.block_index, saving.asked, saving.error))
+        released = saving.release if saving.error is None else ""
+        self._tell(Saved(saving.snapshot_id, saving.block_index, saving.asked, saving.error, released))
         self._send_owed_end()
 
     def _send_owed_end(self) -> None:

@@ -185,6 +185,9 @@ def test_every_input_and_declared_range_has_boundary_cases() -> None:
     assert {case.name for case in parameter_cases()} == set(PARAMETER)
 
 
+SNAPSHOT_ID_PARAMETERS = (c.PARAM_RESUME, c.PARAM_RELEASE)
+
+
 def parameter_cases() -> list[Case]:
     """Each parameter's type, range and choices as the contract declares them; NaN and inf (JSON's constants) for all."""
     cases = []
@@ -210,6 +213,11 @@ def parameter_cases() -> list[Case]:
             cases += [Case(p.name, "empty", "", True), Case(p.name, "number", 1, True)]
         else:
             cases += [Case(p.name, "empty", "", False, ""), Case(p.name, "number", 1, True)]
+        if p.name in SNAPSHOT_ID_PARAMETERS:  # a snapshot id: 32 lowercase hex digits, nothing else
+            sid = "0123456789abcdef" * 2
+            cases += [Case(p.name, "id", sid, False, sid), Case(p.name, "id upper", sid.upper(), True),
+                      Case(p.name, "id short", sid[:-1], True), Case(p.name, "id long", sid + "0", True),
+                      Case(p.name, "id path", "../" + sid[3:], True), Case(p.name, "id newline", sid + "\n", True)]
     return cases
 
 
@@ -229,6 +237,9 @@ def parsed_parameter(name: str, value: object) -> object:
     if name == c.PARAM_FORK_SEED:  # read by a resume only
         params = json.dumps({c.PARAM_RESUME: "a" * 32, name: value})
         return parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, c.SEQUENCE_START).fork_seed
+    if name == c.PARAM_RELEASE:  # rides on a save, of a world that has an older snapshot: a step's
+        params = json.dumps({c.PARAM_SAVE: True, name: value})
+        return parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, 0).controls.release
     request = parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START)
     return getattr(request, name)
 

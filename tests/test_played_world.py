@@ -121,7 +121,7 @@ class Session:
         if save:
             snapshot_id = secrets.token_hex(16)
             self.server.store[snapshot_id] = list(self.history)
-            if controls.release is not None:  # as the server does once the new snapshot is durable
+            if controls.release:  # as the server does once the new snapshot is durable
                 del self.server.store[controls.release]
                 self.server.released.append(controls.release)
             self.on_snapshot(SnapshotNotice(snapshot_id))
@@ -199,6 +199,7 @@ def test_periodic_saves_release_the_snapshot_before_the_base_so_a_world_keeps_tw
     assert hashes(blocks) == [block_hash(keys[: i + 1]) for i in range(len(keys))]
     periodic = [s.snapshot_id for s in saves]
     assert server.released == periodic[:-2]  # each released once the save two after it was asked
+    assert [s.released for s in saves if s.released] == server.released  # each told with the save that released it
     assert sorted(server.store) == sorted(periodic[-2:])
     lost, _ = failovers
     assert lost.snapshot_id not in server.released[: periodic.index(lost.snapshot_id)]

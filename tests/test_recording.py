@@ -104,6 +104,10 @@ def test_a_recording_notes_its_snapshots_and_one_written_before_them_loads_with_
     recorder = Recorder(steered_request())
     with pytest.raises(RecordingError, match="block 0, which was not recorded"):
         recorder.note_snapshot("c" * 32, 0)
+    # A save that released an older snapshot: the recording no longer offers the released one to replay from.
+    recorder.recording = recording
+    recorder.note_snapshot("c" * 32, 2, released="a" * 32)
+    assert recording.snapshots == {"b" * 32: 3, "c" * 32: 2}
 
 
 def test_a_recache_under_the_prompt_in_force_is_recorded_as_its_event_and_replays_with_it(tmp_path: Path) -> None:

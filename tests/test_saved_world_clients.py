@@ -19,32 +19,33 @@ from factories import TINY_SIZE, tiny_request
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
-# Block 2 is a world event: a resume from the save after block 1 carries it.
-KEYS = "w,a,@it starts to snow,d,wa,j,l,w"
+# Block 4 is a world event: a resume from the save after block 3 carries it.
+KEYS = "w,a,d,wa,@it starts to snow,j,l,w"
 
 
 def test_play_saves_resumes_by_id_and_replays_from_a_snapshot_bit_for_bit(sp1_server, tmp_path: Path, capsys) -> None:
     url, size = sp1_server.grpc_url, str(TINY_SIZE)
     record = tmp_path / "world.npz"
-    assert main(["play", "--url", url, "--prompt", "a castle", "--keys", KEYS, "--save-every", "2", "--height", size,
+    # One save in 7 blocks (after block 3): no periodic save releases another, so the recording keeps it.
+    assert main(["play", "--url", url, "--prompt", "a castle", "--keys", KEYS, "--save-every", "4", "--height", size,
                  "--width", size, "--out", str(tmp_path / "p.mp4"), "--record", str(record)]) == 0
     printed = capsys.readouterr().out
     saved = {m[0]: int(m[1]) for m in re.findall(r"snapshot ([0-9a-f]{32}) after block (\d+): durable", printed)}
     recording = Recording.load(record)
-    assert saved and recording.snapshots == saved and min(saved.values()) == 1, printed  # the first save: block 1
-    first = next(i for i, k in saved.items() if k == 1)
-    # Resumed by its id, the world goes on from block 2 (its world event on the resume itself) ...
-    steps = KEYS.split(",", 2)[2]
+    assert list(saved.values()) == [3] and recording.snapshots == saved and "released" not in printed, printed
+    (first,) = saved
+    # Resumed by its id, the world goes on from block 4 (its world event on the resume itself) ...
+    steps = KEYS.split(",", 4)[4]
     assert main(["play", "--url", url, "--resume", first, "--keys", steps, "--save-every", "0",
                  "--out", str(tmp_path / "r.mp4")]) == 0
     resumed = capsys.readouterr().out
-    assert re.findall(r"^block (\d+):", resumed, re.M) == [str(i) for i in range(2, len(recording.blocks))]
-    assert re.search(r"^block 2: .*prompt now 'it starts to snow'", resumed, re.M), resumed
+    assert re.findall(r"^block (\d+):", resumed, re.M) == [str(i) for i in range(4, len(recording.blocks))]
+    assert re.search(r"^block 4: .*prompt now 'it starts to snow'", resumed, re.M), resumed
     # ... and the recorded steps after the snapshot replay from it bit for bit.
     assert main(["replay", str(record), "--url", url, "--from-snapshot", first]) == 0
     replayed = capsys.readouterr().out
-    assert f"latents bit-identical to the recording: {len(recording.blocks) - 2} of {len(recording.blocks) - 2}" \
-           f" blocks" in replayed and re.search(r"^\s+2\s+12 .* it starts to snow$", replayed, re.M), replayed
+    assert f"latents bit-identical to the recording: {len(recording.blocks) - 4} of {len(recording.blocks) - 4}" \
+           f" blocks" in replayed and re.search(r"^\s+4\s+12 .* it starts to snow$", replayed, re.M), replayed
     assert main(["replay", str(record), "--url", url, "--from-snapshot", "f" * 32]) == 2
     assert "notes no snapshot" in capsys.readouterr().err
 

@@ -183,7 +183,7 @@ def parse_request(
     if release and not save:
         raise InputError(f"request parameter '{c.PARAM_RELEASE}' rides on a save ('{c.PARAM_SAVE}'): the older "
                          "snapshot goes once the new one is durable")
-    release = check_snapshot_id(release, c.PARAM_RELEASE) if release else None
+    release = check_snapshot_id(release, c.PARAM_RELEASE) if release else ""
     if release and start and not _parameter(params, _RESUME):
         raise InputError(f"request parameter '{c.PARAM_RELEASE}' names an older snapshot of a saved world; a new "
                          "world has none")
@@ -257,7 +257,7 @@ RESUMED_INPUTS = (c.IMAGE, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # th
 
 
 def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool,
-            release: str | None, end: bool, whole: bool) -> ResumeRequest:
+            release: str, end: bool, whole: bool) -> ResumeRequest:
     """A steered session's start from a snapshot: its id and the next block's camera (with a world event's prompt,
     as a step's: a failover's replay may resume right before one); the rest is the snapshot's."""
     name = f"request parameter '{c.PARAM_RESUME}'"

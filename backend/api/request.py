@@ -37,7 +37,7 @@ class Controls:
     prompt: str | None = None  # a step's world event: the session's prompt from this block on
     recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
     save: bool = False  # save the world after this block (request parameter save)
-    release: str | None = None  # with save: an older snapshot of the world, deleted once this save is durable
+    release: str = ""  # with save: an older snapshot of the world, deleted once this save is durable ("": none)
     snapshot_id: str | None = None  # the save's snapshot, reserved by the owner's admission (the server's, not sent)
 
     def check(self) -> None:

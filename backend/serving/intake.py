@@ -211,7 +211,7 @@ class Intake:
     def _saving(self, part: OwnerPart, controls: Controls) -> None:
         """A save under way; the older snapshot it releases goes once it is durable."""
         part.saves.add(controls.snapshot_id)
-        if controls.release is not None:
+        if controls.release:
             part.releases[controls.snapshot_id] = controls.release
 
     def _saved(self, sid: str, part: OwnerPart, snapshot_id: str, error: Refusal | None) -> None:

@@ -4,7 +4,7 @@ Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, he
 {"type": "start", resume, keys?} (a saved world), {"type": "keys", keys}, {"type": "event", prompt, recache} (a world
 event), {"type": "save"}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video, recording}, then per block
 a {"type": "block", ...} header followed by its frames as binary JPEG messages, a {"type": "snapshot", id, block,
-asked, error} for each save's outcome, {"type": "failover", block, replayed, resent, reason, took_s, attempts, differed} when
+asked, error, released} for each save's outcome (released: the older snapshot it deleted, or ""), {"type": "failover", block, replayed, resent, reason, took_s, attempts, differed} when
 the server is lost (took_s null) and again once the world goes on, then {"type": "ended", frames, recorded} or
 {"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
 

@@ -216,9 +216,9 @@ class Player:
 def saved_message(saved: Saved, recorder: Recorder | None) -> dict[str, Any]:
     """A save's outcome as the page reads it (a durable one noted in the recording)."""
     if recorder is not None and saved.error is None:
-        recorder.note_snapshot(saved.snapshot_id, saved.block_index)
+        recorder.note_snapshot(saved.snapshot_id, saved.block_index, saved.released)
     return {"type": "snapshot", "id": saved.snapshot_id, "block": saved.block_index, "asked": saved.asked,
-            "error": saved.error}
+            "error": saved.error, "released": saved.released}
 
 
 def failover_message(failover: Failover) -> dict[str, Any]:
