@@ -38,20 +38,41 @@ def test_a_play_script_carries_world_events_on_the_next_block() -> None:
         parse_key_script("w,@snow,w")
 
 
-def test_each_key_moves_the_camera_in_its_own_axes() -> None:
-    def after(keys: str, frames: int = 10) -> np.ndarray:
-        return integrate(np.eye(4), keys, frames)[-1].astype(np.float64)
+def after(keys: str, frames: int = 10) -> np.ndarray:
+    return integrate(np.eye(4), keys, frames)[-1].astype(np.float64)
 
-    np.testing.assert_allclose(after("w")[:3, 3], [0, 0, 10 * MOVE_PER_FRAME], atol=1e-6)  # forward is +z
-    np.testing.assert_allclose(after("a")[:3, 3], [-10 * MOVE_PER_FRAME, 0, 0], atol=1e-6)  # left is -x
-    turn = math.radians(10 * TURN_PER_FRAME_DEG)
-    right = after("l")[:3, :3] @ np.array([0, 0, 1.0])  # L turns the view to the right (+x)
-    np.testing.assert_allclose(right, [math.sin(turn), 0, math.cos(turn)], atol=1e-6)
-    up = after("i")[:3, :3] @ np.array([0, 0, 1.0])  # I looks up (-y in OpenCV axes)
-    np.testing.assert_allclose(up, [0, -math.sin(turn), math.cos(turn)], atol=1e-6)
-    # Held keys keep moving relative to the current heading: W after a turn goes where the camera looks.
+
+STEP, TURN = 10 * MOVE_PER_FRAME, math.radians(10 * TURN_PER_FRAME_DEG)
+# Each key alone for 10 frames, OpenCV axes (x right, y down, z forward): where the camera went, and where it looks.
+KEY_MOTIONS = {
+    "w": ([0, 0, STEP], [0, 0, 1]), "s": ([0, 0, -STEP], [0, 0, 1]),
+    "d": ([STEP, 0, 0], [0, 0, 1]), "a": ([-STEP, 0, 0], [0, 0, 1]),
+    "l": ([0, 0, 0], [math.sin(TURN), 0, math.cos(TURN)]), "j": ([0, 0, 0], [-math.sin(TURN), 0, math.cos(TURN)]),
+    "i": ([0, 0, 0], [0, -math.sin(TURN), math.cos(TURN)]), "k": ([0, 0, 0], [0, math.sin(TURN), math.cos(TURN)]),
+}
+
+
+@pytest.mark.parametrize("key", KEY_MOTIONS)
+def test_each_key_moves_the_camera_its_own_way(key: str) -> None:
+    """W/S forward/back, D/A right/left, L/J turn right/left, I/K look up/down: each key alone, its sign included."""
+    moved, looks = KEY_MOTIONS[key]
+    pose = after(key)
+    np.testing.assert_allclose(pose[:3, 3], moved, atol=1e-6)
+    np.testing.assert_allclose(pose[:3, :3] @ np.array([0, 0, 1.0]), looks, atol=1e-6)
+
+
+@pytest.mark.parametrize("pair", ["ws", "ad", "jl", "ik"])
+def test_opposite_keys_held_together_cancel(pair: str) -> None:
+    np.testing.assert_allclose(after(pair), np.eye(4), atol=1e-6)
+
+
+def test_held_keys_move_relative_to_the_current_heading() -> None:
+    """W after a quarter turn right goes where the camera looks (+x), and keys combine ("wl")."""
     start = integrate(np.eye(4), "l", 90)[-1]
     np.testing.assert_allclose(integrate(start, "w", 1)[0][:3, 3] - start[:3, 3], [MOVE_PER_FRAME, 0, 0], atol=1e-6)
+    both = after("wl", 1)
+    np.testing.assert_allclose(both[:3, 3], [0, 0, MOVE_PER_FRAME], atol=1e-6)
+    np.testing.assert_allclose(both[:3, :3], after("l", 1)[:3, :3], atol=1e-6)
 
 
 def trajectory(frames: int) -> np.ndarray:
