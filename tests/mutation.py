@@ -14,6 +14,9 @@ pointing there, so the tritonserver stubs that server tests start import the mut
 room's fast test files (-m "not server", -x); a mutant that survives them runs again with the room's server-tier
 files: the whole suite's share for that room (ROOMS names the files that exercise each room). Results go to
 build/mutation/results.json (a rerun resumes from it; --fresh starts over); the table is printed in markdown.
+After tests were added for a run's survivors, `--again` tries those survivors once more on the code as it is now
+(each found by its file, operator and text, nearest its old line; gone when the code it mutated is gone), both
+tiers, and prints what each came to.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,7 +67,8 @@ ROOMS = (
           "tests/test_snapshots.py", "tests/test_saved_worlds.py",
           "tests/test_engine_validation.py", "tests/test_recording.py", "tests/test_contract_boundaries.py",
           "tests/test_fast_paths.py", "tests/test_one_rank.py", "tests/test_intake.py", "tests/test_group_loop.py"),
-         ("tests/test_engine_parallel.py", "tests/test_recache.py", "tests/test_world_events.py")),
+         ("tests/test_engine_parallel.py", "tests/test_engine_tensor_parallel.py", "tests/test_recache.py",
+          "tests/test_world_events.py")),
     Room("model", ("backend/model/kv_cache.py", "backend/model/rope.py", "backend/model/schedule.py",
                    "backend/model/camera.py"),
          ("tests/test_golden.py", "tests/test_model_camera.py", "tests/test_model_schedule.py",
@@ -321,6 +325,11 @@ def baseline(tree: Path, room: Room, tier: str) -> tuple[tuple[str, ...], float]
     return tuple(sorted(seconds, key=seconds.get)), sum(seconds.values())
 
 
+def bound_s(baseline_s: float) -> float:
+    """How long a mutant's run may take: three times the unmutated files' time, and a minute."""
+    return 3 * baseline_s + 60
+
+
 def try_mutant(tree: Path, mutant: Mutant, files: tuple[str, ...], tier: str, limit_s: float) -> Outcome:
     target = tree / mutant.path
     original = target.read_text()
@@ -342,7 +351,7 @@ def run(rooms: list[Room], per_room: int, tiers: list[str], results_path: Path) 
             if not todo:
                 continue
             files, seconds = baseline(tree, room, tier)
-            limit_s = 3 * seconds + 60
+            limit_s = bound_s(seconds)
             for n, mutant in enumerate(todo, 1):
                 outcome = try_mutant(tree, mutant, files, tier, limit_s)
                 results.setdefault(mutant.id, {"mutant": asdict(mutant)})[tier] = asdict(outcome)
@@ -353,23 +362,57 @@ def run(rooms: list[Room], per_room: int, tiers: list[str], results_path: Path) 
     return results
 
 
+def survivors(rows: Iterable[dict]) -> list[Mutant]:
+    """The mutants of these results that no tier killed."""
+    return [Mutant(**r["mutant"]) for r in rows if not r["fast"]["killed"] and not r.get("server", {}).get("killed")]
+
+
+def found_again(old: Mutant) -> Mutant | None:
+    """The same mutation in the code as it is now: same file, operator and text, the nearest line to the old one."""
+    same = [m for m in mutants_of(ROOM[old.room]) if (m.path, m.operator, m.before, m.after) ==
+            (old.path, old.operator, old.before, old.after)]
+    return min(same, key=lambda m: abs(m.line - old.line), default=None)
+
+
+def again(results: dict[str, dict]) -> list[str]:
+    """Each survivor of `results` tried once more on the current code, fast tier then server tier."""
+    tree, lines, baselines = scratch_tree(), [], {}
+    for old in survivors(results.values()):
+        mutant = found_again(old)
+        if mutant is None:
+            lines.append(f"- {old.describe()}: gone (the code it mutated changed)")
+            continue
+        room = ROOM[mutant.room]
+        for tier in ("fast", "server"):
+            if (room.name, tier) not in baselines:
+                baselines[room.name, tier] = baseline(tree, room, tier)
+            files, seconds = baselines[room.name, tier]
+            outcome = try_mutant(tree, mutant, files, tier, bound_s(seconds))
+            if outcome.killed:
+                break
+        verdict = f"killed by {outcome.why} ({tier} tier)" if outcome.killed else "SURVIVED"
+        lines.append(f"- {mutant.describe()}: {verdict}")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def table(results: dict[str, dict], rooms: list[Room], per_room: int) -> str:
     """Per room: mutants tried, killed by the fast tier, by the whole suite (fast, then server tier), survivors."""
     lines = ["| room | mutants | killed, fast tier | killed, whole suite | survivors |", "|---|--:|--:|--:|---|"]
     totals = [0, 0, 0]
-    survivors = []
+    survived = []
     for room in rooms:
         rows = [results[m.id] for m in sample(room, per_room) if m.id in results and "fast" in results[m.id]]
         fast = sum(r["fast"]["killed"] for r in rows)
         whole = fast + sum(r.get("server", {}).get("killed", False) for r in rows if not r["fast"]["killed"])
-        left = [Mutant(**r["mutant"]) for r in rows if not r["fast"]["killed"] and not r.get("server", {}).get("killed")]
-        survivors += left
+        left = survivors(rows)
+        survived += left
         totals = [totals[0] + len(rows), totals[1] + fast, totals[2] + whole]
         lines.append(f"| {room.name} | {len(rows)} | {fast} ({_pct(fast, len(rows))}) | {whole} "
                      f"({_pct(whole, len(rows))}) | {len(left)} |")
     lines.append(f"| all | {totals[0]} | {totals[1]} ({_pct(totals[1], totals[0])}) | {totals[2]} "
                  f"({_pct(totals[2], totals[0])}) | {totals[0] - totals[2]} |")
-    lines += ["", "Survivors:", *[f"- {m.room}: {m.describe()} ({m.operator})" for m in survivors]]
+    lines += ["", "Survivors:", *[f"- {m.room}: {m.describe()} ({m.operator})" for m in survived]]
     return "\n".join(lines)
 
 
@@ -386,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results")
     parser.add_argument("--results", type=Path, default=WORK / "results.json")
+    parser.add_argument("--again", action="store_true", help="try the survivors in --results again on this code")
     args = parser.parse_args(argv)
     rooms = [ROOM[name] for name in args.room] if args.room else list(ROOMS)
     if args.list:
@@ -395,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(f"  {m.describe()} ({m.operator})" for m in mutants))
         return 0
     WORK.mkdir(parents=True, exist_ok=True)
+    if args.again:
+        print("\n".join(again(json.loads(args.results.read_text()))))
+        return 0
     if args.fresh and args.results.exists():
         args.results.unlink()
     results = run(rooms, args.per_room, ["fast"] if args.tier == "fast" else ["fast", "server"], args.results)

@@ -81,6 +81,8 @@ def test_a_block_s_outputs_read_back_as_the_block_a_client_sees() -> None:
     assert np.array_equal(block.used.camera, camera) and block.used.latents_sha256 == used.latents_sha256
     plain = parse_block(block_outputs(0, 1, None, np.empty((0, 8, 8, 3), np.uint8), (1.0, 2.0, 3.0)).get, 0.0)
     assert plain.used is None and plain.latents is None and not plain.held and plain.frames.shape == (0, 8, 8, 3)
+    undecoded = {name: array for name, array in out.items() if name != p.FRAMES}  # decode off: no frames output
+    assert parse_block(undecoded.get, 0.0).frames.shape == (0, 0, 0, 3)  # no frame, of no known size
     later = block_outputs(3, 7, None, frames, (1.0, 2.0, 3.0), used=dataclasses.replace(used, settings=None,
                                                                                         recached=False))
     assert parse_block(later.get, 0.0).used.settings is None and not parse_block(later.get, 0.0).used.recached

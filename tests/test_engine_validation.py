@@ -74,6 +74,9 @@ def unreadable_checkpoint(tiny_checkpoint: str, tmp_path: Path, monkeypatch: pyt
          r"window_frames=5 \(parameter\) must hold sink_frames=3 \(parameter\) plus one block of block_frames=3 "
          r"\(sink_frames from 0 to "
          r"window_frames - block_frames = 2\)"),
+        ({"block_frames": -1}, 1, r"block_frames=-1 and denoise_steps=4 must be >= 1"),  # 0: the checkpoint's
+        ({"denoise_steps": 0}, 1, r"block_frames=3 and denoise_steps=0 must be >= 1"),
+        ({"denoise_steps": 3}, 1, r"denoise_steps=3 must divide the 1000 training timesteps"),
         ({"window_frames": 2, "sink_frames": 0}, 1,
          r"window_frames=2 \(parameter\) must hold sink_frames=0 \(parameter\) plus one block"),
     ],
@@ -83,6 +86,13 @@ def test_config_errors_before_weights(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         WorldModelEngine.load(tiny_settings(unreadable_checkpoint, **overrides), FakeGroup(world))
+
+
+@pytest.mark.parametrize("overrides", [{"block_frames": 1}, {"denoise_steps": 1}, {"denoise_steps": 1000}])
+def test_the_smallest_block_and_the_fewest_or_most_steps_are_accepted(unreadable_checkpoint: str,
+                                                                       overrides: dict) -> None:
+    spec = checked_spec(tiny_settings(unreadable_checkpoint, **overrides), 1)
+    assert all(getattr(spec.config, name) == value for name, value in overrides.items())
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:

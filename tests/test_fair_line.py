@@ -76,6 +76,22 @@ def test_a_capped_keys_place_counts_the_sessions_that_overtake_it() -> None:
     assert ids(s.plan([RankEvents(cancelled=["c0"])]).opens) == ["b0"]
 
 
+def test_a_free_slot_no_key_may_take_waits_and_each_release_counts_once() -> None:
+    """Keys C and B at their cap of one, one slot free: nobody waiting may take it. The places told follow what
+    frees each key's slot: C's running session ends first (c0), then B's (b1), then c0 itself (c2), so C's second
+    session does not overtake B's."""
+    s = Scheduler(ServingSettings(max_sessions=3, max_queue=8))
+    assert ids(s.plan([RankEvents(submissions=[of("C", "cr", sessions=1), of("B", "br", sessions=1)])]).opens) == \
+        ["cr", "br"]
+    plan = s.plan([RankEvents(submissions=[of("C", "c0", sessions=1), of("B", "b1", sessions=1),
+                                           of("C", "c2", sessions=1)])])
+    assert ids(plan.opens) == [] and ids(s.waiting()) == ["c0", "b1", "c2"]
+    served = []
+    for sid in ("cr", "br", "c0"):
+        served += ids(s.plan([RankEvents(cancelled=[sid])]).opens)
+    assert served == ["c0", "b1", "c2"]
+
+
 def test_the_line_waits_follow_the_fair_order() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("A", "a0", blocks=2)])])

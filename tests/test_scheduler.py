@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from backend.api.contract import CAPACITY_EXHAUSTED
@@ -15,7 +16,8 @@ from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
 from backend.serving.settings import ServingSettings
 from backend.engine.geometry import VideoGeometry
-from backend.serving.line import UNKNOWN_WAIT_S, Clocks, LineCounts, line_waits, slot_waits
+from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, LineCounts, \
+    line_waits, retry_after_s, slot_waits
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
 from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
 from backend.serving.streams import SteeredStream
@@ -238,6 +240,35 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
     clocks.batch.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
     # "b" frees its slot after 2 blocks (4 s), "a" after 4 (8 s); "c" takes b's and holds it 1 block (2 s)
     assert line_waits(s, clocks, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]
+
+
+def test_a_drain_moves_each_playing_world_with_its_snapshot_and_ends_the_rest() -> None:
+    """Draining: a session with a slot and a snapshot ends MOVED carrying the snapshot's id (its files to be written:
+    plan.moves); one with no snapshot, or still in line, ends SERVER_STOPPING; one that ended meanwhile is left."""
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=2))
+    s.plan([RankEvents(submissions=[steered("a"), steered("b"), steered("c")])])
+    moved = "ab" * 16
+    plan = s.plan([RankEvents(moving=[("a", moved), ("b", None), ("c", moved), ("gone", moved)])])
+    assert plan.moves == [("a", moved)]
+    ended = {sid: ending for sid, ending in plan.ended}
+    assert ended["a"].reason == EndReason.MOVED and ended["a"].error.snapshot_id == moved
+    assert ended["b"].error.code == ended["c"].error.code == "SERVER_STOPPING" and set(ended) == {"a", "b", "c"}
+    assert s.table == {}
+
+
+def test_a_full_line_asks_back_after_its_wait_at_most_a_minute_and_after_5_s_before_any_block() -> None:
+    assert retry_after_s(UNKNOWN_WAIT_S) == UNMEASURED_RETRY_S == 5.0
+    assert retry_after_s(0.25) == 0.25 and retry_after_s(59.5) == 59.5
+    assert retry_after_s(MAX_RETRY_S) == retry_after_s(3600.0) == MAX_RETRY_S == 60.0
+
+
+def test_the_measured_times_move_30_percent_towards_each_new_one() -> None:
+    average = Average()
+    assert average.value is None
+    average.observe(10.0)
+    assert average.value == 10.0  # the first is taken as it is
+    average.observe(20.0)
+    assert average.value == pytest.approx(13.0)
 
 
 def test_the_line_counts_how_far_each_playing_session_has_come() -> None:

@@ -292,6 +292,20 @@ def test_saves_past_the_quota_are_refused_before_writing_and_expired_ones_make_r
     assert store.usage() == 0
 
 
+def test_saves_under_way_hold_their_reservation_so_two_at_once_never_pass_the_quota(tmp_path: Path) -> None:
+    """A reserved save counts at its reservation while its ranks write (or at what they wrote, when more), so a
+    second save reserved meanwhile is refused; the store's folder is made with its parents."""
+    store = SnapshotStore(tmp_path / "not" / "made" / "yet", quota_bytes=100_000, ttl_s=60.0)
+    first = store.reserve(60_000)
+    assert 60_000 <= store.usage() < 61_000  # nothing written yet: the reservation counts
+    with refused(SNAPSHOT_STORE_FULL):
+        store.reserve(60_000)
+    (store.staging(first) / "part.safetensors").write_bytes(bytes(70_000))  # a rank wrote past the estimate
+    assert store.usage() >= 70_000
+    with refused(SNAPSHOT_STORE_FULL):
+        store.reserve(35_000)
+
+
 def test_a_failed_write_leaves_no_snapshot_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SnapshotStore(tmp_path / "store", QUOTA, TTL_S)
     snapshot_id = store.reserve(10_000)

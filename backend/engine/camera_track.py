@@ -76,7 +76,7 @@ class CameraTrack:
         if first:
             relative[0] = torch.eye(4)
         else:
-            relative, latent = torch.cat([self.last_latent[None], relative[1:]]), latent[1:]
+            relative = torch.cat([self.last_latent[None], relative[1:]])
         deltas = framewise_deltas(relative)
         if not first:
             deltas = deltas[1:]

@@ -15,6 +15,11 @@ UNMEASURED_RETRY_S = 5.0  # a full line's retry hint before any block was measur
 MAX_RETRY_S = 60.0  # a refused client is asked back at least this often: slots may free sooner than estimated
 
 
+def retry_after_s(wait_s: float) -> float:
+    """A full line's retry hint from the estimated wait of the place behind its last (UNKNOWN_WAIT_S: none yet)."""
+    return min(wait_s, MAX_RETRY_S) if wait_s > 0 else UNMEASURED_RETRY_S
+
+
 class Average:
     """A moving average of measured seconds (a batch's wall time; an open-ended session's life)."""
 

@@ -34,7 +34,7 @@ from . import mail, messages
 from .settings import ServingSettings
 from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
-from .line import MAX_RETRY_S, UNMEASURED_RETRY_S, Clocks, LineCounts, line_waits
+from .line import Clocks, LineCounts, line_waits, retry_after_s
 from .loop_cpu import LoopCpu
 from .scheduler import Plan, RankEvents, Scheduler
 from .sessions import EndReason, Ending, SharedSession
@@ -289,7 +289,7 @@ class GroupLoop:
         if refusal.code != c.CAPACITY_EXHAUSTED:
             return refusal
         wait = line_waits(self.scheduler, self.clocks, self.opened_s, time.monotonic(), extra=1)[-1]
-        return dataclasses.replace(refusal, retry_after_s=min(wait, MAX_RETRY_S) if wait > 0 else UNMEASURED_RETRY_S)
+        return dataclasses.replace(refusal, retry_after_s=retry_after_s(wait))
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""
