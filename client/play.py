@@ -12,9 +12,10 @@ it also writes what the server ran (held blocks' cameras included) for `python -
 
 The world survives its server (client/world.py): it is saved every --save-every blocks (each snapshot's id is
 printed once durable, and noted in the recording; each periodic save releases the one two before it, which is
-printed and dropped from the recording, so a world keeps at most three), and when the stream fails the client resumes it from the last
-snapshot through the same --url and makes the blocks since again, printing "server lost, resuming at block K" and
-then how long it took. `--resume ID` plays on from a saved world (the key script's first entry is its next block).
+printed and dropped from the recording, so a world keeps at most three), and when the stream fails the client
+resumes it from the last snapshot through the same --url and makes the blocks since again, printing "server lost,
+resuming at block K" and then how long it took. `--resume ID` plays on from a saved world (the key script's first
+entry is its next block).
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """A recorded world: what the server used for every block, enough to replay it bit for bit on any group size.
 
-One `.npz` file (numpy's zip of arrays, read without pickle): `meta`, a JSON text that names the format and
-version and holds the start inputs (prompt, seed, size), the server's `settings_used` and one entry per block
-(its frame count, whether it was held, its world event, the SHA-256 of its latents) and the session's durable
-snapshots not released since (`snapshots`: each id and the block it follows; absent in recordings written before snapshots, read as
-none); `image`, the first frame as sent (once); `camera`, every video frame's camera-to-world pose as the server ran
-it (float32 [n, 4, 4]); `intrinsics` when the session sent them. `Recording.load` checks all of it and names what
-is wrong.
+One `.npz` file (numpy's zip of arrays, read without pickle): `meta`, a JSON text that names the format and version
+and holds the start inputs (prompt, seed, size), the server's `settings_used` and one entry per block (its frame
+count, whether it was held, its world event, the SHA-256 of its latents) and the session's durable snapshots not
+released since (`snapshots`: each id and the block it follows; absent in recordings written before snapshots, read
+as none); `image`, the first frame as sent (once); `camera`, every video frame's camera-to-world pose as the server
+ran it (float32 [n, 4, 4]); `intrinsics` when the session sent them. `Recording.load` checks all of it and names
+what is wrong.
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
 
 Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?} or
-{"type": "start", resume, keys?} (a saved world), {"type": "keys", keys}, {"type": "event", prompt, recache} (a world
-event), {"type": "save"}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video, recording}, then per block
-a {"type": "block", ...} header followed by its frames as binary JPEG messages, a {"type": "snapshot", id, block,
-asked, error, released} for each save's outcome (released: the older snapshot it deleted, or ""), {"type": "failover", block, replayed, resent, reason, took_s, attempts, differed} when
-the server is lost (took_s null) and again once the world goes on, then {"type": "ended", frames, recorded} or
-{"type": "error", message}. A message that does not fit the schema gets an error and the websocket closes.
+{"type": "start", resume, keys?} (a saved world), {"type": "keys", keys}, {"type": "event", prompt, recache} (a
+world event), {"type": "save"}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video, recording}, then
+per block a {"type": "block", ...} header followed by its frames as binary JPEG messages, a {"type": "snapshot", id,
+block, asked, error, released} for each save's outcome (released: the older snapshot it deleted, or ""), {"type":
+"failover", block, replayed, resent, reason, took_s, attempts, differed} when the server is lost (took_s null) and
+again once the world goes on, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that
+does not fit the schema gets an error and the websocket closes.
 
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
