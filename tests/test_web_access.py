@@ -152,3 +152,39 @@ def test_each_page_message_reaches_its_player(monkeypatch) -> None:
     assert ("play", "a castle", "w") in calls  # its own task, started on the start message
     assert [c for c in calls if c[0] != "play"] == [("hold", "wa"), ("event", "it snows", True), ("event", "rain", False),
                                                   ("hold", ""), ("stop",)]
+
+
+def test_max_pages_play_at_once_one_more_is_told_busy_and_a_freed_place_is_taken() -> None:
+    """Access.max_pages=2: two pages get a session, the third an error naming the limit and the close code
+    TRY_AGAIN_LATER; once a page leaves, the next gets in (the real app in this process, no Triton behind it)."""
+    import json
+
+    from aiohttp import WSMsgType
+
+    from client.web.app import Access, make_app
+
+    async def open_pages() -> list:
+        app = make_app("127.0.0.1:1", "lingbot_world", 5.0, Access(frozenset({"*"}), max_pages=2))
+        async with TestClient(TestServer(app)) as client:
+            pages = [await client.ws_connect("/ws") for _ in range(2)]
+            told = [json.loads((await page.receive(timeout=5)).data)["type"] for page in pages]
+            third = await client.ws_connect("/ws")
+            busy = json.loads((await third.receive(timeout=5)).data)
+            closed = await third.receive(timeout=5)
+            await pages[0].close()
+            deadline = asyncio.get_running_loop().time() + 5
+            while True:  # the bridge frees the place once it has seen the page go
+                fourth = await client.ws_connect("/ws")
+                after = json.loads((await fourth.receive(timeout=5)).data)["type"]
+                if after == "session" or asyncio.get_running_loop().time() > deadline:
+                    break
+                await fourth.close()
+                await asyncio.sleep(0.02)
+            for page in (pages[1], fourth):
+                await page.close()
+            return [told, busy, (closed.type, closed.data), after]
+
+    told, busy, closed, after = asyncio.run(asyncio.wait_for(open_pages(), 20))
+    assert told == ["session", "session"] and after == "session"
+    assert busy == {"type": "error", "message": "the player is busy: 2 pages are playing; retry later"}
+    assert closed == (WSMsgType.CLOSE, 1013)  # TRY_AGAIN_LATER

@@ -191,13 +191,16 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                     await send({"type": "error", "message": str(exc)})
                 await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"invalid message")
                 break
-    finally:  # the page went: cancel its Triton session and drop its video
+    finally:  # the page went: its place is free, its Triton session cancelled and its files dropped
+        # aiohttp cancels this handler when the page's connection goes, so nothing below may hang on an await.
+        sessions.pop(sid, None)
         if task is not None:
             task.cancel()
-        await asyncio.to_thread(player.close)
-        path.unlink(missing_ok=True)
-        recording_path(path).unlink(missing_ok=True)
-        sessions.pop(sid, None)
+        try:
+            await asyncio.shield(asyncio.to_thread(player.close))
+        finally:
+            path.unlink(missing_ok=True)
+            recording_path(path).unlink(missing_ok=True)
     return ws
 
 

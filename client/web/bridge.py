@@ -163,9 +163,11 @@ class Player:
             refusal = exc.refusal if isinstance(exc, StreamError) else None
             await self.send({"type": "error", "message": plain(exc), "recorded": await save(),
                              "code": refusal and refusal.code, "retry_after_s": refusal and refusal.retry_after_s})
-        finally:
-            await asyncio.to_thread(self.close)  # cancels the stream: a wait still on the thread ends with it
-            thread.shutdown(wait=False)
+        finally:  # the page's handler cancels this task when the page goes: the close and shutdown run all the same
+            try:
+                await asyncio.shield(asyncio.to_thread(self.close))  # cancels the stream: a wait on the thread ends
+            finally:
+                thread.shutdown(wait=False)
 
     async def _relay(self, world: PlayedWorld, request: SessionRequest | ResumeStart, mp4: Mp4Writer,
                      recorder: Recorder | None, thread: ThreadPoolExecutor) -> None:
