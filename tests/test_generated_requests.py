@@ -228,10 +228,22 @@ def test_json_s_non_numbers_are_refused(constant: str) -> None:
         parse_message(f'{{"type": "start", "seed": {constant}}}')
 
 
-def test_an_image_one_character_over_its_limit_is_refused() -> None:
-    with pytest.raises(ValueError, match=f"image is longer than {MAX_TEXT['image']} characters"):
-        parse_message(json.dumps({"type": "start", "image": "x" * (MAX_TEXT["image"] + 1)}))
-    assert parse_message(json.dumps({"type": "start", "image": "x" * MAX_TEXT["image"]}))["image"]
+@pytest.mark.parametrize("name", sorted(INT_RANGE))
+def test_each_number_a_page_sends_is_taken_at_its_bounds_and_refused_one_past(name: str) -> None:
+    low, high = INT_RANGE[name]
+    for value in (low, high):
+        assert parse_message(json.dumps({"type": "start", name: value}))[name] == value
+    for value in (low - 1, high + 1):
+        with pytest.raises(ValueError, match=name):
+            parse_message(json.dumps({"type": "start", name: value}))
+
+
+@pytest.mark.parametrize("name", sorted(MAX_TEXT))
+def test_each_text_a_page_sends_is_taken_at_its_length_and_refused_one_longer(name: str) -> None:
+    kind = next(kind for kind, fields in MESSAGES.items() if name in fields)
+    assert parse_message(json.dumps({"type": kind, name: "x" * MAX_TEXT[name]}))[name]
+    with pytest.raises(ValueError, match=f"{name} is longer than {MAX_TEXT[name]} characters"):
+        parse_message(json.dumps({"type": kind, name: "x" * (MAX_TEXT[name] + 1)}))
 
 
 def table_refusals() -> list[dict]:

@@ -16,7 +16,7 @@ from backend.api.provenance import RESULT_SETTINGS, latents_sha256, parse_settin
 from backend.api.request import Controls
 from backend.engine.blocks import BlockControls
 from client import replay
-from client.recording import Recorder, Recording, RecordingError
+from client.recording import MAX_BYTES, Recorder, Recording, RecordingError
 from client.replay import whole_request
 from factories import tiny_request
 
@@ -247,6 +247,24 @@ def test_a_crafted_recording_is_refused_before_anything_large_is_read(recording_
                                                                        message: str) -> None:
     with pytest.raises(RecordingError, match=message):
         Recording.load(crafted(recording_file, member, data))
+
+
+@pytest.mark.parametrize("name", sorted(MAX_BYTES))
+def test_each_array_may_declare_its_most_bytes_and_not_one_more(recording_file: Path, name: str) -> None:
+    """At its limit a member passes the size check (and is then found truncated); one byte over, it is refused from
+    its header alone."""
+    limit = MAX_BYTES[name]
+    with pytest.raises(RecordingError, match=f"{name} is truncated"):
+        Recording.load(crafted(recording_file, f"{name}.npy", npy_header((limit,), "|u1")))
+    with pytest.raises(RecordingError, match=f"{name} declares {limit + 1} bytes; at most {limit}"):
+        Recording.load(crafted(recording_file, f"{name}.npy", npy_header((limit + 1,), "|u1")))
+
+
+@pytest.mark.parametrize("camera", [np.tile(np.eye(4), (45, 1, 1)), np.zeros((45, 3, 4), np.float32),
+                                    np.zeros((45, 16), np.float32)], ids=["float64", "3x4", "flat"])
+def test_a_camera_of_another_type_or_shape_is_refused(recording_file: Path, camera: np.ndarray) -> None:
+    with pytest.raises(RecordingError, match=r"camera must be float32 \[n, 4, 4\]"):
+        Recording.load(rewrite(recording_file, camera=camera))
 
 
 @pytest.mark.parametrize("meta, message", [

@@ -188,3 +188,30 @@ def test_max_pages_play_at_once_one_more_is_told_busy_and_a_freed_place_is_taken
     assert told == ["session", "session"] and after == "session"
     assert busy == {"type": "error", "message": "the player is busy: 2 pages are playing; retry later"}
     assert closed == (WSMsgType.CLOSE, 1013)  # TRY_AGAIN_LATER
+
+
+def test_a_page_s_video_and_recording_go_with_the_page() -> None:
+    """A page that leaves takes its files with it: its video and recording both, or its recording alone (it left
+    before a block was written to the video)."""
+    import json
+
+    from client.web.app import VIDEOS, Access, make_app
+    from client.web.bridge import recording_path
+
+    async def leave() -> list[Path]:
+        app = make_app("127.0.0.1:1", "lingbot_world", 5.0, Access(frozenset({"*"})))
+        async with TestClient(TestServer(app)) as client:
+            written = []
+            for both in (True, False):
+                page = await client.ws_connect("/ws")
+                video = app[VIDEOS] / f"{json.loads((await page.receive(timeout=5)).data)['id']}.mp4"
+                written += [video, recording_path(video)] if both else [recording_path(video)]
+                for path in written[-2 if both else -1:]:
+                    path.write_bytes(b"what the page played")
+                await page.close()
+            deadline = asyncio.get_running_loop().time() + 5
+            while any(p.exists() for p in written) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            return [p for p in written if p.exists()]
+
+    assert asyncio.run(asyncio.wait_for(leave(), 20)) == []
