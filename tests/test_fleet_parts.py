@@ -32,6 +32,7 @@ needs_haproxy = requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (D
 @pytest.mark.parametrize("state, line", [
     (GroupState(True, 2, 4), "ready up 50%\n"),
     (GroupState(True, 4, 4), "ready up 100%\n"),
+    (GroupState(True, 6, 4), "ready up 100%\n"),  # more free than the max it read (a reload raised it): 100 at most
     (GroupState(True, 1, 200), "ready up 1%\n"),  # room for one: never weight 0, which takes it out
     (GroupState(True, 0, 4), "ready up 0%\n"),  # full: out of the rotation, its backup line still in (no drain)
     (GroupState(False), "down\n"),
