@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
+import signal
 import ssl
 import time
 import urllib.error
@@ -20,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from backend.api import contract as c
 from backend.launch.agent import CapacityAgent, GroupProbe
+from backend.launch.launcher import reload_keys
 from backend.launch.balancer import (BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
                                      start_haproxy)
 from backend.launch.procfs import status_kib
@@ -242,6 +245,27 @@ def test_a_reload_revokes_a_key_and_adds_one_without_a_restart(door, pki: Pki, t
     with carols:
         carols.step(Controls(keys="w"))
         assert refusal_code(lambda: carols.next_block(60)) == c.AUTH_INVALID
+
+
+def test_sighup_with_a_broken_keys_file_names_its_line_and_the_keys_in_force_stay(door, pki: Pki, capsys) -> None:
+    """The launcher's SIGHUP (its handler, on a real signal): a keys file with a bad line is refused naming it, nothing
+    is published, and a key in force is still served; the file mended, the next SIGHUP takes it."""
+    keys_file = Path(door.keys_file)
+    good = keys_file.read_text()
+    previous = signal.signal(signal.SIGHUP, lambda *_: reload_keys(door))  # as launcher.main installs it
+    try:
+        keys_file.write_text(good + "mallory not-a-hash\n")
+        os.kill(os.getpid(), signal.SIGHUP)
+        bad_line = len(good.splitlines()) + 1
+        err = capsys.readouterr().err
+        assert "SIGHUP: the keys file was not reloaded, the keys in force stay" in err and f"line {bad_line}:" in err
+        assert len(clip(door, trusted(pki, KEYS["alice"]))) == 1
+        keys_file.write_text(good)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert f"SIGHUP: keys reloaded from {door.keys_file}" in capsys.readouterr().out
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        keys_file.write_text(good)
 
 
 def refusal_code_of(server: TritonServer, connection: Connection) -> str | None:
