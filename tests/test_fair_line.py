@@ -92,6 +92,20 @@ def test_a_free_slot_no_key_may_take_waits_and_each_release_counts_once() -> Non
     assert served == ["c0", "b1", "c2"]
 
 
+def test_each_slot_that_frees_seats_one_waiting_session() -> None:
+    """The line full (C's and B's sessions hold both slots), B at its cap of one, C at two: C's first waiting session
+    gets the first slot that frees; the next goes to B (not served since), C's second waits for a third."""
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=8))
+    s.plan([RankEvents(submissions=[of("C", "cr", sessions=2), of("B", "br", sessions=1)])])
+    s.plan([RankEvents(submissions=[of("B", "b0", sessions=1), of("C", "c1", sessions=2),
+                                    of("C", "c2", sessions=2)])])
+    assert ids(s.waiting()) == ["c1", "b0", "c2"]
+    served = []
+    for sid in ("cr", "br", "c1"):
+        served += ids(s.plan([RankEvents(cancelled=[sid])]).opens)
+    assert served == ["c1", "b0", "c2"]
+
+
 def test_the_line_waits_follow_the_fair_order() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("A", "a0", blocks=2)])])
