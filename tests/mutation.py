@@ -368,10 +368,11 @@ def survivors(rows: Iterable[dict]) -> list[Mutant]:
 
 
 def found_again(old: Mutant) -> Mutant | None:
-    """The same mutation in the code as it is now: same file, operator and text, the nearest line to the old one."""
+    """The same mutation in the code as it is now: same file, operator and text, the nearest line to the old one
+    (then the nearest column)."""
     same = [m for m in mutants_of(ROOM[old.room]) if (m.path, m.operator, m.before, m.after) ==
             (old.path, old.operator, old.before, old.after)]
-    return min(same, key=lambda m: abs(m.line - old.line), default=None)
+    return min(same, key=lambda m: (abs(m.line - old.line), abs(m.col - old.col)), default=None)
 
 
 def again(results: dict[str, dict]) -> list[str]:
