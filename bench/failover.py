@@ -38,12 +38,14 @@ from pathlib import Path
 from backend.api.contract import MODEL_NAME
 from backend.api.request import Controls
 from backend.launch.balancer import server_states, server_stats
+from backend.launch.drain import STREAMS_OPEN_METRIC
+from backend.launch.metrics_page import metrics_page, samples
 from backend.launch.model_repository import write_model_repository
+from backend.launch.polling import wait_for
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from backend.parallel.ports import free_port
 from bench.common import BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, server_parameters
-from bench.timing import wait_for
 from client.steer import SteeredSession
 from client.world import DEFAULT_SAVE_EVERY, PlayedWorld
 
@@ -210,11 +212,8 @@ def sp2_case(checkpoint: Path, args: argparse.Namespace) -> list[str]:
 
 
 def streams_open(server: TritonServer, rank: int) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("lingbot_world_streams_open") and f'rank="{rank}"' in line)
+    page = metrics_page(f"http://127.0.0.1:{server.metrics_port}/metrics", 10)
+    return sum(samples(page, STREAMS_OPEN_METRIC, rank=str(rank)))
 
 
 def main() -> None:

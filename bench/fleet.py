@@ -33,10 +33,10 @@ import tritonclient.grpc as grpcclient
 from backend.api import contract
 from backend.api.request import Controls
 from backend.launch.balancer import server_stats
+from backend.launch.polling import wait_for
 from backend.parallel.ports import free_port
 from bench.common import (BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, percentile,
                           server_parameters)
-from bench.timing import wait_for
 from client.steer import SteeredSession
 from client.stream import StreamRequest, request_inputs, run_sessions
 

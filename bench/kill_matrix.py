@@ -22,12 +22,13 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from backend.api.contract import MODEL_NAME
+from backend.launch.metrics_page import metrics_page, samples
 from backend.launch.model_repository import write_model_repository
+from backend.launch.polling import wait_for
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from bench.common import BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, server_parameters
 from bench.streaming import stream_request
-from bench.timing import wait_for
 from client.stream import StreamingSession
 
 COLLECTIVE_TIMEOUT_S = 5.0
@@ -35,11 +36,8 @@ COLLECTIVE_TIMEOUT_S = 5.0
 
 
 def metric(server: TritonServer, name: str, rank: int | None = None) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and (rank is None or f'rank="{rank}"' in line))
+    page = metrics_page(f"http://127.0.0.1:{server.metrics_port}/metrics", 10)
+    return sum(samples(page, name, **({} if rank is None else {"rank": str(rank)})))
 
 
 class Streams:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from types import TracebackType
 
 import torch
@@ -54,11 +53,3 @@ class ForwardTimer:
             hook.remove()
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.05) -> float:
-    """Seconds until `condition()` holds, polled every `every` s; raises naming `what` after `timeout`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"no {what} within {timeout:g} s")
-        time.sleep(every)
-    return time.monotonic() - start

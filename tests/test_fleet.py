@@ -23,6 +23,7 @@ import pytest
 
 from backend.api import contract
 from backend.launch.balancer import HAPROXY, server_states, server_stats
+from backend.launch.metrics_page import metrics_page, samples
 from backend.launch.one_world import check_one_world, read_parameters
 from backend.launch.procfs import tcp_sockets
 from backend.launch.restart import rolling_restart
@@ -117,12 +118,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Ite
 
 def gauge(group: Group, name: str, **labels: str) -> float:
     """A metric of a group's server, summed over its label sets (those that carry `labels`)."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{group.metrics_port}/metrics", timeout=5).read().decode()
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(w in line for w in wanted))
+    return sum(samples(metrics_page(f"http://127.0.0.1:{group.metrics_port}/metrics", 5), name, **labels))
 
 
 def blocks_sent(fleet: Fleet) -> list[float]:

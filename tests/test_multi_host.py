@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.api import contract
+from backend.launch.metrics_page import metrics_page, samples
 from factories import tiny_request
 from mpi_harness import MPIRUN_ENV, RankServer, mpirun_servers
 from polling import wait_until
@@ -50,9 +50,7 @@ def mpi_servers(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) 
 
 
 def blocks_sent(server: RankServer, rank: int) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("lingbot_world_blocks_total") and f'rank="{rank}"' in line)
+    return sum(samples(metrics_page(server.metrics_url, 10), "lingbot_world_blocks_total", rank=str(rank)))
 
 
 def test_each_server_streams_its_requests_as_one_sp2_group(mpi_servers: list[RankServer], references) -> None:

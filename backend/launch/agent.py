@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ..api.contract import MODEL_NAME
 from ..api.description import PREFIX
+from .metrics_page import metrics_page, samples
 
 FREE_SLOTS_METRIC = "lingbot_world_free_slots"
 READ_TIMEOUT_S = 1.0  # one read of the server's HTTP or metrics port
@@ -56,10 +57,8 @@ def agent_reply(state: GroupState) -> str:
 
 def free_slots_of(metrics_text: str, model: str = MODEL_NAME) -> int | None:
     """The group's free slots in a Prometheus text page (rank 0's gauge), None when it is not there."""
-    for line in metrics_text.splitlines():
-        if line.startswith(FREE_SLOTS_METRIC + "{") and f'model="{model}"' in line and 'rank="0"' in line:
-            return int(float(line.rsplit(" ", 1)[1]))
-    return None
+    values = samples(metrics_text, FREE_SLOTS_METRIC, model=model, rank="0")
+    return int(values[0]) if values else None
 
 
 class GroupProbe:
@@ -78,8 +77,7 @@ class GroupProbe:
                 with urllib.request.urlopen(self.http + "/config", timeout=READ_TIMEOUT_S) as reply:
                     parameters = json.load(reply).get("parameters", {})
                 self._max_sessions = int(parameters[PREFIX + "max_sessions"]["string_value"])
-            with urllib.request.urlopen(self.metrics, timeout=READ_TIMEOUT_S) as reply:
-                free = free_slots_of(reply.read().decode(errors="replace"), self.model)
+            free = free_slots_of(metrics_page(self.metrics, READ_TIMEOUT_S), self.model)
         except (OSError, ValueError, KeyError):  # not ready (HTTPError is an OSError), unreachable, no description
             self._max_sessions = None
             return GroupState(False)

@@ -6,11 +6,11 @@ launcher waits until no stream is open, or a bound, before it stops the server a
 from __future__ import annotations
 
 import time
-import urllib.request
 from dataclasses import dataclass
 
 from ..api.contract import MODEL_NAME
 from .agent import CapacityAgent
+from .metrics_page import metrics_page, samples
 from .server import TritonServer
 
 STREAMS_OPEN_METRIC = "lingbot_world_streams_open"
@@ -35,11 +35,7 @@ class Drained:
 
 def streams_open(metrics_text: str, model: str = MODEL_NAME) -> int:
     """Streams the server's instances are answering: every rank's gauge, summed (0 when no instance publishes one)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(STREAMS_OPEN_METRIC + "{") and f'model="{model}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return round(total)
+    return round(sum(samples(metrics_text, STREAMS_OPEN_METRIC, model=model)))
 
 
 def open_streams(server: TritonServer) -> int:
@@ -48,8 +44,7 @@ def open_streams(server: TritonServer) -> int:
     if server.process is None or server.process.poll() is not None or not server.control.is_model_ready(MODEL_NAME):
         return 0
     try:
-        with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=1.0) as reply:
-            return streams_open(reply.read().decode(errors="replace"))
+        return streams_open(metrics_page(f"http://{server.host}:{server.metrics_port}/metrics", 1.0))
     except OSError:
         return 0
 

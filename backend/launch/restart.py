@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 from .balancer import server_states
 from .heal import alive
 from .paths import BUILD_DIR
+from .polling import wait_for
 
 COMMANDS = ("restart", "rolling-restart")
 POLL_S = 0.2
@@ -71,16 +72,6 @@ def launcher_of(manifest: dict[str, Any], name: str) -> int:
     return pid
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Seconds until `condition()` held; TimeoutError naming `what` after `timeout_s`."""
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > timeout_s:
-            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
-        time.sleep(POLL_S)
-    return time.monotonic() - began
-
-
 def in_rotation(stats_socket: Path, name: str) -> bool:
     with contextlib.suppress(OSError):
         return server_states(stats_socket).get(name) == "UP"
@@ -98,10 +89,12 @@ def restart(out: Path, name: str) -> Restarted:
     began = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     stopped_s = wait_for(lambda: not alive(pid), manifest["launcher_stop_s"] + RESTARTED_S,
-                         f"{name}'s launcher (pid {pid}) stopping after SIGTERM")
+                         f"{name}'s launcher (pid {pid}) stopping after SIGTERM", POLL_S)
     print(f"{name}: drained and stopped {stopped_s:.1f} s after SIGTERM", flush=True)
-    wait_for(lambda: launcher_pid(out, name) not in (None, pid), RESTARTED_S, f"the fleet starting {name} again")
-    wait_for(lambda: in_rotation(stats, name), manifest["wait_timeout_s"], f"{name} back in the balancer's rotation")
+    wait_for(lambda: launcher_pid(out, name) not in (None, pid), RESTARTED_S, f"the fleet starting {name} again",
+             POLL_S)
+    wait_for(lambda: in_rotation(stats, name), manifest["wait_timeout_s"], f"{name} back in the balancer's rotation",
+             POLL_S)
     back_s = time.monotonic() - began
     print(f"{name}: back in rotation {back_s:.1f} s after SIGTERM", flush=True)
     return Restarted(name, began, stopped_s, back_s)
