@@ -155,3 +155,62 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
     side.arrive("", tiny_request(decode=False), marker)
     assert marker.closed.wait(5) and marker.code == "GROUP_FAILED"
     assert not first.blocks and loop.quiet()
+
+
+@pytest.fixture()
+def saving_intake(engine, tmp_path):
+    """An intake whose server keeps snapshots: a drain reserves an id for each steered session it moves."""
+    from backend.engine.snapshot.store import SnapshotStore
+
+    loop = FakeLoop()
+    settings = ServingSettings(snapshot_dir=str(tmp_path))
+    store = SnapshotStore(tmp_path, settings.snapshot_quota_bytes, settings.snapshot_ttl_s)
+    side = Intake(0, settings, Admission(settings, engine.spec, engine.snapshot_facts, store), loop.post, every_s=0.05)
+    yield side, loop
+    side.close()
+
+
+def drained_while_a_step_waits(side: Intake, loop: FakeLoop) -> tuple[str, RecordingResponder, RecordingResponder]:
+    """A steered session with a step waiting for its block, moved by a drain; the loop has ended it MOVED but its
+    snapshot is not durable yet, and a late step of its sequence has arrived. Returns (snapshot id, the waiting
+    step's responder, the late step's)."""
+    sid, first = start(side, loop)
+    side.post(mail.Opened(sid))
+    side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
+    loop.next(mail.Delivered)
+    waiting = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), waiting)
+    loop.next(mail.Stepped)
+    side.post(mail.Drain())
+    snapshot_id = loop.next(mail.Moving).snapshot_id
+    moved = messages.moved(snapshot_id)
+    side.post(mail.Ended(sid, moved, moved))
+    late = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), late)
+    refused = RecordingResponder()  # answered after the intake has read the late step (one inbox, in order)
+    side.arrive("", tiny_request(decode=False), refused)
+    assert refused.closed.wait(5) and refused.code == "SERVER_STOPPING"
+    return snapshot_id, waiting, late
+
+
+def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable(saving_intake) -> None:
+    """Neither the waiting step nor a late one hears MOVED, which names the snapshot, before the snapshot is
+    published: a client that resumed on the id at once found no snapshot in the store, and its world was lost."""
+    side, loop = saving_intake
+    snapshot_id, waiting, late = drained_while_a_step_waits(side, loop)
+    assert not waiting.closed.is_set() and not late.closed.is_set()
+    side.post(mail.Saved("r0-0", snapshot_id))  # durable now
+    for r in (waiting, late):
+        assert r.closed.wait(5) and r.code == "MOVED" and f"resume={snapshot_id}" in r.error
+    after = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), after)
+    assert after.closed.wait(5) and after.code == "MOVED" and f"resume={snapshot_id}" in after.error
+    assert loop.quiet()  # the late steps are no news for the loop
+
+
+def test_a_move_whose_save_failed_names_no_snapshot(saving_intake) -> None:
+    side, loop = saving_intake
+    snapshot_id, waiting, late = drained_while_a_step_waits(side, loop)
+    side.post(mail.Saved("r0-0", snapshot_id, messages.save_failed(snapshot_id)))
+    for r in (waiting, late):
+        assert r.closed.wait(5) and r.code == "SERVER_STOPPING" and snapshot_id not in r.error

@@ -311,3 +311,19 @@ def test_the_line_s_counts_for_the_metrics_port() -> None:
     assert counts == LineCounts(pending=2, active=2, ending=1, waiting=2, free_slots=0, waited_s=[1.5])
     s.plan([RankEvents(cancelled=["d", "e", "c"])])  # and "b" runs its last step
     assert LineCounts.of(s, s.settings, []) == LineCounts(pending=0, active=1, ending=0, waiting=0, free_slots=2)
+
+
+def test_a_save_whose_session_ended_first_is_dropped_and_told_to_its_owner() -> None:
+    """A step that carries a save reaches the plan after its session ended (a drain moved it, say): its save is
+    never run, so the plan drops it naming the step's rank, the owner who reserved it and tells its client; so are
+    the saves of an ending session's queued steps. An owner left waiting for such a save never closed its session's
+    stream, and a drain waited its whole bound for it."""
+    s = Scheduler(ServingSettings(max_blocks_ahead=1))  # b's client lags after its first block: its step waits
+    owned = [dataclasses.replace(steered(sid), owner=1) for sid in ("a", "b")]
+    s.plan([RankEvents(), RankEvents(submissions=owned)])
+    assert s.plan([RankEvents(), RankEvents(cancelled=["a"])]).batch == ["b"]
+    queued = StepEvent("b", Controls(keys="d", snapshot_id="2" * 32))
+    assert s.plan([RankEvents(), RankEvents(steps=[queued])]).batch == []
+    late = StepEvent("a", Controls(keys="d", snapshot_id="1" * 32))
+    plan = s.plan([RankEvents(), RankEvents(steps=[late], cancelled=["b"])])
+    assert sorted(plan.unsaved) == [(1, "a", "1" * 32), (1, "b", "2" * 32)]

@@ -114,7 +114,6 @@ class Intake:
                     part.opened = True
             case mail.Ended(sid, error, told):
                 if (part := self._parts.get(sid)) is not None:
-                    self._forget_key(part, sid, told)
                     part.ending = (error, told)
                     self._finish(sid, part)
             case mail.Saved(sid, snapshot_id, error):
@@ -179,6 +178,9 @@ class Intake:
             responder.send_error(messages.no_session(key, self._ended_keys.get(key, messages.NEVER_STARTED),
                                                      step.pause))
             return
+        if part.ending is not None:  # it ended; its saves' outcomes are not all told: answered once they are
+            part.late.append((responder, step.pause))
+            return
         stream: SteeredStream = part.stream
         if step.pause:  # no news for the scheduler: it changes no block
             stream.pause(responder)
@@ -228,12 +230,22 @@ class Intake:
             self._finish(sid, part)
 
     def _finish(self, sid: str, part: OwnerPart) -> None:
-        """An ended session's stream closes once its client has been told of every save it asked for."""
+        """An ended session's stream closes, and its sequence's later requests are told how it ended, once its
+        client has been told of every save it asked for: the one place a session's end is told, so a snapshot it
+        names (MOVED's) is durable."""
         if part.saves:
             return
-        error, _ = part.ending
+        error, told = part.ending
         del self._parts[sid]
+        self._forget_key(part, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
+        self._answer_late(part, told)
+
+    def _answer_late(self, part: OwnerPart, told: Refusal) -> None:
+        """The requests of an ended session's sequence that came after its end: told how it ended."""
+        for responder, pause in part.late:
+            responder.send_error(messages.no_session(part.sequence_key, told, pause))
+        part.late.clear()
 
     def _drain(self) -> None:
         """The server drains: no new session is taken, and every steered session this rank owns is saved where it
@@ -309,4 +321,5 @@ class Intake:
         for sid, part in self._parts.items():
             self._forget_key(part, sid, reason)
             part.stream.send_error(reason)
+            self._answer_late(part, reason)
         self._parts.clear()

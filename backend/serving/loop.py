@@ -195,8 +195,8 @@ class GroupLoop:
     def _apply(self, plan: Plan) -> None:
         for sid, snapshot_id in plan.moves:  # saved where they stand, then ended (below) with MOVED
             self._save(sid, snapshot_id)
-        for sid, snapshot_id in plan.unsaved:
-            if sid in self.submitted_s:  # its owner drops the reservation and tells its client
+        for owner, sid, snapshot_id in plan.unsaved:
+            if owner == self.rank:  # its owner drops the reservation and tells its client
                 self.writer.publish(sid, snapshot_id, None, messages.not_saved(snapshot_id))
         for sid, ending in plan.ended:
             self._end(sid, ending)

@@ -69,8 +69,9 @@ class Plan:
     recaches: list[tuple[str, str]] = field(default_factory=list)
     # (session id, snapshot id): save the session where it stands, first (its ending, MOVED, is in `ended`)
     moves: list[tuple[str, str]] = field(default_factory=list)
-    # (session id, snapshot id): a save whose block never ran, its session having ended first: dropped
-    unsaved: list[tuple[str, str]] = field(default_factory=list)
+    # (owner rank, session id, snapshot id): a save whose block never ran, its session having ended first (its
+    # queued steps', or a step that came after the end): dropped, and its owner tells its client
+    unsaved: list[tuple[int, str, str]] = field(default_factory=list)
     stop: bool = False
 
     @property
@@ -107,8 +108,9 @@ class Scheduler:
             self._end(sid, ending, plan)
         for sid in (sid for e in events for sid in e.cancelled):
             self._end(sid, Ending(EndReason.CANCELLED), plan)
-        for step in (step for e in events for step in e.steps):
-            self._step(step, plan)
+        for rank, e in enumerate(events):  # a step comes from its session's owner
+            for step in e.steps:
+                self._step(step, rank, plan)
         for sid, why in (x for e in events for x in e.expired):
             if (s := self.table.get(sid)) is not None and s.live:
                 self._end(sid, Ending(EndReason.EXPIRED, why), plan)
@@ -133,7 +135,7 @@ class Scheduler:
         if (s := self.table.pop(sid, None)) is None:  # ended already
             return
         s.state, s.ending = State.DONE, ending
-        plan.unsaved += [(sid, c.snapshot_id) for c in s.steps if c.snapshot_id is not None]
+        plan.unsaved += [(s.owner, sid, c.snapshot_id) for c in s.steps if c.snapshot_id is not None]
         if before_batch:
             plan.ended.append((sid, ending))
         else:
@@ -151,9 +153,11 @@ class Scheduler:
         else:
             self._end(sid, Ending(EndReason.ABORTED, messages.DRAINING), plan)
 
-    def _step(self, step: StepEvent, plan: Plan) -> None:
+    def _step(self, step: StepEvent, owner: int, plan: Plan) -> None:
         s = self.table.get(step.session_id)
-        if s is None:  # ended meanwhile: its owner answers the step
+        if s is None:  # ended meanwhile: its owner answers the step, and drops the save it carries
+            if step.controls is not None and step.controls.snapshot_id is not None:
+                plan.unsaved.append((owner, step.session_id, step.controls.snapshot_id))
             return
         if step.controls is not None:
             s.steps.append(step.controls)

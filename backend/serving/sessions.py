@@ -20,7 +20,7 @@ from ..engine.geometry import VideoGeometry
 from . import messages
 from .settings import ServingSettings
 from .keys import ANONYMOUS, Principal
-from .streams import OwnerStream
+from .streams import OwnerStream, Responder
 
 
 class State(enum.Enum):
@@ -161,6 +161,8 @@ class OwnerPart:
     moved_to: str | None = None  # the snapshot the group drains it into
     releases: dict[str, str] = field(default_factory=dict)  # a save under way -> the older snapshot it releases
     ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until `saves` are told
+    late: list[tuple[Responder, bool]] = field(default_factory=list)  # (request, a pause?) of its sequence after its
+    # end, answered with `told` once its saves are told (a snapshot is named only once durable)
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit
