@@ -15,6 +15,7 @@ from ..engine.blocks import BlockOutput
 from .metrics import StreamMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger(__name__)
 
 
 class TritonLogHandler(logging.Handler):
@@ -102,15 +103,22 @@ class TritonResponder:
         return self.closed or self.sender.is_cancelled()
 
     def _send(self, response: pb_utils.InferenceResponse | None, flags: int) -> bool:
-        """Send unless the stream is closed; returns whether it was sent."""
+        """Send unless the stream is closed; returns whether it was sent. A send that fails (its client's stream
+        is gone) is logged, never raised: the sends to other clients that follow it go on, and a final one closes
+        the stream here all the same, so the open streams' count (what a drain waits on) never keeps it."""
         with self.process_lock:
             if self.closed:
                 return False
             self.closed = bool(flags & FINAL)
-            if response is None:
-                self.sender.send(flags=flags)
-            else:
-                self.sender.send(response, flags=flags)
-            if self.closed:
-                self.metrics.streams_open.increment(-1)
+            try:
+                if response is None:
+                    self.sender.send(flags=flags)
+                else:
+                    self.sender.send(response, flags=flags)
+            except Exception as exc:  # noqa: BLE001 - the Python backend's error for a stream that is gone
+                log.warning("a response could not be sent (its client's stream is gone?): %r", exc)
+                return False
+            finally:
+                if self.closed:
+                    self.metrics.streams_open.increment(-1)
             return True
