@@ -28,6 +28,7 @@ class StandIn:
 
     fail_at: dict[int, str] = field(default_factory=dict)  # blocks made in all -> how the session then fails
     refuse_opens: int = 0  # resumes answered "not ready" (a healing group) before one takes
+    pending_opens: int = 0  # resumes answered SNAPSHOT_PENDING (the snapshot's save still under way) before one takes
     full: bool = False  # the store refuses saves
     no_store: bool = False  # the server keeps no snapshots
     tamper: bool = False  # a resumed world is another one
@@ -75,6 +76,11 @@ class Session:
             self.server.refuse_opens -= 1
             self._answer(StreamError("model 'lingbot_world' is not ready"))
             self.dead = "error"
+            return
+        if self.server.pending_opens:
+            self.server.pending_opens -= 1
+            self._answer(StreamError("x", f"[SNAPSHOT_PENDING retry_after_s=0.5] snapshot {snapshot_id} is still "
+                                          "being saved; resume it again in a moment"))
             return
         if self.server.forget:
             self._answer(StreamError("x", f"[SNAPSHOT_UNKNOWN] no snapshot {snapshot_id}"))
@@ -213,6 +219,15 @@ def test_a_moved_session_resumes_from_the_snapshot_its_group_made_and_a_healing_
     assert lost.replayed == 0 and lost.resume_block == 4 and "drains" in lost.reason
     assert through.attempts == 3  # twice "not ready", then resumed
     assert server.opens[0] == "start" and len(set(server.opens[1:])) == 1
+
+
+def test_a_snapshot_still_being_saved_is_resumed_again_until_it_is_durable() -> None:
+    """SNAPSHOT_PENDING (the store holds the id's save under way: on another group, or not yet visible here) is no
+    reason to give the world up: it is tried again, as a group that is not ready is."""
+    server = StandIn(fail_at={4: "moved"}, pending_opens=2)
+    blocks, _, (lost, through) = play(server, save_every=0)
+    assert hashes(blocks) == UNINTERRUPTED and through.attempts == 3
+    assert len(set(server.opens[1:])) == 1 and len(server.opens) == 4
 
 
 def test_before_any_save_a_world_starts_again_from_its_first_request() -> None:

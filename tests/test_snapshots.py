@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backend.api.contract import (INVALID_INPUT, SETTINGS_MISMATCH, SNAPSHOT_EXPIRED, SNAPSHOT_INVALID,
-                                  SNAPSHOT_STORE_FULL, SNAPSHOT_UNKNOWN)
+                                  SNAPSHOT_PENDING, SNAPSHOT_STORE_FULL, SNAPSHOT_UNKNOWN)
 from backend.api.controls import parse_play_script
 from backend.api.request import SessionRequest
 from backend.engine.blocks import BlockControls
@@ -23,7 +23,7 @@ from backend.engine.rollout import WorldModelEngine
 from backend.engine.snapshot import files
 from backend.engine.snapshot.manifest import MANIFEST_NAME, SnapshotError
 from backend.engine.snapshot.restore import read_request
-from backend.engine.snapshot.store import SnapshotStore
+from backend.engine.snapshot.store import PENDING_RETRY_S, SnapshotStore
 from backend.model.feature_caches import vae_decoder_state
 from backend.model.tiny_vae import TinyDecodeState
 from backend.model.tiny_checkpoint import write_checkpoint
@@ -329,10 +329,25 @@ def test_a_failed_write_leaves_no_snapshot_visible(tmp_path: Path, monkeypatch: 
         store.publish(snapshot_id, Manifest(snapshot_id, 0.0, "", model,
                                             {"tp_degree": 1, "sp_degree": 1, "latent_rows": 8},
                                             (ghost, shared, condition)))
-    with refused(SNAPSHOT_UNKNOWN):
+    with refused(SNAPSHOT_PENDING):  # not published, not abandoned yet
         store.open(snapshot_id)
     store.abandon(snapshot_id)
+    with refused(SNAPSHOT_UNKNOWN):
+        store.open(snapshot_id)
     assert store.usage() == 0 and list(store.root.iterdir()) == [store.root / ".lock"]
+
+
+def test_a_resume_of_a_save_under_way_is_told_to_come_back_and_then_opens(tmp_path: Path) -> None:
+    """An id whose save is reserved and not published yet (its files being written, on this group or another that
+    shares the store) is SNAPSHOT_PENDING with a retry time, not SNAPSHOT_UNKNOWN: a client that resumes it is not
+    told its world is gone. Once published it opens."""
+    store = SnapshotStore(tmp_path / "store", QUOTA, TTL_S)
+    snapshot_id = store.reserve(60_000)
+    with refused(SNAPSHOT_PENDING) as caught:
+        store.open(snapshot_id)
+    assert caught.value.refusal.retry_after_s == PENDING_RETRY_S > 0
+    publish_small(store, snapshot_id, 50_000)
+    assert store.open(snapshot_id).manifest.snapshot_id == snapshot_id
 
 
 # -- other layouts: SP2 and TP2 x SP2 groups of local processes (one run each)

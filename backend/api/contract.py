@@ -269,6 +269,7 @@ AUTH_INVALID = "AUTH_INVALID"
 USER_SESSION_LIMIT = "USER_SESSION_LIMIT"
 QUOTA_EXHAUSTED = "QUOTA_EXHAUSTED"
 SNAPSHOT_UNKNOWN = "SNAPSHOT_UNKNOWN"
+SNAPSHOT_PENDING = "SNAPSHOT_PENDING"
 SNAPSHOT_EXPIRED = "SNAPSHOT_EXPIRED"
 SNAPSHOT_INVALID = "SNAPSHOT_INVALID"
 SNAPSHOT_STORE_FULL = "SNAPSHOT_STORE_FULL"
@@ -314,6 +315,9 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(SNAPSHOT_UNKNOWN, "no snapshot with this id in the server's snapshot store: it was never saved there, "
               "its save failed, or it expired so long ago that the store forgot it", "check the id and the server; "
               "else start a new session"),
+    ErrorCode(SNAPSHOT_PENDING, "the snapshot's save is still under way (its files are being written, on this "
+              "group or another that shares the store): it is not durable yet", "resume it again after retry_after_s",
+              retry_after=True),
     ErrorCode(SNAPSHOT_EXPIRED, "the snapshot outlived the store's time to live and was deleted",
               "start a new session (resume snapshots within the time to live)"),
     ErrorCode(SNAPSHOT_INVALID, "a file of the snapshot is missing, truncated, corrupted or altered (its size or "
