@@ -276,3 +276,15 @@ def damaged_resume(engine: WorldModelEngine, store, snapshot_id: str, steps: lis
     dist.barrier(group=engine.sp.group)
     resume_and_play(engine, store, snapshot_id, steps)
     return code
+
+
+def loop_sleeps(member) -> bool:
+    """Whether the member's group loop sleeps on the doorbell now (idle: in ControlPlane.wait_idle)."""
+    import sys
+
+    frame = sys._current_frames().get(member.loop._thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "wait_idle":
+            return True
+        frame = frame.f_back
+    return False

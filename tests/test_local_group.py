@@ -17,6 +17,7 @@ from backend.model.memory import weight_parameters
 from backend.serving.settings import ServingSettings
 from backend.serving.local_group import LocalGroup, LocalStreamError
 from factories import tiny_settings, tiny_request
+from polling import wait_until
 
 pytestmark = pytest.mark.server  # starts groups of processes
 
@@ -107,4 +108,22 @@ def test_a_hung_rank_is_detected_in_bounded_time_and_the_survivor_errors_its_str
             # The stopped member's own streams are lost with it: their clients see their timeout.
         finally:
             os.kill(group.pids[1], signal.SIGCONT)
+            group.kill()
+
+
+def test_an_idle_group_whose_store_host_dies_fails_at_once_not_at_its_heartbeat(tiny_checkpoint: str) -> None:
+    """Rank 0 hosts the group's store: killed while the group sleeps on the doorbell, rank 1's loop wakes and fails
+    within seconds (its sockets closed), not at its next heartbeat (collective_timeout_s / 2 = 60 s here). A group
+    that waited out its heartbeat held a reload back for a minute: the healer unloaded rank 0's dead model while
+    rank 1 still lived, and the new rank 1 was refused its host claim."""
+    config = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
+    with LocalGroup(config, ServingSettings(collective_timeout_s=120.0), world=2) as group:
+        assert len(group.stream(tiny_request(num_frames=9), rank=1)) == 1  # served, then idle
+        wait_until(lambda: group.call(1, "sp_workers:loop_sleeps"), 10, "rank 1 asleep on the doorbell")
+        try:
+            os.kill(group.pids[0], signal.SIGKILL)
+            killed = time.monotonic()
+            rank, why = group.events("failed", 20)
+            assert rank == 1 and time.monotonic() - killed < 10, why
+        finally:
             group.kill()

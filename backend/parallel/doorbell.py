@@ -153,8 +153,10 @@ class RingListener:
         while True:
             try:
                 self._store.wait([f"{KEY}/{self._seen + 1}"], self.NO_TIMEOUT)
-            except RuntimeError:  # the store is gone: waits time out, and the exchange will tell
-                self._ended = True
+            except RuntimeError:  # the store is gone (its host, rank 0, died): wake the loop, whose exchange fails
+                with self._changed:
+                    self._ended = True
+                    self._changed.notify_all()
                 return
             with self._changed:
                 if self._closing:
@@ -163,8 +165,10 @@ class RingListener:
                 self._changed.notify_all()
 
     def wait(self, number: int, timeout_s: float) -> bool:
+        """True once ring `number` happened, or at once when the store is gone (the caller's exchange then fails
+        now, not at its next heartbeat)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._seen >= number, timeout_s)
+            return self._changed.wait_for(lambda: self._seen >= number or self._ended, timeout_s)
 
     def close(self, connect: Callable[[], dist.Store], address: tuple[str, int]) -> None:
         """Wake the thread with the key it waits for (not a ring: the count may hold another's value)."""
