@@ -300,6 +300,61 @@ def test_the_healer_tries_every_configured_reload_with_doubling_backoff(tmp_path
     assert [t for t in waits.timeouts if t != heal.POLL_S] == [0.03, 0.06][: (healed_at or 3) - 1]
 
 
+class LoadAfterStubs(ReloadingServer):
+    """A server whose load finds whether any of the failed load's stubs (`stubs`) still lived: a survivor holds its
+    rank's host claim, so the real load would be refused RELOAD_REFUSED, or wait for it in the rendezvous."""
+
+    def __init__(self, stubs: list[subprocess.Popen]) -> None:
+        super().__init__(failing=0)
+        self.stubs = stubs
+        self.survivors_at_load: list[int] = []
+
+    def load_model(self, model: str, timeout_s: float) -> None:
+        self.survivors_at_load = [p.pid for p in self.stubs if p.poll() is None]
+        super().load_model(model, timeout_s)
+
+
+@pytest.mark.timeout(30)
+def test_a_stub_that_outlives_the_unload_is_killed_before_the_load(tmp_path: Path, monkeypatch) -> None:
+    """A survivor stuck with its dead peer (it ignores SIGTERM, as a stub blocked in an exchange does): the healer
+    waits STUBS_GONE_S for it, kills it, and loads only once no stub of the failed load is left, so the load is
+    neither refused nor left waiting for it."""
+    monkeypatch.setattr(heal, "STUBS_GONE_S", 0.5)
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); time.sleep(60)"])
+    try:
+        server = LoadAfterStubs([stuck])
+        healer = Healer(server, "m", HostSignals(tmp_path), stubs=lambda: {1: stuck.pid} if stuck.poll() is None else {})
+        began = time.monotonic()
+        done = healer._heal("rank 0 died")
+        assert done.healed and server.survivors_at_load == [] and stuck.returncode == -9
+        assert time.monotonic() - began >= heal.STUBS_GONE_S
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+@pytest.mark.timeout(30)
+def test_a_heal_that_does_not_take_ends_the_healer_and_says_so(tmp_path: Path) -> None:
+    """Every load fails: after its configured loads the healer calls on_unhealed once, with the heal, and stops (the
+    launcher then exits for a fresh start); it asks for no load after that."""
+    server = ReloadingServer(failing=10)
+    signals = Signals(tmp_path)
+    told: list[heal.Heal] = []
+    healer = Healer(server, "m", signals, attempts=2, first_backoff_s=0.01, on_unhealed=told.append).start()
+    try:
+        wait_until(lambda: signals.looks >= 1, 10, "the healer to look for requests")
+        signals.ask_heal("rank 1 lost its peer")
+        wait_until(lambda: told, 20, "the healer to give up")
+        healer._thread.join(5)
+        assert not healer._thread.is_alive()
+    finally:
+        healer.stop(timeout_s=10)
+    (unhealed,) = told
+    assert (unhealed.healed, unhealed.attempts, unhealed.why) == (False, 2, "rank 1 lost its peer")
+    assert len(server.loads) == 2
+
+
 class NotLoaded:
     """A server whose model is not loaded, as the healer's ModelControl reaches it; it counts the questions."""
 

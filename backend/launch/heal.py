@@ -5,10 +5,18 @@ model not ready and get GROUP_FAILED with a retry time; the restricted APIs stay
 A stub that dies with no peer left to say so (an SP1 group, or the last instance of a host) is seen by the stub
 watch: Triton 2.51 neither restarts it nor marks the model not ready (every request then fails with "Stub process
 ... is not healthy"), so the healer unloads the model itself, then loads it as above. A stub that dies before the
-watch first saw it is seen too: the model then reads ready with no stub process left on this server."""
+watch first saw it is seen too: the model then reads ready with no stub process left on this server.
+
+Every heal is bounded: the unload's wait, then the failed load's stubs' end (one stuck past STUBS_GONE_S, which would
+hold its rank's host claim and refuse the new load, is killed), then at most `attempts` loads, each its own timeout. A
+heal that does not take ends the launcher (`on_unhealed`): it exits EXIT_UNHEALED, for its supervisor (the fleet, or
+the operator's) to start the group afresh."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +35,10 @@ LOAD_TIMEOUT_S = 600.0  # one load (a rendezvous and every rank's weights)
 # saw it reads not ready 0.3-0.4 s after the kill and asks for its own heal: bench/README, kill matrix).
 DEAD_STUB_GRACE_S = 1.5
 ADOPT_EVERY_S = 1.0  # how often the stub watch asks whether a model it watches no stubs of reads ready
+# After the unload every stub of the failed load ends (it leaves its group and releases the model: about 2 s). One
+# still alive this long after is stuck (in an exchange or a join with a dead peer) and holds its rank's host claim and
+# sockets, so a load would be refused (RELOAD_REFUSED) or wait for it: the healer kills it before it loads.
+STUBS_GONE_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +81,15 @@ class StubWatch:
 
 class Healer:
     """Heals the model of the server that `control` reaches on its instances' requests, and when one of its stubs
-    (`stubs`: a rank -> pid finder) dies while it reads ready; `start()`, then `stop()`."""
+    (`stubs`: a rank -> pid finder) dies while it reads ready; `start()`, then `stop()`. A heal that does not take
+    within its loads calls `on_unhealed` (the launcher then ends, for its supervisor to start the group afresh)."""
 
     def __init__(self, control: ModelControl, model: str, signals: HostSignals, attempts: int = ATTEMPTS,
-                 first_backoff_s: float = FIRST_BACKOFF_S, stubs: Callable[[], dict[int, int]] | None = None) -> None:
+                 first_backoff_s: float = FIRST_BACKOFF_S, stubs: Callable[[], dict[int, int]] | None = None,
+                 on_unhealed: Callable[[Heal], None] = lambda heal: None) -> None:
         self.control, self.model, self.signals = control, model, signals
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
+        self.stubs, self.on_unhealed = stubs, on_unhealed
         self.watch = None if stubs is None else StubWatch(stubs)
         self._next_adopt_s = 0.0
         self._dead: tuple[float, list[int]] | None = None  # when the watch saw stubs die, and their ranks
@@ -100,6 +115,9 @@ class Healer:
                 self.heals.append(self._heal(why, unload=True))
             else:
                 continue
+            if not self.heals[-1].healed and not self._stop.is_set():
+                self.on_unhealed(self.heals[-1])
+                return
             if self.watch is not None:
                 self.watch.stubs, self._dead = {}, None  # the reload's stubs are adopted once it reads ready
             if (late := self.signals.take_heal()) is not None:  # the same failure, told while it was healed
@@ -144,6 +162,7 @@ class Healer:
             except ControlError as exc:
                 log.warning("%s: unloading it failed: %s", self.model, exc)
         self._wait_unloaded(client)
+        self._end_stubs()
         backoff = self.first_backoff_s
         for attempt in range(1, self.attempts + 1):
             if self._stop.is_set():
@@ -161,9 +180,25 @@ class Healer:
                 break
             backoff *= 2
         took = time.monotonic() - began
-        log.error("%s: not healed after %d loads (%.0f s); it stays unloaded until an operator loads it", self.model,
-                  self.attempts, took)
+        log.error("%s: not healed after %d loads (%.0f s)", self.model, self.attempts, took)
         return Heal(why, took, self.attempts, False)
+
+    def _end_stubs(self) -> None:
+        """Before a load: no stub of the failed load is left. Each ends with the unload; one that outlives it by
+        STUBS_GONE_S is stuck and is killed (SIGKILL: it may be blocked where no signal handler runs)."""
+        if self.stubs is None:
+            return
+        deadline = time.monotonic() + STUBS_GONE_S
+        while (left := self.stubs()) and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+            pass
+        for rank, pid in left.items():
+            log.warning("%s: the stub of rank %d (pid %d) outlived the unload by %g s; killing it", self.model, rank,
+                        pid, STUBS_GONE_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + STUBS_GONE_S  # a killed stub is gone once its server reaps it
+        while self.stubs() and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+            pass
 
     def _wait_unloaded(self, client: ModelControl) -> None:
         """Until the failed model reads not ready (a load before its unload would find it serving)."""

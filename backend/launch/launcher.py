@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..api.contract import MODEL_NAME
+from ..api.contract import GROUP_FAILED, MODEL_NAME
 from ..api.errors import ConfigError
 from ..api.settings import from_parameters, to_parameters
 from ..parallel.ports import free_port, port_in_use
@@ -36,6 +36,10 @@ from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, D
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
 from .server import ADMIN_HEADER, CPU_ONLY_ARGS, CPU_START_LINES, TritonServer, Tls
+
+# The launcher's exit when its group failed and its healer's loads did not take (launch/heal.py): EX_TEMPFAIL, a fresh
+# start is the cure (the fleet restarts it with backoff, as a crash; a lone launcher's supervisor should too).
+EXIT_UNHEALED = 75
 
 
 def gpu_count() -> int:
@@ -330,6 +334,11 @@ def serve(args: argparse.Namespace) -> int:
             rc = server.wait()
         except KeyboardInterrupt:
             return 130
+    if server.unhealed is not None:
+        heal = server.unhealed
+        print(f"[{GROUP_FAILED}] the group could not heal ({heal.why}; {heal.attempts} loads in {heal.seconds:.0f} s): "
+              f"exiting {EXIT_UNHEALED} for a fresh start", file=sys.stderr, flush=True)
+        return EXIT_UNHEALED
     if rc == 0:
         return 0
     print(f"tritonserver exited with code {rc}; from its log:\n{server.log_excerpt()}", file=sys.stderr)

@@ -24,7 +24,7 @@ from ..parallel.ports import free_port
 from ..serving.host_signals import HostSignals
 from ..serving.keys import KeyRing
 from .control import ADMIN_HEADER, ModelControl
-from .heal import Healer
+from .heal import Heal, Healer
 from .paths import DEFAULT_BACKENDS_DIR
 from .wheel import PytritonWheel, find_pytriton_wheel
 
@@ -108,7 +108,8 @@ class TritonServer:
     purpose). `extra_args` go to tritonserver as they are. With `die_with_parent` the kernel sends the server
     SIGTERM when the process that started it dies (a launcher that mpirun kills). `admin_key` (the restricted
     APIs' header value) and `group_secret` (the ranks' store keys) are fresh secrets unless given. With `heal` the
-    model (the repository's one) is reloaded whenever its group fails or one of its stubs dies (launch/heal.py).
+    model (the repository's one) is reloaded whenever its group fails or one of its stubs dies (launch/heal.py); a
+    heal that does not take stops the server (`unhealed` says why), so its launcher ends and is started afresh.
     `tls`: gRPC speaks TLS only. `keys_file`: the model serves the keys of that file only (serving/keys.py; the
     instances read the copy `reload_keys` publishes, at start and on the launcher's SIGHUP).
     Use as a context manager, or start()/stop().
@@ -155,9 +156,10 @@ class TritonServer:
         self.signals = HostSignals(Path(tempfile.mkdtemp(prefix="lingbot-signals-")))  # mode 0700
         self.control = ModelControl(f"{self.host}:{self.http_port}", self.admin_key)
         self.healer: Healer | None = None
+        self.unhealed: Heal | None = None  # the heal that did not take, which stopped the server
         if heal:
             (model,) = self.models()
-            self.healer = Healer(self.control, model, self.signals, stubs=self.stub_pids)
+            self.healer = Healer(self.control, model, self.signals, stubs=self.stub_pids, on_unhealed=self._unhealed)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -270,6 +272,11 @@ class TritonServer:
                 instance = next(a.decode() for a in argv if re.fullmatch(rb".+_\d+_\d+", a))
                 stubs[int(instance.rsplit("_", 1)[1])] = int(proc.name)
         return dict(sorted(stubs.items()))
+
+    def _unhealed(self, heal: Heal) -> None:
+        """The healer's loads did not take: the server ends (its `wait` returns), for a fresh start."""
+        self.unhealed = heal
+        self._signal_group(signal.SIGTERM)
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self.process is None:
