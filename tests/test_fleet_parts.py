@@ -314,24 +314,51 @@ class LoadAfterStubs(ReloadingServer):
         super().load_model(model, timeout_s)
 
 
+STUB = """import signal, sys, time
+from backend.parallel.host_claim import claim_for_this_host, member_claim
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+claim = claim_for_this_host(member_claim(1, int(sys.argv[1]))) if sys.argv[2] == "holds" else None
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def fake_stub(rank: int, holds: bool) -> subprocess.Popen:
+    """A stub of the failed load that ignores SIGTERM, holding its rank's claim (stuck in the group) or not (it left
+    the group and released the model, its process lingering)."""
+    stub = subprocess.Popen([sys.executable, "-c", STUB, str(rank), "holds" if holds else "left"],
+                            stdout=subprocess.PIPE, text=True)
+    assert stub.stdout.readline() == "up\n"
+    return stub
+
+
 @pytest.mark.timeout(30)
-def test_a_stub_that_outlives_the_unload_is_killed_before_the_load(tmp_path: Path, monkeypatch) -> None:
-    """A survivor stuck with its dead peer (it ignores SIGTERM, as a stub blocked in an exchange does): the healer
-    waits STUBS_GONE_S for it, kills it, and loads only once no stub of the failed load is left, so the load is
-    neither refused nor left waiting for it."""
-    monkeypatch.setattr(heal, "STUBS_GONE_S", 0.5)
-    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                              "signal.SIG_IGN); time.sleep(60)"])
+def test_a_stub_still_holding_its_rank_after_the_unload_is_killed_before_the_load(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """Rank 1's stub is stuck with its dead peer, its rank's claim held: the healer waits STUBS_GONE_S for it, kills
+    it, and loads only once no stub of the failed load holds its rank, so the load is neither refused nor left
+    waiting for it. Rank 0's stub lingers having let its claim go: it is left alone and costs the heal no wait."""
+    monkeypatch.setattr(heal, "STUBS_GONE_S", 1.0)
+    stuck, lingering = fake_stub(1, holds=True), fake_stub(0, holds=False)
+    live = {0: lingering, 1: stuck}
     try:
         server = LoadAfterStubs([stuck])
-        healer = Healer(server, "m", HostSignals(tmp_path), stubs=lambda: {1: stuck.pid} if stuck.poll() is None else {})
+        healer = Healer(server, "m", HostSignals(tmp_path),
+                        stubs=lambda: {r: p.pid for r, p in live.items() if p.poll() is None})
         began = time.monotonic()
         done = healer._heal("rank 0 died")
         assert done.healed and server.survivors_at_load == [] and stuck.returncode == -9
-        assert time.monotonic() - began >= heal.STUBS_GONE_S
+        assert lingering.poll() is None and time.monotonic() - began >= heal.STUBS_GONE_S
+
+        live = {0: lingering}  # no stub holds its rank: no wait at all
+        healer = Healer(LoadAfterStubs([]), "m", HostSignals(tmp_path),
+                        stubs=lambda: {r: p.pid for r, p in live.items() if p.poll() is None})
+        began = time.monotonic()
+        assert healer._heal("rank 1 died").healed and time.monotonic() - began < heal.STUBS_GONE_S
     finally:
-        stuck.kill()
-        stuck.wait()
+        for p in (stuck, lingering):
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.timeout(30)

@@ -7,8 +7,8 @@ watch: Triton 2.51 neither restarts it nor marks the model not ready (every requ
 ... is not healthy"), so the healer unloads the model itself, then loads it as above. A stub that dies before the
 watch first saw it is seen too: the model then reads ready with no stub process left on this server.
 
-Every heal is bounded: the unload's wait, then the failed load's stubs' end (one stuck past STUBS_GONE_S, which would
-hold its rank's host claim and refuse the new load, is killed), then at most `attempts` loads, each its own timeout. A
+Every heal is bounded: the unload's wait, then no stub of the failed load holding its rank (one stuck past
+STUBS_GONE_S, whose rank's claim would refuse the new load, is killed), then at most `attempts` loads, each its own timeout. A
 heal that does not take ends the launcher (`on_unhealed`): it exits EXIT_UNHEALED, for its supervisor (the fleet, or
 the operator's) to start the group afresh."""
 from __future__ import annotations
@@ -23,8 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..parallel.host_claim import MEMBER
 from ..serving.host_signals import HostSignals
 from .control import ControlError, ModelControl
+from .procfs import unix_socket_names
 
 ATTEMPTS = 4  # loads tried per failure: 1 + 2 + 4 s of backoff between them
 FIRST_BACKOFF_S = 1.0
@@ -35,9 +37,10 @@ LOAD_TIMEOUT_S = 600.0  # one load (a rendezvous and every rank's weights)
 # saw it reads not ready 0.3-0.4 s after the kill and asks for its own heal: bench/README, kill matrix).
 DEAD_STUB_GRACE_S = 1.5
 ADOPT_EVERY_S = 1.0  # how often the stub watch asks whether a model it watches no stubs of reads ready
-# After the unload every stub of the failed load ends (it leaves its group and releases the model: about 2 s). One
-# still alive this long after is stuck (in an exchange or a join with a dead peer) and holds its rank's host claim and
-# sockets, so a load would be refused (RELOAD_REFUSED) or wait for it: the healer kills it before it loads.
+# A stub of the failed load lets its rank's claim go once it has left its group and released the model (its process
+# may linger after, its Triton instance never finalised). One that still holds its claim this long after the unload is
+# stuck (in an exchange or a join with a dead peer), and a load would be refused (RELOAD_REFUSED) or wait for it in the
+# rendezvous: the healer kills it before it loads.
 STUBS_GONE_S = 10.0
 
 log = logging.getLogger(__name__)
@@ -184,21 +187,27 @@ class Healer:
         return Heal(why, took, self.attempts, False)
 
     def _end_stubs(self) -> None:
-        """Before a load: no stub of the failed load is left. Each ends with the unload; one that outlives it by
-        STUBS_GONE_S is stuck and is killed (SIGKILL: it may be blocked where no signal handler runs)."""
+        """Before a load: no stub of the failed load holds its rank. Each lets its claim go as it leaves; one that
+        still holds it STUBS_GONE_S after the unload is stuck and is killed (SIGKILL: it may be blocked where no
+        signal handler runs)."""
         if self.stubs is None:
             return
         deadline = time.monotonic() + STUBS_GONE_S
-        while (left := self.stubs()) and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+        while (left := self._holding()) and time.monotonic() < deadline and not self._stop.wait(POLL_S):
             pass
         for rank, pid in left.items():
-            log.warning("%s: the stub of rank %d (pid %d) outlived the unload by %g s; killing it", self.model, rank,
-                        pid, STUBS_GONE_S)
+            log.warning("%s: the stub of rank %d (pid %d) still held its rank %g s after the unload; killing it",
+                        self.model, rank, pid, STUBS_GONE_S)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + STUBS_GONE_S  # a killed stub is gone once its server reaps it
-        while self.stubs() and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+        deadline = time.monotonic() + STUBS_GONE_S  # a killed process's sockets close as the kernel reaps it
+        while self._holding() and time.monotonic() < deadline and not self._stop.wait(POLL_S):
             pass
+
+    def _holding(self) -> dict[int, int]:
+        """The server's stubs (rank -> pid) that hold a member's claim on their rank."""
+        return {rank: pid for rank, pid in self.stubs().items()
+                if any(name.startswith(f"@{MEMBER}-") for name in unix_socket_names(pid))}
 
     def _wait_unloaded(self, client: ModelControl) -> None:
         """Until the failed model reads not ready (a load before its unload would find it serving)."""

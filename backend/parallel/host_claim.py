@@ -14,3 +14,12 @@ def claim_for_this_host(name: str) -> socket.socket | None:
         claim.close()
         return None
     return claim
+
+
+MEMBER = "lingbot-member"  # a group member's claim on its rank: MEMBER-<rendezvous port>-<rank>
+
+
+def member_claim(rendezvous_port: int, rank: int) -> str:
+    """The claim a member holds on its rank of the group at `rendezvous_port`, from its start until it has left the
+    group and released the model."""
+    return f"{MEMBER}-{rendezvous_port}-{rank}"

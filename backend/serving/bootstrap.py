@@ -28,7 +28,7 @@ from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
-from ..parallel.host_claim import claim_for_this_host
+from ..parallel.host_claim import claim_for_this_host, member_claim
 from ..parallel.grid import RankGrid
 from ..parallel.mesh import Mesh
 from ..parallel.secret import group_secret
@@ -110,7 +110,7 @@ class GroupMember:
                 log.info("setting %s", line)
         # One member per rank of this group on this host: a load while this group serves (the operator's reload)
         # is refused at once by every new instance alike, so none waits for a peer that cannot start.
-        self._claim = claim_for_this_host(f"lingbot-member-{serving.rendezvous_port}-{rank}")
+        self._claim = claim_for_this_host(member_claim(serving.rendezvous_port, rank))
         if self._claim is None:
             raise RuntimeError(messages.RELOAD_REFUSED.message)
         groups = None
