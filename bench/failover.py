@@ -42,6 +42,7 @@ from backend.launch.drain import STREAMS_OPEN_METRIC
 from backend.launch.metrics_page import metrics_page, samples
 from backend.launch.model_repository import write_model_repository
 from backend.launch.polling import wait_for
+from backend.launch.procfs import stub_pids, tritonserver_of
 from backend.launch.server import TritonServer
 from backend.launch.wheel import prepare_backends
 from backend.parallel.ports import free_port
@@ -128,22 +129,11 @@ def running_fleet(checkpoint: Path, out: Path) -> Iterator[tuple[str, list[dict]
         process.wait(60)
 
 
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(c) for c in (task / "children").read_text().split()]
-                found += kids
-                todo += kids
-    return found
-
-
-def tritonserver_of(fleet: subprocess.Popen, group: dict) -> int:
+def running_tritonserver(fleet: subprocess.Popen, group: dict) -> int:
     """The group's tritonserver now (a killed one's launcher is restarted by the fleet: a new pid)."""
-    flag = f"--grpc-port={group['grpc_port']}"
-    (pid,) = [p for p in descendants(fleet.pid) if flag in Path(f"/proc/{p}/cmdline").read_text().split("\0")]
+    pid = tritonserver_of(fleet.pid, group["grpc_port"])
+    if pid is None:
+        raise RuntimeError(f"{group['name']} has no tritonserver")
     return pid
 
 
@@ -181,11 +171,11 @@ def fleet_cases(checkpoint: Path, args: argparse.Namespace) -> list[list[str]]:
                 return play(url, args.blocks, args.save_every, args.kill_after if kill else None, kill, placed)
 
         def kill_stub() -> None:
-            (stub,) = descendants(tritonserver_of(fleet, group0))
+            (stub,) = stub_pids(running_tritonserver(fleet, group0)).values()
             os.kill(stub, signal.SIGKILL)
 
         for case, kill in (("fleet, stub", kill_stub),
-                           ("fleet, tritonserver", lambda: os.kill(tritonserver_of(fleet, group0), signal.SIGKILL))):
+                           ("fleet, tritonserver", lambda: os.kill(running_tritonserver(fleet, group0), signal.SIGKILL))):
             rows.append(row(case, on_group0(None), on_group0(kill)))
             print(format_table(HEADER, rows[-1:], left=1).splitlines()[-1], flush=True)
     return rows

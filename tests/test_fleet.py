@@ -25,7 +25,7 @@ from backend.api import contract
 from backend.launch.balancer import HAPROXY, server_states, server_stats
 from backend.launch.metrics_page import metrics_page, samples
 from backend.launch.one_world import check_one_world, read_parameters
-from backend.launch.procfs import tcp_sockets
+from backend.launch.procfs import children, descendants, stub_pids, tcp_sockets, tritonserver_of
 from backend.launch.restart import rolling_restart
 from backend.parallel.ports import free_port, port_in_use
 from client.steer import SteeredSession
@@ -181,29 +181,15 @@ def is_loopback(address: str) -> bool:
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
-def children(pid: int) -> list[int]:
-    """A process's children, whichever of its threads started them."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in _read(task / "children").split()]
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def tritonserver_of(group: Group) -> int:
+def launched_tritonserver(group: Group) -> int:
     (server,) = children(group.launcher_pid)
     return server
 
 
 def running_tritonserver(fleet: Fleet, group: Group) -> int:
     """The group's tritonserver now (the fleet restarts a dead one's launcher: `launcher_pid` may be gone)."""
-    port = f"--grpc-port={group.grpc_url.rsplit(':', 1)[1]}"
-    family = children(fleet.process.pid)
-    family += [c for p in list(family) for c in children(p)]
-    (server,) = [p for p in family if port in _read(Path(f"/proc/{p}/cmdline")).split("\0")]
+    server = tritonserver_of(fleet.process.pid, int(group.grpc_url.rsplit(":", 1)[1]))
+    assert server is not None, f"{group.name} has no tritonserver"
     return server
 
 
@@ -288,13 +274,13 @@ def leave_and_return(fleet: Fleet, victim: Group, pid: int, what: str) -> None:
 
 def test_a_group_whose_stub_is_killed_leaves_the_rotation_and_heals_back(fleet) -> None:
     victim = fleet.groups[0]
-    (stub,) = children(tritonserver_of(victim))
+    (stub,) = children(launched_tritonserver(victim))
     leave_and_return(fleet, victim, stub, "group 0's stub")
 
 
 def test_a_group_whose_tritonserver_dies_is_restarted_and_returns(fleet) -> None:
     victim = fleet.groups[1]
-    leave_and_return(fleet, victim, tritonserver_of(victim), "group 1's tritonserver")
+    leave_and_return(fleet, victim, launched_tritonserver(victim), "group 1's tritonserver")
     assert re.search(r"group1: its launcher exited with \d+; restarting it in 1 s", fleet.log.read_text())
 
 
@@ -415,8 +401,7 @@ def test_the_groups_serve_one_world_and_a_difference_is_refused_by_name(fleet) -
 
 
 def test_the_agent_and_balancer_listen_on_loopback_only_and_garbage_leaves_them_serving(fleet) -> None:
-    pids = [fleet.process.pid] + children(fleet.process.pid)
-    pids += [c for p in list(pids) for c in children(p)]
+    pids = [fleet.process.pid] + descendants(fleet.process.pid)
     listening = {(s.address, s.port) for s in tcp_sockets(pids) if s.listening}
     balancer_port = int(fleet.url.rsplit(":", 1)[1])
     for group in fleet.groups:
@@ -493,8 +478,8 @@ def test_a_killed_stub_s_world_goes_on_on_the_other_group_bit_for_bit(fleet) -> 
         world.start(request)
         hashes = [world.next_block(60).used.latents_sha256]
     group1_takes_sessions(fleet)
-    (stub,) = [c for c in children(running_tritonserver(fleet, group0))  # the live one (a healed stub's dead
-               if _read(Path(f"/proc/{c}/stat")).rsplit(")", 1)[-1].split()[:1] != ["Z"]]  # one may linger)
+    (stub,) = stub_pids(running_tritonserver(fleet, group0)).values()  # the live one (a healed stub's dead one
+    # may linger as a zombie)
     with world:
         for i, controls in enumerate(steps[1:], start=1):
             if i == 4:  # its step goes to the dead stub's stream, which Triton keeps open
@@ -600,9 +585,8 @@ def test_a_killed_tritonserver_s_worlds_go_on_on_the_other_group_bit_for_bit(fle
 
 def test_sigterm_stops_the_balancer_and_every_group(fleet) -> None:
     """Last: the fleet ends on SIGTERM within 10 s, with haproxy, every launcher and tritonserver, and its ports."""
-    family = [fleet.process.pid] + children(fleet.process.pid)
-    family += [c for p in list(family) for c in children(p)]
-    assert len(family) >= 1 + 1 + 2 + 2  # fleet, haproxy, two launchers, two tritonservers
+    family = [fleet.process.pid] + descendants(fleet.process.pid)
+    assert len(family) >= 1 + 1 + 2 + 2 + 2  # fleet, haproxy, two launchers, two tritonservers, their stubs
     began = time.monotonic()
     fleet.process.send_signal(signal.SIGTERM)
     assert fleet.process.wait(15) == 143

@@ -26,6 +26,7 @@ from ..serving.keys import KeyRing
 from .control import ADMIN_HEADER, ModelControl
 from .heal import Heal, Healer
 from .paths import DEFAULT_BACKENDS_DIR
+from .procfs import stub_pids
 from .wheel import PytritonWheel, find_pytriton_wheel
 
 _PR_SET_PDEATHSIG = 1
@@ -257,21 +258,8 @@ class TritonServer:
         return self._started().pid
 
     def stub_pids(self) -> dict[int, int]:
-        """rank -> pid of the Python-backend stub processes (one per model instance; the last number
-        of an instance name is its index, which is the rank for the single KIND_CPU group rendered here)."""
-        stubs: dict[int, int] = {}
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == self.pid and argv[0].endswith(b"triton_python_backend_stub"):
-                instance = next(a.decode() for a in argv if re.fullmatch(rb".+_\d+_\d+", a))
-                stubs[int(instance.rsplit("_", 1)[1])] = int(proc.name)
-        return dict(sorted(stubs.items()))
+        """rank -> pid of the server's Python-backend stub processes (procfs.stub_pids)."""
+        return stub_pids(self.pid)
 
     def _unhealed(self, heal: Heal) -> None:
         """The healer's loads did not take: the server ends (its `wait` returns), for a fresh start."""
