@@ -56,16 +56,17 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def running_fleet(checkpoint: Path, sessions: int, out: Path, **settings: str) -> Iterator[Fleet]:
-    """settings: more server parameters of every group."""
-    parameters = server_parameters(engine_settings(checkpoint, TINY, 1)) | {"max_sessions": str(sessions),
-                                                                         "max_queue": str(4 * sessions)} | settings
+def running_fleet(checkpoint: Path, sessions: int, out: Path, sp: int = 1, **settings: str) -> Iterator[Fleet]:
+    """Two groups of `sp` instances each; settings: more server parameters of every group."""
+    parameters = server_parameters(engine_settings(checkpoint, TINY, sp)) | {"max_sessions": str(sessions),
+                                                                          "max_queue": str(4 * sessions)} | settings
     parameters.pop("rendezvous_port", None)  # the fleet gives each group its own
     parameters.pop("snapshot_dir", None)  # and every group one store, so SIGTERM drains a group
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     with (out / "fleet.log").open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--groups", "2", "--kind", "cpu",
+        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--groups", "2", "--sp", str(sp),
+                                    "--kind", "cpu",
                                     "--grpc-port", str(port), "--out", str(out),
                                     *(a for k, v in parameters.items() for a in ("--param", f"{k}={v}"))],
                                    stdout=log, stderr=subprocess.STDOUT)
