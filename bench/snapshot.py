@@ -61,11 +61,11 @@ def save_row(engine: WorldModelEngine, session: Session, store: SnapshotStore, b
         decode_captures.append(ms(start))
     pause = statistics.median(pauses)
     start = time.perf_counter()
-    size = engine.snapshot_size(session.request, session.geometry, session.block_index, True)
+    size = engine.snapshot_facts.snapshot_size(session.request, session.geometry, session.block_index, True)
     snapshot_id = store.reserve(size.total)
     folder = store.staging(snapshot_id)
     entries = [write_part(folder, part) for part in [*parts, decode]]
-    written = store.publish(snapshot_id, engine.snapshot_manifest(snapshot_id, session, entries))
+    written = store.publish(snapshot_id, engine.snapshot_facts.manifest(snapshot_id, session.geometry.latent_height, entries))
     write_ms = ms(start)
     start = time.perf_counter()
     snapshot = store.open(snapshot_id)

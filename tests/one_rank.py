@@ -7,10 +7,8 @@ from collections.abc import Callable
 
 from backend.api.request import ResumeRequest, SessionRequest, StepRequest
 from backend.engine.rollout import WorldModelEngine
-from backend.serving.admission import Admission
-from backend.serving.bootstrap import snapshot_store
+from backend.serving.bootstrap import owner_side
 from backend.serving.settings import ServingSettings
-from backend.serving.intake import Intake
 from backend.serving.line import LineCounts
 from backend.serving.loop import GroupLoop, LoopHooks
 from backend.serving.loop_cpu import LoopCpu
@@ -28,8 +26,7 @@ class OneRank:
         self.loop = GroupLoop(engine, settings, None, inbox.put,
                               LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line),
                               threads=threads, cpu=cpu)
-        admission = Admission(settings, engine.spec, engine.snapshot_facts, snapshot_store(settings))
-        self.intake = Intake(0, settings, admission, self.loop.post, inbox)
+        self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox)
 
     def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder) -> None:
         """A request as the member hands it over (its sequence's open pause is answered first)."""
@@ -38,7 +35,7 @@ class OneRank:
     @property
     def sessions(self) -> dict:
         """The engine sessions this rank holds (read from the test's thread: a snapshot, for polling)."""
-        return dict(self.loop.sessions)
+        return {sid: here.engine for sid, here in dict(self.loop.here).items() if here.engine is not None}
 
     @property
     def scheduler(self):

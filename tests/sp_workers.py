@@ -146,7 +146,7 @@ def admission_counts(member) -> dict[str, int]:
 
 def open_sessions(member) -> int:
     """Sessions whose caches this member holds."""
-    return len(dict(member.loop.sessions))
+    return sum(here.engine is not None for here in dict(member.loop.here).values())
 
 
 def planned_blocks(member) -> dict[str, int]:
@@ -194,7 +194,8 @@ def save_in_group(engine: WorldModelEngine, session, store) -> str:
     from backend.engine.snapshot.files import write_part
 
     rank, group = engine.sp.rank, engine.sp.group
-    size = engine.snapshot_size(session.request, session.geometry, session.block_index, session.commits is not None)
+    size = engine.snapshot_facts.snapshot_size(session.request, session.geometry, session.block_index,
+                                               session.commits is not None)
     snapshot_id = [store.reserve(size.total) if rank == session.owner else None]
     if group is not None:
         dist.broadcast_object_list(snapshot_id, group_src=session.owner, group=group)
@@ -209,7 +210,7 @@ def save_in_group(engine: WorldModelEngine, session, store) -> str:
         dist.all_gather_object(every, entries, group=group)
     if rank == session.owner:
         files = [entry for rank_entries in every for entry in rank_entries]
-        store.publish(snapshot_id[0], engine.snapshot_manifest(snapshot_id[0], session, files))
+        store.publish(snapshot_id[0], engine.snapshot_facts.manifest(snapshot_id[0], session.geometry.latent_height, files))
     if group is not None:
         dist.barrier(group=group)
     return snapshot_id[0]
@@ -226,7 +227,9 @@ def resume_and_play(engine: WorldModelEngine, store, snapshot_id: str, steps: li
     text = [store.open(snapshot_id).manifest.to_text() if engine.sp.rank == owner else None]
     if engine.sp.group is not None:
         dist.broadcast_object_list(text, group_src=owner, group=engine.sp.group)
-    snapshot = store.from_manifest(snapshot_id, text[0])
+    from backend.engine.snapshot.store import snapshot_at
+
+    snapshot = snapshot_at(store.root, snapshot_id, text[0])
     geometry = engine.geometry_of(read_request(snapshot))
     session = engine.resume_session(snapshot, geometry, owner=owner, fork_seed=fork_seed)
     try:

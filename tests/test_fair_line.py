@@ -10,7 +10,8 @@ from backend.serving.settings import ServingSettings
 from backend.serving.fair import HOUR_S, HourlyUsage
 from backend.serving.keys import Principal, Quota
 from backend.serving.line import Clocks, line_waits
-from backend.serving.scheduler import RankEvents, Scheduler
+from backend.serving.news import RankEvents
+from backend.serving.scheduler import Scheduler
 from backend.serving.sessions import EndReason, SharedSession
 from test_scheduler import geometry
 from factories import tiny_request

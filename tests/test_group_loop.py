@@ -13,7 +13,7 @@ from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.settings import ServingSettings
 from backend.serving.loop import GroupLoop
-from backend.serving.scheduler import StepEvent
+from backend.serving.news import StepEvent
 from factories import tiny_request
 
 
@@ -90,6 +90,6 @@ def test_steps_cancellation_and_stop_arrive_as_letters(loop) -> None:
     group.post(mail.Cancelled("a"))
     ended = answers.until(mail.Ended)[-1]
     assert ended.session_id == "a" and ended.error is None and "cancelled" in ended.told.sentence
-    assert not group.sessions
+    assert not group.here  # the loop holds nothing of it
     group.stop()
     assert answers.next(timeout=10) == mail.Closed(messages.MODEL_UNLOADING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +14,13 @@ import torch
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.engine.blocks import BlockOutput
+from backend.engine.snapshot.store import staging_folder
 from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
+from backend.serving.bootstrap import owner_side
+from backend.serving.news import FilesWritten
+from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
 from factories import tiny_settings, tiny_request
@@ -47,7 +52,8 @@ def intake(tiny_checkpoint: str):
     loop = FakeLoop()
     settings = ServingSettings(session_idle_timeout_s=0.5)
     spec = checked_spec(tiny_settings(tiny_checkpoint), 1)
-    side = Intake(0, settings, Admission(settings, spec), loop.post, every_s=0.05)
+    side = Intake(0, settings, Admission(settings, spec), Saves(None, None, 1, keep_commits=False), loop.post,
+                  every_s=0.05)
     yield side, loop
     side.close()
 
@@ -160,14 +166,22 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
 @pytest.fixture()
 def saving_intake(engine, tmp_path):
     """An intake whose server keeps snapshots: a drain reserves an id for each steered session it moves."""
-    from backend.engine.snapshot.store import SnapshotStore
-
     loop = FakeLoop()
-    settings = ServingSettings(snapshot_dir=str(tmp_path))
-    store = SnapshotStore(tmp_path, settings.snapshot_quota_bytes, settings.snapshot_ttl_s)
-    side = Intake(0, settings, Admission(settings, engine.spec, engine.snapshot_facts, store), loop.post, every_s=0.05)
+    side = owner_side(0, 1, ServingSettings(snapshot_dir=str(tmp_path)), engine, loop.post, queue.SimpleQueue())
     yield side, loop
     side.close()
+
+
+def files_written(side: Intake, snapshot_id: str) -> FilesWritten:
+    """A rank's report of its files of a snapshot, written small but whole into its staging folder (the store checks
+    their form and sizes when it publishes, not their meaning)."""
+    from backend.engine.snapshot import files
+
+    folder = staging_folder(Path(side.settings.snapshot_dir), snapshot_id)
+    heads = side._saves.facts.model()["num_heads"]
+    parts = [files.Part("shared", 0, {"x": torch.zeros(1)}), files.Part("condition", 0, {"x": torch.zeros(1)}),
+             files.Part("kv", 0, {"k.0": torch.zeros(4)}, heads=(0, heads))]
+    return FilesWritten(snapshot_id, 0, 0, tuple(files.write_part(folder, part) for part in parts))
 
 
 def drained_while_a_step_waits(side: Intake, loop: FakeLoop) -> tuple[str, RecordingResponder, RecordingResponder]:
@@ -199,7 +213,7 @@ def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable
     side, loop = saving_intake
     snapshot_id, waiting, late = drained_while_a_step_waits(side, loop)
     assert not waiting.closed.is_set() and not late.closed.is_set()
-    side.post(mail.Saved("r0-0", snapshot_id))  # durable now
+    side.post(files_written(side, snapshot_id))  # every rank's files (one rank here): published, durable now
     for r in (waiting, late):
         assert r.closed.wait(5) and r.code == "MOVED" and f"resume={snapshot_id}" in r.error
     after = RecordingResponder()
@@ -211,6 +225,6 @@ def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable
 def test_a_move_whose_save_failed_names_no_snapshot(saving_intake) -> None:
     side, loop = saving_intake
     snapshot_id, waiting, late = drained_while_a_step_waits(side, loop)
-    side.post(mail.Saved("r0-0", snapshot_id, messages.save_failed(snapshot_id)))
+    side.post(FilesWritten(snapshot_id, 0, 0, (), messages.save_failed(snapshot_id)))
     for r in (waiting, late):
         assert r.closed.wait(5) and r.code == "SERVER_STOPPING" and snapshot_id not in r.error

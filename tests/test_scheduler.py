@@ -18,7 +18,8 @@ from backend.serving.settings import ServingSettings
 from backend.engine.geometry import VideoGeometry
 from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, LineCounts, \
     line_waits, retry_after_s, slot_waits
-from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
+from backend.serving.news import RankEvents, StepEvent
+from backend.serving.scheduler import Plan, Scheduler
 from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
@@ -322,8 +323,8 @@ def test_a_save_whose_session_ended_first_is_dropped_and_told_to_its_owner() -> 
     owned = [dataclasses.replace(steered(sid), owner=1) for sid in ("a", "b")]
     s.plan([RankEvents(), RankEvents(submissions=owned)])
     assert s.plan([RankEvents(), RankEvents(cancelled=["a"])]).batch == ["b"]
-    queued = StepEvent("b", Controls(keys="d", snapshot_id="2" * 32))
+    queued = StepEvent("b", Controls(keys="d", save=True), snapshot_id="2" * 32)
     assert s.plan([RankEvents(), RankEvents(steps=[queued])]).batch == []
-    late = StepEvent("a", Controls(keys="d", snapshot_id="1" * 32))
+    late = StepEvent("a", Controls(keys="d", save=True), snapshot_id="1" * 32)
     plan = s.plan([RankEvents(), RankEvents(steps=[late], cancelled=["b"])])
     assert sorted(plan.unsaved) == [(1, "a", "1" * 32), (1, "b", "2" * 32)]

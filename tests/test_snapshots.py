@@ -23,7 +23,7 @@ from backend.engine.rollout import WorldModelEngine
 from backend.engine.snapshot import files
 from backend.engine.snapshot.manifest import MANIFEST_NAME, SnapshotError
 from backend.engine.snapshot.restore import read_request
-from backend.engine.snapshot.store import PENDING_RETRY_S, SnapshotStore
+from backend.engine.snapshot.store import PENDING_RETRY_S, SnapshotStore, snapshot_at
 from backend.model.feature_caches import vae_decoder_state
 from backend.model.tiny_vae import TinyDecodeState
 from backend.model.tiny_checkpoint import write_checkpoint
@@ -146,7 +146,7 @@ def test_kv_reuse_and_the_tiny_decoder_resume_bit_for_bit_and_other_settings_are
 def test_the_size_known_before_a_save_bounds_it(engine: WorldModelEngine, saved: Saved) -> None:
     snapshot = saved.store.open(saved.snapshot_id)
     request = read_request(snapshot)
-    size = engine.snapshot_size(request, engine.geometry_of(request), SAVE_AFTER + 1, keep_commits=True)
+    size = engine.snapshot_facts.snapshot_size(request, engine.geometry_of(request), SAVE_AFTER + 1, keep_commits=True)
     written = {entry.role: 0 for entry in snapshot.manifest.files}
     for entry in snapshot.manifest.files:
         written[entry.role] += entry.bytes
@@ -177,7 +177,7 @@ def copy(saved: Saved, tmp_path: Path) -> tuple[SnapshotStore, str]:
                                  "0" * 33, "0" * 31 + "\n", "0" * 16 + "\x00" + "0" * 15, "~" * 32])
 def test_an_id_not_of_the_exact_form_is_refused_before_any_path(bad: str, tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "store", QUOTA, TTL_S)
-    for call in (store.open, store.staging, store.abandon, lambda bad: store.from_manifest(bad, "{}")):
+    for call in (store.open, store.staging, store.abandon, lambda bad: snapshot_at(store.root, bad, "{}")):
         with refused(INVALID_INPUT):
             call(bad)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["store"]

@@ -38,7 +38,6 @@ class Controls:
     recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
     save: bool = False  # save the world after this block (request parameter save)
     release: str = ""  # with save: an older snapshot of the world, deleted once this save is durable ("": none)
-    snapshot_id: str | None = None  # the save's snapshot, reserved by the owner's admission (the server's, not sent)
 
     def check(self) -> None:
         """Each input on its own (at parse); the frame count is the server's to check (`check_frames`)."""

@@ -44,8 +44,7 @@ from .prompts import ENCODER_RANK, SharedPrompts
 from .session import CommitRecord, Session
 from .snapshot import sessions as snapshots
 from .snapshot.files import Part
-from .snapshot.manifest import FileEntry, Manifest, Snapshot
-from .snapshot.size import SnapshotSize
+from .snapshot.manifest import Snapshot
 from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry, session_window_frames
 
 log = logging.getLogger(__name__)
@@ -238,21 +237,6 @@ class WorldModelEngine:
         thread, before its next decode): its band of rows under a split decode, else the owner's whole frame;
         None where this rank holds none or the session decodes nothing."""
         return snapshots.decode_part(self, session)
-
-    def snapshot_manifest(self, snapshot_id: str, session: Session, files: list[FileEntry]) -> Manifest:
-        """The manifest of a session's snapshot from every rank's written files (on the owner)."""
-        return snapshots.manifest(self, snapshot_id, session, files)
-
-    def snapshot_size(self, request: SessionRequest, geometry: VideoGeometry, blocks: int,
-                      keep_commits: bool) -> SnapshotSize:
-        """The bytes of a session's snapshot after `blocks` blocks, before anything is written (the store's
-        quota check); the same on every rank."""
-        return self.snapshot_facts.snapshot_size(request, geometry, blocks, keep_commits)
-
-    def check_snapshot(self, snapshot: Snapshot) -> None:
-        """Refuse a snapshot saved on other settings or another model (SnapshotError SETTINGS_MISMATCH, naming
-        each difference); resume_session checks it too."""
-        self.snapshot_facts.check_fits(snapshot)
 
     @torch.no_grad()
     def resume_session(self, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,

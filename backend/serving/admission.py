@@ -9,7 +9,6 @@ import logging
 from ..api.contract import NO_FORK, PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
 from ..api.request import Controls, ResumeRequest, SessionRequest, StepRequest
-from ..engine.geometry import VideoGeometry
 from ..engine.snapshot.restore import read_shared
 from ..engine.snapshot.sessions import SnapshotFacts
 from ..engine.snapshot.store import SnapshotStore
@@ -17,20 +16,20 @@ from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
 from . import messages
 from .settings import ServingSettings
 from .keys import ANONYMOUS, Principal
-from .sessions import ResumeFrom, SharedSession
+from .sessions import ResumeFrom, SharedSession, Step
 
 log = logging.getLogger(__name__)
 
 
 class Admission:
     """This server's checks of a request (the intake's, on the owning rank): its limits, then the engine's
-    settings and geometry; a save's room in the snapshot store, and a resume's snapshot. Holds the engine's spec
-    and what a snapshot's size and fit depend on, not the engine: the weights may go while requests arrive."""
+    settings and geometry, and a resume's snapshot. Holds the engine's spec and what a snapshot's fit depends on,
+    not the engine: the weights may go while requests arrive."""
 
     def __init__(self, limits: ServingSettings, spec: EngineSpec, facts: SnapshotFacts | None = None,
                  store: SnapshotStore | None = None) -> None:
-        """facts: engine.snapshot_facts; store: the snapshot store, where snapshot_dir is set (else saving and
-        resuming are refused)."""
+        """facts: engine.snapshot_facts; store: the rank's snapshot store (the intake's, which also saves into it),
+        where snapshot_dir is set (else a resume is refused)."""
         self.limits, self.spec, self.facts, self.store = limits, spec, facts, store
 
     def session(self, request: SessionRequest, session_id: str, owner: int,
@@ -71,21 +70,7 @@ class Admission:
         self._check_controls(resume.controls)
         fork = None if resume.fork_seed == NO_FORK else resume.fork_seed
         start = ResumeFrom(resume.snapshot_id, snapshot.manifest.to_text(), saved.block_index, fork)
-        return SharedSession.resumed(session_id, request, geometry, owner, principal, start, resume.controls)
-
-    def reserve(self, request: SessionRequest, geometry: VideoGeometry) -> str:
-        """A save's snapshot id, its bytes reserved in the store: refused at once (SnapshotError
-        SNAPSHOT_STORE_FULL with its retry time) when the store has no room, before anything is written. The
-        reservation is the session's largest snapshot (its window full)."""
-        facts = self.facts
-        keep_commits = self.spec.window_frames != GLOBAL_WINDOW  # what a steered session keeps (the group loop's)
-        blocks = facts.most_blocks(request, geometry)
-        return self._store().reserve(facts.snapshot_size(request, geometry, blocks, keep_commits).total)
-
-    def release(self, snapshot_id: str) -> None:
-        """An older snapshot its world no longer needs (a newer save of it is durable): deleted."""
-        if self.store is not None and self.store.release(snapshot_id):
-            log.info("snapshot %s released by a newer save of its world", snapshot_id)
+        return SharedSession.resumed(session_id, request, geometry, owner, principal, start, Step(resume.controls))
 
     def _store(self) -> SnapshotStore:
         if self.store is None:

@@ -25,7 +25,7 @@ from ..api.request import SessionRequest, StepRequest
 from ..engine.settings import EngineSettings
 from ..engine.rollout import WorldModelEngine
 from ..engine.snapshot.store import SnapshotStore
-from ..engine.validation import checked_spec, describe_settings
+from ..engine.validation import GLOBAL_WINDOW, checked_spec, describe_settings
 from ..parallel.doorbell import StoreDoorbell
 from ..parallel.group import join_group, leave_group
 from ..parallel.host_claim import claim_for_this_host, member_claim
@@ -43,6 +43,7 @@ from .loop import GroupLoop, LoopHooks
 from .description import check_description
 from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
+from .saves import Saves
 from .streams import Responder
 from .threads import CoreSplit, instance_cores
 
@@ -136,8 +137,7 @@ class GroupMember:
                     on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
                     on_line=hooks.on_line, on_snapshot=hooks.on_snapshot), doorbell=doorbell, threads=threads,
                 cpu=LoopCpu(hooks.on_loop_block))
-            admission = Admission(serving, spec, self.engine.snapshot_facts, snapshot_store(serving))
-            self.intake = Intake(rank, serving, admission, self.loop.post, intake_inbox)
+            self.intake = owner_side(rank, world, serving, self.engine, self.loop.post, intake_inbox, hooks.on_snapshot)
         except BaseException as exc:
             if groups is not None:
                 with contextlib.suppress(Exception):  # the store may be gone with rank 0
@@ -206,6 +206,17 @@ class GroupMember:
             self.hooks.on_failure(exc)
         leave_group()
         self._release()
+
+
+def owner_side(rank: int, ranks: int, serving: ServingSettings, engine: WorldModelEngine,
+               to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue,
+               on_snapshot: Callable[[str], None] | None = None) -> Intake:
+    """The intake of a rank of `ranks`, with what its thread alone owns beside the streams: the admission's checks,
+    the rank's snapshot store and the ledger of its saves."""
+    store = snapshot_store(serving)
+    facts = engine.snapshot_facts
+    saves = Saves(store, facts, ranks, keep_commits=engine.window_frames != GLOBAL_WINDOW, on_outcome=on_snapshot)
+    return Intake(rank, serving, Admission(serving, engine.spec, facts, store), saves, to_loop, inbox)
 
 
 def snapshot_store(serving: ServingSettings) -> SnapshotStore | None:

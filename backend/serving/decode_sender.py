@@ -72,7 +72,7 @@ class DecodeSender:
         a snapshot, which the writer writes."""
         def capture() -> None:
             decoder_part = self.engine.snapshot_decode_part(session)
-            writer.write(snapshot_id, parts if decoder_part is None else [*parts, decoder_part])
+            writer.write(snapshot_id, session.owner, parts if decoder_part is None else [*parts, decoder_part])
 
         self._queue.put(capture)
 

@@ -1,12 +1,12 @@
 """The owner's side of the group on one rank: every request this rank receives and every reply it sends.
 
 One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
-its steered sessions, the keys whose session ended (to tell a late step why), and the owner's clocks of each
-session's limits. Triton's execute thread hands it each request (`arrive`); the group loop and the decode sender
-hand it what to answer (`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell).
-It reads the open streams' cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no
-cancellation callback), and wakes for the soonest limit of its steered sessions. Nothing here is shared with
-another thread: no lock.
+its steered sessions, the keys whose session ended (to tell a late step why), the owner's clocks of each
+session's limits, and their saves with the rank's snapshot store (serving/saves). Triton's execute thread hands it
+each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the saves' files
+(`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the open streams'
+cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation callback), and
+wakes for the soonest limit of its steered sessions. Nothing here is shared with another thread: no lock.
 """
 from __future__ import annotations
 
@@ -18,17 +18,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from ..api import contract as c
 from ..api.codec import SnapshotNotice
 from ..api.errors import InputError
 from ..api.refusal import Refusal
-from ..api.request import Controls, ResumeRequest, SessionRequest, StepRequest
+from ..api.request import ResumeRequest, SessionRequest, StepRequest
 from ..engine.snapshot.manifest import SnapshotError
 from . import mail, messages
 from .admission import Admission
-from .settings import ServingSettings
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
-from .scheduler import StepEvent
-from .sessions import OwnerPart
+from .news import FilesWritten, StepEvent
+from .saves import Outcome, Purpose, Saves
+from .sessions import OwnerPart, Step
+from .settings import ServingSettings
 from .streams import Responder, SteeredStream, WholeStream
 
 log = logging.getLogger(__name__)
@@ -39,13 +41,14 @@ _CLOSE = object()  # the intake's last letter
 
 
 class Intake:
-    def __init__(self, rank: int, settings: ServingSettings, admission: Admission,
+    def __init__(self, rank: int, settings: ServingSettings, admission: Admission, saves: Saves,
                  to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
                  every_s: float = EVERY_S) -> None:
-        """to_loop: the group loop's `post` (its inbox, then the doorbell); inbox: this intake's, made by the caller
-        when the group loop must know it first."""
+        """saves: the ledger of this rank's saves (with its snapshot store); to_loop: the group loop's `post` (its
+        inbox, then the doorbell); inbox: this intake's, made by the caller when the group loop must know it first."""
         self.rank, self.settings, self.every_s = rank, settings, every_s
         self._admission: Admission | None = admission
+        self._saves = saves
         self._to_loop = to_loop
         self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
         self._parts: dict[str, OwnerPart] = {}  # the sessions this rank owns that have not ended, by id
@@ -116,9 +119,10 @@ class Intake:
                 if (part := self._parts.get(sid)) is not None:
                     part.ending = (error, told)
                     self._finish(sid, part)
-            case mail.Saved(sid, snapshot_id, error):
-                if (part := self._parts.get(sid)) is not None:
-                    self._saved(sid, part, snapshot_id, error)
+            case FilesWritten():
+                self._told(self._saves.written(letter))
+            case mail.Unsaved(snapshot_id):
+                self._told(self._saves.unsaved(snapshot_id))
             case mail.Drain():
                 self._drain()
             case mail.Closed(reason):
@@ -152,10 +156,10 @@ class Intake:
         try:
             shared = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
                       else self._admission.session(request, sid, self.rank, who))
-            first = shared.steps[0] if shared.steps else None
-            saving = first.save if first is not None else False
-            if saving:  # the first block's save: its snapshot is reserved now, or the start is refused
-                first.snapshot_id = self._admission.reserve(shared.request, shared.geometry)
+            first = shared.steps[0].controls if shared.steps else None
+            if first is not None and first.save:  # the first block's save: reserved now, or the start is refused
+                shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry, Purpose.ASKED,
+                                                                  first.release))
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
@@ -163,8 +167,6 @@ class Intake:
         stream = SteeredStream(responder, shared.delivered) if request.steered else WholeStream(responder)
         part = OwnerPart(stream, key if request.steered else None, principal=who, request=shared.request,
                          geometry=shared.geometry)
-        if saving:
-            self._saving(part, first)
         self._parts[sid] = part
         if request.steered:
             self._running[key] = sid
@@ -185,16 +187,15 @@ class Intake:
         if step.pause:  # no news for the scheduler: it changes no block
             stream.pause(responder)
             return
+        sid = self._running[key]
+        snapshot_id = None
         try:
             self._admission.step(step)
             if step.controls is not None and step.controls.save:  # reserved now, or the step is refused whole
-                step.controls.snapshot_id = self._admission.reserve(part.request, part.geometry)
+                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.ASKED, step.controls.release)
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
-        sid = self._running[key]
-        if step.controls is not None and step.controls.snapshot_id is not None:
-            self._saving(part, step.controls)
         if step.end:  # no step may follow: the sequence's next request is told so
             self._forget_key(part, sid, messages.ENDED_BY_FLAG)
         sent = stream.sent
@@ -202,7 +203,7 @@ class Intake:
             stream.add(responder)  # answered at once by a block computed ahead (held)
         else:  # an end flag alone: the request is answered when the session closes
             stream.add_closing(responder)
-        self._to_loop(mail.Stepped(StepEvent(sid, step.controls, step.end)))
+        self._to_loop(mail.Stepped(StepEvent(sid, step.controls, step.end, snapshot_id)))
         self._delivered(sid, part, sent)
 
     def _delivered(self, sid: str, part: OwnerPart, sent_before: int) -> None:
@@ -210,32 +211,28 @@ class Intake:
         if part.stream.sent > sent_before:
             self._to_loop(mail.Delivered(sid, part.stream.sent))
 
-    def _saving(self, part: OwnerPart, controls: Controls) -> None:
-        """A save under way; the older snapshot it releases goes once it is durable."""
-        part.saves.add(controls.snapshot_id)
-        if controls.release:
-            part.releases[controls.snapshot_id] = controls.release
-
-    def _saved(self, sid: str, part: OwnerPart, snapshot_id: str, error: Refusal | None) -> None:
-        """A save of the session is over: its client is told (on a request it has open, else its next); a session
-        the group drained ends with MOVED only when its snapshot is durable."""
-        part.saves.discard(snapshot_id)
-        if (older := part.releases.pop(snapshot_id, None)) is not None and error is None:
-            self._admission.release(older)
-        if snapshot_id != part.moved_to:  # a save its client asked for (a move's id comes with MOVED)
-            part.stream.send_notice(SnapshotNotice(snapshot_id, None if error is None else error.message))
-        elif error is not None and part.ending is not None:  # nothing to resume: it only ends
-            part.ending = (messages.DRAINING, messages.DRAINING)
+    def _told(self, outcome: Outcome | None) -> None:
+        """A save is over (published, or dropped): its client is told (on a request it has open, else its next), a
+        session the group drained ends MOVED only once its snapshot is durable (else it only ends)."""
+        if outcome is None or (part := self._parts.get(outcome.session_id)) is None:
+            return
+        if outcome.purpose is Purpose.ASKED:  # a move's id comes with MOVED
+            error = None if outcome.error is None else outcome.error.message
+            part.stream.send_notice(SnapshotNotice(outcome.snapshot_id, error))
+        elif outcome.error is not None:
+            part.move_dropped = True
         if part.ending is not None:
-            self._finish(sid, part)
+            self._finish(outcome.session_id, part)
 
     def _finish(self, sid: str, part: OwnerPart) -> None:
         """An ended session's stream closes, and its sequence's later requests are told how it ended, once its
         client has been told of every save it asked for: the one place a session's end is told, so a snapshot it
         names (MOVED's) is durable."""
-        if part.saves:
+        if self._saves.pending(sid):
             return
         error, told = part.ending
+        if part.move_dropped and told.code == c.MOVED:  # nothing to resume: it only ends
+            error = told = messages.DRAINING
         del self._parts[sid]
         self._forget_key(part, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
@@ -256,14 +253,11 @@ class Intake:
             if not part.steered or part.ending is not None:
                 continue
             try:
-                snapshot_id = self._admission.reserve(part.request, part.geometry)
+                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE)
             except (InputError, SnapshotError) as exc:  # no store, or no room: it only ends
                 log.warning("rank %d: session %s cannot be saved as the server drains: %s", self.rank, sid,
                             exc.refusal)
                 snapshot_id = None
-            if snapshot_id is not None:
-                part.saves.add(snapshot_id)
-                part.moved_to = snapshot_id
             self._to_loop(mail.Moving(sid, snapshot_id))
 
     def _watch_cancellations(self) -> None:

@@ -6,8 +6,13 @@ this rank's clients from its intake, and its decode sender's failures. At each b
 news with every rank (control_plane), plans the same plan as every rank from the same news with its own scheduler
 copy, and opens, runs and closes the same sessions in the same order. Its decode sender decodes each block while
 the group runs the next one and hands the owned sessions' frames to the intake; the loop tells the intake when an
-owned session opens, moves in line or ends. An idle group sleeps until the doorbell rings (news from some rank)
-or the heartbeat is due.
+owned session opens, moves in line or ends, and hands it the files of its saves that the ranks report as news (the
+intake publishes them: serving/saves). An idle group sleeps until the doorbell rings (news from some rank) or the
+heartbeat is due.
+
+What the loop holds of each session it knows is one record (`Here`, this rank's part of it: its engine session, its
+clocks, and on its owner its client's deliveries and place); where the session stands is its shared record's
+(`SharedSession.state`), whose one writer is the scheduler.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from ..api.refusal import Refusal
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
 from ..engine.snapshot.manifest import SnapshotError
-from ..engine.snapshot.store import SnapshotStore
+from ..engine.snapshot.store import snapshot_at
 from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import mail, messages
@@ -36,7 +41,8 @@ from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
 from .line import Clocks, LineCounts, line_waits, retry_after_s
 from .loop_cpu import LoopCpu
-from .scheduler import Plan, RankEvents, Scheduler
+from .news import FilesWritten, RankEvents
+from .scheduler import Plan, Scheduler
 from .sessions import EndReason, Ending, SharedSession
 from .snapshot_writer import SnapshotWriter
 from .threads import CoreSplit, use_threads
@@ -62,12 +68,15 @@ class LoopHooks:
 
 
 @dataclasses.dataclass
-class Saving:
-    """A snapshot of a session this rank owns, until every rank has written its files."""
+class Here:
+    """What this rank holds of one session, from its submission (its owner) or its opening (every rank) to its end."""
 
-    session_id: str
-    session: Session  # its geometry makes the manifest (the session may have ended meanwhile)
-    reports: dict[int, mail.SnapshotWritten] = dataclasses.field(default_factory=dict)  # by rank
+    owned: bool  # this rank answers its client (its intake holds its stream)
+    engine: Session | None = None  # its engine session (caches, noise, camera), from its opening on
+    opened_s: float | None = None  # when it was opened here: a wait estimate's clock, never a plan's
+    submitted_s: float = 0.0  # owned: when it reached the loop (its wait in line, for the metrics)
+    delivered: int = 0  # owned: blocks its client received, as the intake last said
+    told: int = 0  # owned: the place in line its client was last told (0: its slot)
 
 
 class GroupLoop:
@@ -91,19 +100,9 @@ class GroupLoop:
         self._inbox: queue.SimpleQueue[mail.LoopLetter] = queue.SimpleQueue()
         self.decoder = DecodeSender(engine, to_intake, self.post, threads.decode if threads else None)
         # Saved worlds (docs/worlds.md): this rank writes its parts in the background; where snapshot_dir is set.
-        self.store = (SnapshotStore(Path(settings.snapshot_dir), settings.snapshot_quota_bytes, settings.snapshot_ttl_s)
-                      if settings.snapshot_dir else None)
-        self.writer = (SnapshotWriter(self.store, self.rank, self.post, to_intake, self.hooks.on_snapshot)
-                       if self.store else None)
-        self.saving: dict[str, Saving] = {}  # the snapshots of sessions this rank owns, until every rank wrote its files
-        self.moving: dict[str, str] = {}  # owned sessions the group drains: the snapshot reserved for each
-        # What this rank holds per session, until the session ends (the session's state is the scheduler's):
-        self.sessions: dict[str, Session] = {}  # its engine session, from its opening on
-        self.opened_s: dict[str, float] = {}  # when it was opened here: a wait estimate's clock, never a plan's
-        # ... and per session this rank owns (its intake answers the client):
-        self.submitted_s: dict[str, float] = {}  # when it reached the loop (its wait in line, for the metrics)
-        self.delivered: dict[str, int] = {}  # blocks its client received, as the intake last said
-        self.told: dict[str, int] = {}  # the place in line its client was last told (0: its slot)
+        self.snapshot_root = Path(settings.snapshot_dir) if settings.snapshot_dir else None
+        self.writer = SnapshotWriter(self.snapshot_root, self.rank, self.post) if self.snapshot_root else None
+        self.here: dict[str, Here] = {}  # every session this rank holds, until it ends
         self._failed: list[tuple[str, Ending]] = []  # sessions that failed to open here: news for the next boundary
         self._last_counts: LineCounts | None = None
         self._thread = threading.Thread(target=self._run, name="lingbot-group-loop", daemon=True)
@@ -134,7 +133,7 @@ class GroupLoop:
                 rings = self.control.doorbell.count()  # before collecting: a later ring ends the next wait
                 events = self.control.exchange(self._collect(), rings)
                 plan = self.scheduler.plan(events)
-                self._publish_written([w for e in events for w in e.written])
+                self._hand_on_saves([w for e in events for w in e.written], plan)
                 if plan.stop:
                     self._close(messages.MODEL_UNLOADING)
                     return
@@ -159,8 +158,7 @@ class GroupLoop:
             match letter:
                 case mail.Submitted(shared):
                     events.submissions.append(shared)
-                    self.submitted_s[shared.id] = now
-                    self.delivered[shared.id] = 0
+                    self.here[shared.id] = Here(owned=True, submitted_s=now)
                 case mail.Stepped(step):
                     events.steps.append(step)
                 case mail.Cancelled(sid):
@@ -168,42 +166,37 @@ class GroupLoop:
                 case mail.Expired(sid, why):
                     events.expired.append((sid, why))
                 case mail.Delivered(sid, blocks):
-                    if sid in self.delivered:
-                        self.delivered[sid] = blocks
+                    if (here := self.here.get(sid)) is not None:
+                        here.delivered = blocks
                 case mail.DecodeFailed(sid):
                     events.failed.append((sid, Ending(EndReason.FAILED, messages.DECODE_FAILED)))
                 case mail.SharedDecodeFailed(error):
                     raise RuntimeError(f"a block's shared decode failed: {error}")
                 case mail.Revoked(tags):
                     events.revoked.extend(sorted(tags))
-                case mail.SnapshotWritten():
+                case FilesWritten():
                     events.written.append(letter)
                 case mail.Moving(sid, snapshot_id):
                     events.moving.append((sid, snapshot_id))
-                    if snapshot_id is not None:
-                        self.moving[sid] = snapshot_id
                 case mail.Stop():
                     events.stop = True
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch): report
         # those that advanced, so a boundary where nothing changed carries no news.
         table = self.scheduler.table
-        events.delivered = {sid: n for sid, n in self.delivered.items()
-                            if (s := table.get(sid)) is not None and s.lags(self.settings.max_blocks_ahead)
-                            and n > s.delivered}
+        events.delivered = {sid: here.delivered for sid, here in self.here.items()
+                            if here.owned and (s := table.get(sid)) is not None
+                            and s.lags(self.settings.max_blocks_ahead) and here.delivered > s.delivered}
         return events
 
     def _apply(self, plan: Plan) -> None:
         for sid, snapshot_id in plan.moves:  # saved where they stand, then ended (below) with MOVED
             self._save(sid, snapshot_id)
-        for owner, sid, snapshot_id in plan.unsaved:
-            if owner == self.rank:  # its owner drops the reservation and tells its client
-                self.writer.publish(sid, snapshot_id, None, messages.not_saved(snapshot_id))
         for sid, ending in plan.ended:
             self._end(sid, ending)
         if plan.opens:
             self._open_all(plan.opens)
         for sid, prompt in plan.recaches:  # a boundary of its own (the scheduler plans no batch beside it)
-            session = self.sessions[sid]
+            session = self.here[sid].engine
             self._set_prompt(session, prompt)
             with self.cpu.run_block(1):
                 self.engine.recache(session)
@@ -212,9 +205,9 @@ class GroupLoop:
             self._run_batch(plan)
 
     def _run_batch(self, plan: Plan) -> None:
-        sessions = [self.sessions[sid] for sid in plan.batch]
+        sessions = [self.here[sid].engine for sid in plan.batch]
         for sid, controls in plan.controls.items():
-            session = self.sessions[sid]
+            session = self.here[sid].engine
             if controls.controls is None:
                 log.info("rank %d: block %d of session %s runs on held controls (its step is late)",
                          self.rank, session.block_index, sid)
@@ -226,58 +219,50 @@ class GroupLoop:
         self.clocks.batch.observe(time.perf_counter() - start)
         finishing = {sid for sid, _ in plan.finishing}
         for sid, session, output in zip(plan.batch, sessions, outputs):
-            owned = sid in self.submitted_s
+            owned = self.here[sid].owned
             if owned or session.split_decode:
                 self.decoder.block(session, output, final=sid in finishing, owned=owned)
-            if (step := plan.controls.get(sid)) is not None and step.controls and step.controls.snapshot_id:
-                self._save(sid, step.controls.snapshot_id)
+        for sid, snapshot_id in plan.saves:  # after their block, asked for by its step
+            self._save(sid, snapshot_id)
         for sid, ending in plan.finishing:
             self._end(sid, ending)
 
     def _save(self, sid: str, snapshot_id: str) -> None:
         """A session's snapshot at this block boundary: this rank copies its parts out now (the group's pause) and
-        writes them in the background, its decoder's after the decode of its last block; the owner publishes the
-        snapshot once every rank's files are in (`_publish_written`)."""
-        session = self.sessions[sid]
+        writes them in the background, its decoder's after the decode of its last block; the owner's intake
+        publishes the snapshot once every rank's files are in (serving/saves)."""
+        session = self.here[sid].engine
         start = time.perf_counter()
         parts = self.engine.snapshot_parts(session)
         log.info("rank %d: session %s saved at block %d into snapshot %s (pause %.1f ms)", self.rank, sid,
                  session.block_index, snapshot_id, (time.perf_counter() - start) * 1000.0)
         self.decoder.snapshot(session, snapshot_id, parts, self.writer)
-        if sid in self.submitted_s:
-            self.saving[snapshot_id] = Saving(sid, session)
-            self.moving.pop(sid, None)
 
-    def _publish_written(self, written: list[mail.SnapshotWritten]) -> None:
-        """The ranks' reports of their files (news every rank sees): an owner publishes its snapshot once every
-        rank's are in, or drops it when a rank failed."""
+    def _hand_on_saves(self, written: list[FilesWritten], plan: Plan) -> None:
+        """To this rank's intake, about the saves of the sessions it owns: every rank's files of them (news every
+        rank sees), and the saves whose block never runs."""
         for report in written:
-            if (saving := self.saving.get(report.snapshot_id)) is None:
-                continue
-            saving.reports[report.rank] = report
-            if len(saving.reports) < self.control.world:
-                continue
-            del self.saving[report.snapshot_id]
-            failed = next((r.error for r in saving.reports.values() if r.error is not None), None)
-            manifest = None if failed else self.engine.snapshot_manifest(
-                report.snapshot_id, saving.session, [f for r in saving.reports.values() for f in r.files])
-            self.writer.publish(saving.session_id, report.snapshot_id, manifest, failed)
+            if report.owner == self.rank:
+                self._to_intake(report)
+        for owner, _, snapshot_id in plan.unsaved:
+            if owner == self.rank:
+                self._to_intake(mail.Unsaved(snapshot_id))
 
     def _tell_line(self, plan: Plan) -> None:
         """After a plan: each session this rank owns whose place in line changed is told its new place (0: it has
         its slot) and its estimated wait; the group's counts go to the metrics hook when they changed."""
         now = time.monotonic()
         places = {s.id: n for n, s in enumerate(self.scheduler.waiting(), start=1)}
-        moved = [(sid, places.get(sid, 0)) for sid in self.submitted_s]
-        moved = [(sid, place) for sid, place in moved if place != self.told.get(sid, 0)]
+        moved = [(sid, here, places.get(sid, 0)) for sid, here in self.here.items() if here.owned]
+        moved = [(sid, here, place) for sid, here, place in moved if place != here.told]
         if moved:
-            waits = line_waits(self.scheduler, self.clocks, self.opened_s, now)
-            for sid, place in moved:
-                self.told[sid] = place
+            waits = line_waits(self.scheduler, self.clocks, self._opened_s(), now)
+            for sid, here, place in moved:
+                here.told = place
                 self._to_intake(mail.Placed(sid, place, waits[place - 1] if place else 0.0))
         if self.hooks.on_line is not None:
             opened = {s.id for s in plan.opens}
-            waited = [now - started for sid, started in self.submitted_s.items() if sid in opened]
+            waited = [now - here.submitted_s for sid, here in self.here.items() if here.owned and sid in opened]
             counts = LineCounts.of(self.scheduler, self.settings, waited)
             if waited or counts != self._last_counts:
                 self._last_counts = counts
@@ -288,8 +273,12 @@ class GroupLoop:
         place behind the line's last (the plan carries none: no plan depends on a clock)."""
         if refusal.code != c.CAPACITY_EXHAUSTED:
             return refusal
-        wait = line_waits(self.scheduler, self.clocks, self.opened_s, time.monotonic(), extra=1)[-1]
+        wait = line_waits(self.scheduler, self.clocks, self._opened_s(), time.monotonic(), extra=1)[-1]
         return dataclasses.replace(refusal, retry_after_s=retry_after_s(wait))
+
+    def _opened_s(self) -> dict[str, float]:
+        """When each session this rank holds was opened here."""
+        return {sid: here.opened_s for sid, here in self.here.items() if here.opened_s is not None}
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
         """A world event, at the same block on every rank (its step travelled to all as news)."""
@@ -311,9 +300,10 @@ class GroupLoop:
         """Open the plan's sessions here; one that fails is news for the next boundary, where every rank's
         scheduler ends it (it joins no batch before: a session runs from the boundary after its opening)."""
         for shared in opens:
+            here = self.here.setdefault(shared.id, Here(owned=False))
             try:
-                self.sessions[shared.id] = self._open(shared)
-                self.opened_s[shared.id] = time.monotonic()
+                here.engine = self._open(shared)
+                here.opened_s = time.monotonic()
             except SnapshotError as exc:  # refused by every rank alike (a damaged file, other settings)
                 log.warning("rank %d: resuming session %s failed: %s", self.rank, shared.id, exc.refusal)
                 self._failed.append((shared.id, Ending(EndReason.REJECTED, exc.refusal)))
@@ -322,7 +312,7 @@ class GroupLoop:
                 log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
                 self._failed.append((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))
                 continue
-            if shared.id in self.submitted_s:
+            if here.owned:
                 self._to_intake(mail.Opened(shared.id))
                 if shared.resume is not None and self.hooks.on_snapshot is not None:
                     self.hooks.on_snapshot("resumed")
@@ -333,7 +323,7 @@ class GroupLoop:
             # A steered session keeps what its cached blocks were made of, for a world event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
-        session = self.engine.resume_session(self.store.from_manifest(resume.snapshot_id, resume.manifest),
+        session = self.engine.resume_session(snapshot_at(self.snapshot_root, resume.snapshot_id, resume.manifest),
                                              shared.geometry, shared.id, shared.owner, resume.fork_seed)
         session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
         return session
@@ -341,39 +331,37 @@ class GroupLoop:
     def _end(self, sid: str, ending: Ending) -> None:
         """The scheduler ended a session: free its caches here; if this rank owns it, its intake answers what
         still waits (with the ending's error, or by closing the stream after its blocks)."""
-        told = self._with_retry(ending.told())  # the client's answer, and a late step's
-        if sid in self.submitted_s:
-            for record in (self.submitted_s, self.delivered, self.told):
-                record.pop(sid, None)
+        here = self.here.pop(sid, None)
+        if here is None:  # neither owned nor opened here
+            return
+        if here.owned:
+            told = self._with_retry(ending.told())  # the client's answer, and a late step's
             if self.hooks.on_ended is not None:
                 self.hooks.on_ended(ending.reason.value)
-            if (unused := self.moving.pop(sid, None)) is not None:  # drained before it had a slot: nothing to save
-                self.writer.publish(sid, unused, None, messages.DRAINING)
             self.decoder.end(sid, None if ending.error is None else told, told)
-        opened_s = self.opened_s.pop(sid, None)
-        session = self.sessions.pop(sid, None)
+        session = here.engine
         if session is None:  # never opened here
             return
         if not session.num_blocks:
-            self.clocks.life.observe(time.monotonic() - opened_s)  # an open-ended session's life
+            self.clocks.life.observe(time.monotonic() - here.opened_s)  # an open-ended session's life
         held = session.cache_bytes()
         self.engine.close_session(session)
         done = f"{session.block_index} of {session.num_blocks} blocks" if session.num_blocks else \
             f"{session.block_index} block{'' if session.block_index == 1 else 's'} (steered: no set length)"
+        open_sessions = sum(h.engine is not None for h in self.here.values())
         log.info("rank %d: session %s %s after %s; freed %d cache bytes (left: %d); open sessions: %d", self.rank,
-                 sid, ending.reason.value, done, held, session.cache_bytes(), len(self.sessions))
+                 sid, ending.reason.value, done, held, session.cache_bytes(), open_sessions)
 
     def _close(self, reason: Refusal) -> None:
         """The loop ends: every session ends here; the intake answers every open stream and later request with
         `reason`, after the blocks the decode sender still holds."""
         self.scheduler.abort(Ending(EndReason.ABORTED, reason))
-        if self.hooks.on_ended is not None:
-            for _ in self.submitted_s:
+        for here in self.here.values():
+            if here.owned and self.hooks.on_ended is not None:
                 self.hooks.on_ended(EndReason.ABORTED.value)
-        for session in self.sessions.values():
-            self.engine.close_session(session)
-        self.sessions.clear()
-        self.submitted_s.clear()
+            if here.engine is not None:
+                self.engine.close_session(here.engine)
+        self.here.clear()
         self.decoder.close()
         if self.writer is not None:  # what was handed over is written; a snapshot left unpublished expires
             self.writer.close()

@@ -1,8 +1,10 @@
 """What a rank's threads send each other. Each receiver has one queue (its inbox) and is the only reader of it;
 a sender puts a letter in and, when the receiver is the group loop, rings the doorbell.
 
-To the group loop (serving/loop): news of this rank's clients from the intake, and the decode sender's failures.
-To the intake (serving/intake): what to answer, from the group loop and the decode sender.
+To the group loop (serving/loop): news of this rank's clients from the intake, the decode sender's failures and
+the snapshot writer's files (news/FilesWritten).
+To the intake (serving/intake): what to answer, from the group loop and the decode sender, and the saves of the
+sessions it owns (their files written on every rank: news/FilesWritten, handed on by the loop; or never run).
 """
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ import numpy as np
 from ..api.refusal import Refusal
 from ..api.request import ResumeRequest, SessionRequest, StepRequest
 from ..engine.blocks import BlockOutput
-from ..engine.snapshot.manifest import FileEntry
 from .keys import ANONYMOUS, Principal
-from .scheduler import StepEvent
+from .news import FilesWritten, StepEvent
 from .sessions import SharedSession
 from .streams import Responder
 
@@ -74,17 +75,6 @@ class SharedDecodeFailed:
 
 
 @dataclass(frozen=True)
-class SnapshotWritten:
-    """This rank wrote its files of a snapshot (or could not): news for the snapshot's owner, which publishes it
-    once every rank's files are in."""
-
-    snapshot_id: str
-    rank: int
-    files: tuple[FileEntry, ...]
-    error: Refusal | None = None
-
-
-@dataclass(frozen=True)
 class Moving:
     """The group drains: the session is saved at the next boundary into `snapshot_id` (reserved by its owner) and
     ends with MOVED; None: its owner could not reserve one, so it only ends."""
@@ -105,7 +95,7 @@ class Stop:
     """The model is unloading or the server stopping: every session ends and the loop returns."""
 
 
-LoopLetter = (Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | SnapshotWritten
+LoopLetter = (Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | FilesWritten
               | Moving | Revoked | Stop)
 
 # -- to the intake ----------------------------------------------------------------------------------------------
@@ -161,12 +151,10 @@ class Ended:
 
 
 @dataclass(frozen=True)
-class Saved:
-    """A save of the session is over: its snapshot is durable (error None), or it failed."""
+class Unsaved:
+    """A save of a session this rank owns whose block never runs (the session ended first): its owner drops it."""
 
-    session_id: str
     snapshot_id: str
-    error: Refusal | None = None
 
 
 @dataclass(frozen=True)
@@ -181,4 +169,4 @@ class Closed:
     reason: Refusal
 
 
-IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | Saved | Drain | Closed
+IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | FilesWritten | Unsaved | Drain | Closed

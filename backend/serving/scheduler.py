@@ -11,49 +11,15 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..api.refusal import Refusal
-from ..api.request import Controls
 from ..engine.blocks import BlockControls
 from . import messages
-from .settings import ServingSettings
 from .fair import HourlyUsage, fair_order
 from .keys import KEY_REVOKED
-from .sessions import EndReason, Ending, SharedSession, State
-
-if TYPE_CHECKING:
-    from .mail import SnapshotWritten
-
-
-@dataclass
-class StepEvent:
-    """A steered session's next camera (or its end), from the rank that owns the session."""
-
-    session_id: str
-    controls: Controls | None
-    end: bool = False
-
-
-@dataclass
-class RankEvents:
-    """What one rank tells the others at a block boundary."""
-
-    submissions: list[SharedSession] = field(default_factory=list)  # sessions this rank admitted
-    steps: list[StepEvent] = field(default_factory=list)
-    expired: list[tuple[str, Refusal]] = field(default_factory=list)  # (session id, why): the owner's limits
-    cancelled: list[str] = field(default_factory=list)
-    failed: list[tuple[str, Ending]] = field(default_factory=list)  # sessions this rank could not open or decode
-    delivered: dict[str, int] = field(default_factory=dict)  # blocks sent to the client, per owned session
-    revoked: list[str] = field(default_factory=list)  # tags of keys this rank's keys file no longer holds
-    moving: list[tuple[str, str | None]] = field(default_factory=list)  # (session id, its snapshot): the group drains
-    written: list[SnapshotWritten] = field(default_factory=list)  # this rank's files of snapshots, for their owners
-    stop: bool = False
-    clock_s: float = 0.0  # the rank's wall clock (time.time()) as it collected: not news by itself
-
-    def __bool__(self) -> bool:
-        return bool(self.submissions or self.steps or self.expired or self.cancelled or self.failed
-                    or self.delivered or self.revoked or self.moving or self.written or self.stop)
+from .news import RankEvents, StepEvent
+from .sessions import EndReason, Ending, SharedSession, State, Step
+from .settings import ServingSettings
 
 
 @dataclass
@@ -69,8 +35,10 @@ class Plan:
     recaches: list[tuple[str, str]] = field(default_factory=list)
     # (session id, snapshot id): save the session where it stands, first (its ending, MOVED, is in `ended`)
     moves: list[tuple[str, str]] = field(default_factory=list)
-    # (owner rank, session id, snapshot id): a save whose block never ran, its session having ended first (its
-    # queued steps', or a step that came after the end): dropped, and its owner tells its client
+    # (session id, snapshot id): the batch's sessions saved after their block (their step asked for it)
+    saves: list[tuple[str, str]] = field(default_factory=list)
+    # (owner rank, session id, snapshot id): a save that never runs, its session having ended first (its queued
+    # steps', a step that came after the end, or a move of a session without a slot): its owner drops it
     unsaved: list[tuple[int, str, str]] = field(default_factory=list)
     stop: bool = False
 
@@ -135,7 +103,7 @@ class Scheduler:
         if (s := self.table.pop(sid, None)) is None:  # ended already
             return
         s.state, s.ending = State.DONE, ending
-        plan.unsaved += [(s.owner, sid, c.snapshot_id) for c in s.steps if c.snapshot_id is not None]
+        plan.unsaved += [(s.owner, sid, step.snapshot_id) for step in s.steps if step.snapshot_id is not None]
         if before_batch:
             plan.ended.append((sid, ending))
         else:
@@ -150,17 +118,19 @@ class Scheduler:
         if s.admitted and snapshot_id is not None:
             plan.moves.append((sid, snapshot_id))
             self._end(sid, Ending(EndReason.MOVED, messages.moved(snapshot_id)), plan)
-        else:
-            self._end(sid, Ending(EndReason.ABORTED, messages.DRAINING), plan)
+            return
+        if snapshot_id is not None:  # nothing to save: its owner drops the snapshot it reserved
+            plan.unsaved.append((s.owner, sid, snapshot_id))
+        self._end(sid, Ending(EndReason.ABORTED, messages.DRAINING), plan)
 
     def _step(self, step: StepEvent, owner: int, plan: Plan) -> None:
         s = self.table.get(step.session_id)
         if s is None:  # ended meanwhile: its owner answers the step, and drops the save it carries
-            if step.controls is not None and step.controls.snapshot_id is not None:
-                plan.unsaved.append((owner, step.session_id, step.controls.snapshot_id))
+            if step.snapshot_id is not None:
+                plan.unsaved.append((owner, step.session_id, step.snapshot_id))
             return
         if step.controls is not None:
-            s.steps.append(step.controls)
+            s.steps.append(Step(step.controls, step.snapshot_id))
             s.requests += 1
         if step.end:
             s.state = State.ENDING
@@ -251,9 +221,11 @@ class Scheduler:
             self.table.move_to_end(s.id)
             s.computed += 1
             if s.steered:
-                controls = s.steps.popleft() if s.steps else None  # None: hold the last motion
-                plan.controls[s.id] = BlockControls(controls, recached=s.recached)
+                step = s.steps.popleft() if s.steps else None  # None: hold the last motion
+                plan.controls[s.id] = BlockControls(None if step is None else step.controls, recached=s.recached)
                 s.recached = False
+                if step is not None and step.snapshot_id is not None:
+                    plan.saves.append((s.id, step.snapshot_id))
             plan.batch.append(s.id)
             if s.last_block_planned():  # its client's end flag, or its set length
                 reason = EndReason.ENDED if s.state is State.ENDING else EndReason.FINISHED
@@ -263,7 +235,7 @@ class Scheduler:
         """Its event's prompt takes hold now, with its cache recomputed; its block runs at a later boundary, on
         the same step (without the event, which has happened). The other sessions wait for this boundary once."""
         step = s.steps[0]
-        s.steps[0] = dataclasses.replace(step, prompt=None, recache=False)
+        s.steps[0] = dataclasses.replace(step, controls=dataclasses.replace(step.controls, prompt=None, recache=False))
         s.recached = True
         self.table.move_to_end(s.id)
-        plan.recaches.append((s.id, step.prompt))
+        plan.recaches.append((s.id, step.controls.prompt))

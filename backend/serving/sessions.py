@@ -56,6 +56,15 @@ class Ending:
 
 
 @dataclass(frozen=True)
+class Step:
+    """A steered session's next block as its group plans it: its controls as its client sent them, and the
+    snapshot its owner reserved when it asks for a save after its block."""
+
+    controls: Controls
+    snapshot_id: str | None = None
+
+
+@dataclass(frozen=True)
 class ResumeFrom:
     """Where a resumed session opens: its snapshot (the manifest's text travels, so no rank but the owner reads the
     store before the collective open), the blocks it had made, and a fork's new noise seed."""
@@ -80,7 +89,7 @@ class SharedSession:
     admitted: bool = False  # holds a slot (generating)
     computed: int = 0  # blocks planned
     delivered: int = 0  # blocks sent to the client, as the owner last reported
-    steps: deque[Controls] = field(default_factory=deque)  # steered: cameras received, not run yet
+    steps: deque[Step] = field(default_factory=deque)  # steered: steps received, not run yet
     requests: int = 1  # steered: requests that want a block (the first one included)
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
@@ -88,15 +97,15 @@ class SharedSession:
 
     @classmethod
     def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int,
-                  principal: Principal = ANONYMOUS, first: Controls | None = None) -> SharedSession:
-        """A new session as its owner shares it (a steered one with its first block's camera: `first`, by default
-        the request's)."""
-        steps = deque([first or request.first_controls]) if request.steered else deque()
+                  principal: Principal = ANONYMOUS, first: Step | None = None) -> SharedSession:
+        """A new session as its owner shares it (a steered one with its first block's step: `first`, by default
+        the request's camera)."""
+        steps = deque([first or Step(request.first_controls)]) if request.steered else deque()
         return cls(id, request, geometry, owner, steps=steps, principal=principal)
 
     @classmethod
     def resumed(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int, principal: Principal,
-                resume: ResumeFrom, first: Controls) -> SharedSession:
+                resume: ResumeFrom, first: Step) -> SharedSession:
         """A session opened from a snapshot: its blocks go on from the snapshot's (its first request asks for the
         next one)."""
         done = resume.block_index
@@ -140,7 +149,7 @@ class SharedSession:
 
     def recache_due(self) -> bool:
         """Its next step is a world event that asks for its cached frames to be recomputed first."""
-        return bool(self.steps) and self.steps[0].recache
+        return bool(self.steps) and self.steps[0].controls.recache
 
     def last_block_planned(self) -> bool:
         """Its set length is planned, or its client ended it and no step is left."""
@@ -157,12 +166,10 @@ class OwnerPart:
     principal: Principal = ANONYMOUS  # whose key it runs on, with that key's limits
     request: SessionRequest | None = None  # steered: what a save's size is made of
     geometry: VideoGeometry | None = None
-    saves: set[str] = field(default_factory=set)  # its snapshots under way: asked for, or its move's
-    moved_to: str | None = None  # the snapshot the group drains it into
-    releases: dict[str, str] = field(default_factory=dict)  # a save under way -> the older snapshot it releases
-    ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until `saves` are told
+    ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until its saves are told
+    move_dropped: bool = False  # the drain's save of it failed: it ends without a snapshot to resume
     late: list[tuple[Responder, bool]] = field(default_factory=list)  # (request, a pause?) of its sequence after its
-    # end, answered with `told` once its saves are told (a snapshot is named only once durable)
+    # end, answered with `told` once its saves are told (a snapshot is named only once durable: serving/saves)
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit

@@ -74,13 +74,6 @@ def decode_rows(engine: WorldModelEngine, latent_rows: int, decodes: bool, split
     return (0, latent_rows) if engine.sp.rank == owner else None
 
 
-def manifest(engine: WorldModelEngine, snapshot_id: str, session: Session, files: list[FileEntry]) -> Manifest:
-    layout = {"tp_degree": engine.mesh.tp.degree, "sp_degree": engine.mesh.sp.degree,
-              "latent_rows": session.geometry.latent_height}
-    return Manifest(snapshot_id, time.time(), engine.settings_used, engine.snapshot_facts.model(), layout,
-                    tuple(files))
-
-
 @dataclass(frozen=True)
 class SnapshotFacts:
     """What a snapshot's size and its fit to a server depend on: the engine's spec, its VAE's architecture, the
@@ -96,6 +89,12 @@ class SnapshotFacts:
         tcfg = self.spec.checkpoint.transformer
         return {"num_layers": tcfg.num_layers, "num_heads": tcfg.num_heads, "head_dim": tcfg.head_dim,
                 "z_dim": self.spec.checkpoint.vae.z_dim}
+
+    def manifest(self, snapshot_id: str, latent_rows: int, files: list[FileEntry]) -> Manifest:
+        """The manifest of a session's snapshot from every rank's written files (on its owner, which publishes it)."""
+        config = self.spec.config
+        layout = {"tp_degree": config.tp_degree, "sp_degree": config.sp_degree, "latent_rows": latent_rows}
+        return Manifest(snapshot_id, time.time(), settings_of(config), self.model(), layout, tuple(files))
 
     def check_fits(self, snapshot: Snapshot) -> None:
         """SnapshotError SETTINGS_MISMATCH naming each setting (and the model's geometry) that differs."""

@@ -49,7 +49,27 @@ def check_id(snapshot_id: str) -> str:
     return snapshot_id
 
 
+def staging_folder(root: Path, snapshot_id: str) -> Path:
+    """Where every rank writes its files of a reserved snapshot (files.write_part): its store's staging folder (a
+    path only; any thread, any rank)."""
+    path = Path(root) / f"{STAGING}{check_id(snapshot_id)}"
+    if not path.is_dir() or path.is_symlink():
+        raise SnapshotError(Refusal(SNAPSHOT_UNKNOWN, f"no save of snapshot {snapshot_id} is under way (it "
+                                    "failed, or outlived the time to live)"))
+    return path
+
+
+def snapshot_at(root: Path, snapshot_id: str, manifest_text: str) -> Snapshot:
+    """The snapshot its owner opened, from its manifest's text (`snapshot.manifest.to_text()`, shared with the
+    group), without touching the disk: every rank of a resume builds the same one and raises nothing here; a file
+    gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on."""
+    return Snapshot(Path(root) / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id))
+
+
 class SnapshotStore:
+    """A rank's store: one instance per rank, owned by one thread (the serving intake's); other processes and groups
+    that share its folder serialise on its lock file."""
+
     def __init__(self, root: Path, quota_bytes: int, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
         """root: the snapshot folder (made if absent; shared by every group that resumes its snapshots);
         quota_bytes: the most its snapshots (published and being written) take; ttl_s: how long one lives."""
@@ -82,12 +102,8 @@ class SnapshotStore:
         return snapshot_id
 
     def staging(self, snapshot_id: str) -> Path:
-        """The folder where every rank writes its files of a reserved snapshot (files.write_part)."""
-        path = self.root / f"{STAGING}{check_id(snapshot_id)}"
-        if not path.is_dir() or path.is_symlink():
-            raise SnapshotError(Refusal(SNAPSHOT_UNKNOWN, f"no save of snapshot {snapshot_id} is under way (it "
-                                        "failed, or outlived the time to live)"))
-        return path
+        """The folder where every rank writes its files of a reserved snapshot (`staging_folder`)."""
+        return staging_folder(self.root, snapshot_id)
 
     def publish(self, snapshot_id: str, manifest: Manifest) -> int:
         """Make a written snapshot visible (on its owner, once every rank's files are written): each listed file
@@ -147,12 +163,6 @@ class SnapshotStore:
             if not _is_file(folder / entry.name, entry.bytes):
                 raise invalid(f"{entry.name} is missing or not its {entry.bytes} bytes (truncated or replaced)")
         return Snapshot(folder, manifest)
-
-    def from_manifest(self, snapshot_id: str, manifest_text: str) -> Snapshot:
-        """The snapshot the owner opened, from its manifest's text (`snapshot.manifest.to_text()`, shared with the
-        group), without touching the disk: every rank of a resume builds the same one and raises nothing here; a
-        file gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on."""
-        return Snapshot(self.root / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id))
 
     # -- limits -----------------------------------------------------------------------------------
 
