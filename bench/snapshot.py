@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from backend.engine.snapshot import sessions as snapshots
 from backend.api.request import Controls
 from backend.engine.blocks import BlockControls
 from backend.engine.rollout import WorldModelEngine
@@ -54,10 +55,10 @@ def save_row(engine: WorldModelEngine, session: Session, store: SnapshotStore, b
     pauses, decode_captures = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        parts = engine.snapshot_parts(session)
+        parts = snapshots.session_parts(engine, session)
         pauses.append(ms(start))
         start = time.perf_counter()
-        decode = engine.snapshot_decode_part(session)
+        decode = snapshots.decode_part(engine, session)
         decode_captures.append(ms(start))
     pause = statistics.median(pauses)
     start = time.perf_counter()
@@ -69,7 +70,7 @@ def save_row(engine: WorldModelEngine, session: Session, store: SnapshotStore, b
     write_ms = ms(start)
     start = time.perf_counter()
     snapshot = store.open(snapshot_id)
-    resumed = engine.resume_session(snapshot, engine.geometry_of(read_request(snapshot)))
+    resumed = snapshots.resume(engine, snapshot, engine.geometry_of(read_request(snapshot)))
     resume_ms = ms(start)
     engine.close_session(resumed)
     return [str(session.block_index), str(session.cache.length), f"{written / MIB:.1f}", f"{block_ms:.0f}",

@@ -5,6 +5,7 @@ import numpy as np
 
 from backend.engine.settings import EngineSettings
 from backend.engine.rollout import WorldModelEngine
+from backend.engine.snapshot import sessions as snapshots
 from backend.model.vae import StreamingVae
 from backend.parallel.group import GroupHandles
 from backend.parallel.mesh import Mesh
@@ -200,8 +201,8 @@ def save_in_group(engine: WorldModelEngine, session, store) -> str:
     if group is not None:
         dist.broadcast_object_list(snapshot_id, group_src=session.owner, group=group)
     folder = store.staging(snapshot_id[0])
-    parts = engine.snapshot_parts(session)
-    if (decode := engine.snapshot_decode_part(session)) is not None:
+    parts = snapshots.session_parts(engine, session)
+    if (decode := snapshots.decode_part(engine, session)) is not None:
         parts.append(decode)
     entries = [write_part(folder, part) for part in parts]
     every = [entries]
@@ -231,7 +232,7 @@ def resume_and_play(engine: WorldModelEngine, store, snapshot_id: str, steps: li
 
     snapshot = snapshot_at(store.root, snapshot_id, text[0])
     geometry = engine.geometry_of(read_request(snapshot))
-    session = engine.resume_session(snapshot, geometry, owner=owner, fork_seed=fork_seed)
+    session = snapshots.resume(engine, snapshot, geometry, owner=owner, fork_seed=fork_seed)
     try:
         return play(engine, session, steps, session.block_index)
     finally:

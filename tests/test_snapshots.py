@@ -21,6 +21,7 @@ from backend.api.request import SessionRequest
 from backend.engine.blocks import BlockControls
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.snapshot import files
+from backend.engine.snapshot import sessions as snapshots
 from backend.engine.snapshot.manifest import MANIFEST_NAME, SnapshotError
 from backend.engine.snapshot.restore import read_request
 from backend.engine.snapshot.store import PENDING_RETRY_S, SnapshotStore, snapshot_at
@@ -95,7 +96,7 @@ def test_a_resumed_session_makes_the_next_blocks_bit_for_bit(engine: WorldModelE
     assert same(resumed["latents"], saved.whole["latents"][SAVE_AFTER + 1 :])
     assert same(resumed["frames"], saved.whole["frames"][SAVE_AFTER + 1 :])
     snapshot = saved.store.open(saved.snapshot_id)
-    session = engine.resume_session(snapshot, engine.geometry_of(read_request(snapshot)))
+    session = snapshots.resume(engine, snapshot, engine.geometry_of(read_request(snapshot)))
     try:  # the decoder's caches come back in the memory order they had (channels-last): the same kernels run
         assert memory_order(session.decode_state) == saved.decode_strides
         assert session.block_index == SAVE_AFTER + 1 and session.prompt == "it starts to snow"
@@ -110,7 +111,7 @@ def test_a_fork_is_a_world_of_its_own(engine: WorldModelEngine, saved: Saved) ->
     geometry = engine.geometry_of(read_request(snapshot))
     other = parse_play_script("w,a,@!it starts to snow,w,d,w,s,d")
     forks = {"same": (saved.steps, None), "other steps": (other, None), "fork seed": (saved.steps, 7)}
-    sessions = {name: engine.resume_session(snapshot, geometry, fork_seed=seed) for name, (_, seed) in forks.items()}
+    sessions = {name: snapshots.resume(engine, snapshot, geometry, fork_seed=seed) for name, (_, seed) in forks.items()}
     latents: dict[str, list] = {name: [] for name in forks}
     try:
         for index in range(SAVE_AFTER + 1, len(saved.steps)):
@@ -138,7 +139,7 @@ def test_kv_reuse_and_the_tiny_decoder_resume_bit_for_bit_and_other_settings_are
     assert same(resumed["latents"], run.whole["latents"][SAVE_AFTER + 1 :])
     assert same(resumed["frames"], run.whole["frames"][SAVE_AFTER + 1 :])
     with refused(SETTINGS_MISMATCH) as caught:
-        engine.resume_session(store.open(run.snapshot_id), engine.geometry_of(read_request(store.open(run.snapshot_id))))
+        snapshots.resume(engine, store.open(run.snapshot_id), engine.geometry_of(read_request(store.open(run.snapshot_id))))
     for named in ("decoder: expected tiny, this server vae", "kv_reuse: expected True, this server False", "z_dim"):
         assert named in str(caught.value)
 
@@ -211,7 +212,7 @@ def test_a_flipped_byte_is_refused_on_every_file_and_nothing_is_served(
         flip_byte(path)
         snapshot = store.open(snapshot_id)  # the sizes still match: only the reader's SHA-256 sees it
         with refused(SNAPSHOT_INVALID) as caught:
-            engine.resume_session(snapshot, geometry)
+            snapshots.resume(engine, snapshot, geometry)
         assert f"{name}.safetensors" in str(caught.value)
         path.write_bytes(pristine)
     # The engine serves on: the intact snapshot resumes bit for bit.

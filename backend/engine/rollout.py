@@ -43,8 +43,6 @@ from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
 from .session import CommitRecord, Session
 from .snapshot import sessions as snapshots
-from .snapshot.files import Part
-from .snapshot.manifest import Snapshot
 from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry, session_window_frames
 
 log = logging.getLogger(__name__)
@@ -122,10 +120,6 @@ class WorldModelEngine:
         """The settings a block's latents depend on (api/provenance), as this engine runs them."""
         return settings_of(self.config)
 
-    def session_window_frames(self, request: SessionRequest, geometry: VideoGeometry) -> int:
-        """The latent frames a session's cache holds (validation.session_window_frames)."""
-        return session_window_frames(self.spec, request, geometry)
-
     @torch.no_grad()
     def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
                      owner: int = 0, keep_commits: bool = False, prompt: str | None = None) -> Session:
@@ -143,7 +137,7 @@ class WorldModelEngine:
         text = self._text_caches(prompt)
         cache = SelfAttentionCache(
             num_layers=tcfg.num_layers,
-            window_tokens=self.session_window_frames(request, geometry) * geometry.tokens_per_frame,
+            window_tokens=session_window_frames(self.spec, request, geometry) * geometry.tokens_per_frame,
             block_tokens=geometry.block_tokens,
             sink_tokens=self.sink_frames * geometry.tokens_per_frame,
             local_heads=tp_heads // mesh.sp.degree,
@@ -222,31 +216,6 @@ class WorldModelEngine:
         mesh = self.mesh
         tp_heads = self.ckpt.transformer.num_heads // mesh.tp.degree
         return self.transformer.text_caches(self.prompts.states(prompt), mesh.sp.head_slice(tp_heads), mesh.tp)
-
-    # -- snapshots (docs/worlds.md) ------------------------------------------------------------------
-
-    def snapshot_parts(self, session: Session) -> list[Part]:
-        """This rank's parts of a session at the block boundary after its last block (on the group loop's thread,
-        before its next block): its head shard of the K/V (copied), and on the owner the session's own state, on
-        ENCODER_RANK the condition encoder's (by reference: nothing writes into them again). Write each with
-        snapshot.files.write_part (any thread)."""
-        return snapshots.session_parts(self, session)
-
-    def snapshot_decode_part(self, session: Session) -> Part | None:
-        """This rank's part of a session's decoder state, after the decode of its last block (on the decode
-        thread, before its next decode): its band of rows under a split decode, else the owner's whole frame;
-        None where this rank holds none or the session decodes nothing."""
-        return snapshots.decode_part(self, session)
-
-    @torch.no_grad()
-    def resume_session(self, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,
-                       owner: int = 0, fork_seed: int | None = None) -> Session:
-        """The saved session, where it stood, on this engine's layout (any TP x SP): its next block is the block
-        the saved session would have made next. geometry: `geometry_of(snapshot.restore.read_request(...))`,
-        checked once; fork_seed: draw the noise from this seed from the next block on (None: the saved
-        generator's). A collective, every rank alike (the text K/V of the prompt in force is recomputed).
-        Raises SnapshotError on every rank alike (SNAPSHOT_INVALID, SETTINGS_MISMATCH)."""
-        return snapshots.resume(self, snapshot, geometry, session_id, owner, fork_seed)
 
     # -- rollout ----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
+from ..engine.snapshot import sessions as snapshots
 from ..engine.snapshot.files import Part
 from . import mail
 from .snapshot_writer import SnapshotWriter
@@ -71,7 +72,7 @@ class DecodeSender:
         """After the blocks handed over so far are decoded: the session's decoder state joins this rank's parts of
         a snapshot, which the writer writes."""
         def capture() -> None:
-            decoder_part = self.engine.snapshot_decode_part(session)
+            decoder_part = snapshots.decode_part(self.engine, session)
             writer.write(snapshot_id, session.owner, parts if decoder_part is None else [*parts, decoder_part])
 
         self._queue.put(capture)

@@ -31,6 +31,7 @@ from ..api import contract as c
 from ..api.refusal import Refusal
 from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
+from ..engine.snapshot import sessions as snapshots
 from ..engine.snapshot.manifest import SnapshotError
 from ..engine.snapshot.store import snapshot_at
 from ..engine.validation import GLOBAL_WINDOW
@@ -233,7 +234,7 @@ class GroupLoop:
         publishes the snapshot once every rank's files are in (serving/saves)."""
         session = self.here[sid].engine
         start = time.perf_counter()
-        parts = self.engine.snapshot_parts(session)
+        parts = snapshots.session_parts(self.engine, session)
         log.info("rank %d: session %s saved at block %d into snapshot %s (pause %.1f ms)", self.rank, sid,
                  session.block_index, snapshot_id, (time.perf_counter() - start) * 1000.0)
         self.decoder.snapshot(session, snapshot_id, parts, self.writer)
@@ -323,7 +324,7 @@ class GroupLoop:
             # A steered session keeps what its cached blocks were made of, for a world event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
-        session = self.engine.resume_session(snapshot_at(self.snapshot_root, resume.snapshot_id, resume.manifest),
+        session = snapshots.resume(self.engine, snapshot_at(self.snapshot_root, resume.snapshot_id, resume.manifest),
                                              shared.geometry, shared.id, shared.owner, resume.fork_seed)
         session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
         return session

@@ -1,5 +1,5 @@
-"""One rank of an engine saving a session into parts and opening one from a snapshot (the engine's snapshot
-methods call these; docs/worlds.md).
+"""One rank of an engine saving a session into parts and opening one from a snapshot (docs/worlds.md): what the
+serving loop (and its decode thread) calls at a save, and at a resume's opening.
 
 Resuming is a collective, every rank alike: each rank first reads and checks what it needs (local: files, no
 exchange), then the group agrees that every rank could (one all-reduce), and only then computes the prompt's text
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -19,26 +19,46 @@ from ...api.contract import SETTINGS_MISMATCH
 from ...api.provenance import parse_settings, setting_differences, settings_of
 from ...api.refusal import Refusal
 from ...api.request import SessionRequest
-from ...model.condition import ConditionState
+from ...model.config import CheckpointConfigs
+from ...model.condition import ConditionState, StreamingConditionEncoder
 from ...model.feature_caches import condition_encoder_state, tiny_decoder_state, vae_decoder_state
 from ...model.tiny_vae import TinyDecodeState
 from ...model.vae import DecodeState, StreamingVae
+from ...parallel.mesh import Mesh
+from ...parallel.sequence import SequenceParallel
 from ..camera_track import CameraTrack
 from ..geometry import VideoGeometry
 from ..session import CommitRecord, Session
+from ..settings import EngineSettings
 from ..validation import EngineSpec, session_window_frames
 from . import capture, size
 from .files import Part
 from .manifest import DECODE, FileEntry, Manifest, Snapshot, SnapshotError, invalid
 from .restore import KvShard, SharedState, faults_as_invalid, read_condition, read_decode, read_kv, read_shared
 
-if TYPE_CHECKING:
-    from ..rollout import WorldModelEngine
-
 log = logging.getLogger(__name__)
 
 
-def head_range(engine: WorldModelEngine) -> tuple[int, int]:
+class Engine(Protocol):
+    """What the snapshot code takes of an engine (rollout.WorldModelEngine): its rank's place, its model's parts, and
+    a session's opening."""
+
+    spec: EngineSpec
+    config: EngineSettings
+    ckpt: CheckpointConfigs
+    sp: SequenceParallel
+    mesh: Mesh
+    vae: StreamingVae
+    conditions: StreamingConditionEncoder | None
+    device: torch.device
+    dtype: torch.dtype
+    snapshot_facts: SnapshotFacts
+
+    def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
+                     owner: int = 0, keep_commits: bool = False, prompt: str | None = None) -> Session: ...
+
+
+def head_range(engine: Engine) -> tuple[int, int]:
     """The global heads this rank's K/V caches hold: its TP slice's heads, then its SP shard of those."""
     heads, mesh = engine.ckpt.transformer.num_heads, engine.mesh
     tp_first = mesh.tp.part(heads).start
@@ -46,7 +66,11 @@ def head_range(engine: WorldModelEngine) -> tuple[int, int]:
     return tp_first + local.start, tp_first + local.stop
 
 
-def session_parts(engine: WorldModelEngine, session: Session) -> list[Part]:
+def session_parts(engine: Engine, session: Session) -> list[Part]:
+    """This rank's parts of a session at the block boundary after its last block (on the group loop's thread, before
+    its next block): its head shard of the K/V (copied), and on the owner the session's own state, on ENCODER_RANK
+    the condition encoder's (by reference: nothing writes into them again). Write each with files.write_part (any
+    thread)."""
     rank = engine.sp.rank
     parts = [capture.kv_part(session, rank, head_range(engine))]
     if rank == session.owner:
@@ -56,13 +80,16 @@ def session_parts(engine: WorldModelEngine, session: Session) -> list[Part]:
     return parts
 
 
-def decode_part(engine: WorldModelEngine, session: Session) -> Part | None:
+def decode_part(engine: Engine, session: Session) -> Part | None:
+    """This rank's part of a session's decoder state, after the decode of its last block (on the decode thread,
+    before its next decode): its band of rows under a split decode, else the owner's whole frame; None where this
+    rank holds none or the session decodes nothing."""
     rows = decode_rows(engine, session.geometry.latent_height, session.decode_state is not None,
                        session.split_decode, session.owner)
     return None if rows is None else capture.decode_part(session, engine.sp.rank, rows)
 
 
-def decode_rows(engine: WorldModelEngine, latent_rows: int, decodes: bool, split: bool,
+def decode_rows(engine: Engine, latent_rows: int, decodes: bool, split: bool,
                 owner: int) -> tuple[int, int] | None:
     """The latent rows of a session's decoder state this rank holds: its band under a split decode, the whole
     height on the owner otherwise, None on the other ranks or without a decode."""
@@ -153,8 +180,14 @@ class RankState:
     decode: DecodeState | TinyDecodeState | None  # None: the resumed session decodes no frames
 
 
-def resume(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None,
-           owner: int, fork_seed: int | None) -> Session:
+@torch.no_grad()
+def resume(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,
+           owner: int = 0, fork_seed: int | None = None) -> Session:
+    """The saved session, where it stood, on this engine's layout (any TP x SP): its next block is the block the
+    saved session would have made next. geometry: `engine.geometry_of(restore.read_request(...))`, checked once;
+    fork_seed: draw the noise from this seed from the next block on (None: the saved generator's). A collective,
+    every rank alike (the text K/V of the prompt in force is recomputed). Raises SnapshotError on every rank alike
+    (SNAPSHOT_INVALID, SETTINGS_MISMATCH)."""
     engine.snapshot_facts.check_fits(snapshot)
     state, error = None, None
     try:
@@ -182,14 +215,14 @@ def resume(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry
     return session
 
 
-def read_rank(engine: WorldModelEngine, snapshot: Snapshot, geometry: VideoGeometry, owner: int,
+def read_rank(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, owner: int,
               fork_seed: int | None) -> RankState:
     """This rank's part of a resume: every read and check, no exchange."""
     shared = read_shared(snapshot)
     request, device = shared.request, engine.device
     tcfg = engine.ckpt.transformer
     kv = read_kv(snapshot, head_range(engine), tcfg.num_layers, tcfg.head_dim, engine.dtype)
-    capacity = engine.session_window_frames(request, geometry) * geometry.tokens_per_frame
+    capacity = session_window_frames(engine.spec, request, geometry) * geometry.tokens_per_frame
     if kv.capacity != capacity or kv.length > capacity:
         raise invalid(f"the kv files were saved for a window of {kv.capacity} tokens, this session's is {capacity}")
     with faults_as_invalid("the shared file's generator and camera"):
