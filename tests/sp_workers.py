@@ -157,7 +157,7 @@ def planned_blocks(member) -> dict[str, int]:
 
 def weight_bytes(member) -> int:
     """The transformer weights this member holds."""
-    return member.engine.transformer.weight_bytes()
+    return member.loop.engine.transformer.weight_bytes()
 
 
 # -- snapshots (tests/test_snapshots.py): a steered session saved after a block and resumed, on any layout --

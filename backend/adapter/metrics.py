@@ -62,7 +62,9 @@ class StreamMetrics:
         (blocks, errors, streams, first, inter, dit, step, held, run, loop_cpu, events, hits, ended, refusals, queued,
          sessions, depth, free, *by_key, snapshots, drains) = self._families
         self._by_key = dict(zip(("requests", "blocks", "refusals"), by_key))
-        self._key_metrics: dict[tuple[str, ...], object] = {}  # (family, key name[, code]) -> its metric, on first use
+        # (family, key name[, code]) -> its metric, made on first use: by the intake's thread alone, which counts a
+        # key's requests, blocks and refusals (each dict of metrics made on first use has one thread that fills it)
+        self._key_metrics: dict[tuple[str, ...], object] = {}
         self.blocks = blocks.Metric(labels=labels)
         self.errors = errors.Metric(labels=labels)
         self.streams_open = streams.Metric(labels=labels)

@@ -46,6 +46,7 @@ class TritonPythonModel:
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
             on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, on_snapshot=self.metrics.snapshot,
+            on_request=self.metrics.key_request,
         ), description)
         # The launcher's signals (serving/host_signals): a stop ends every session at once, so Triton's exit need
         # not wait out its timeout for them; a failed group asks the launcher for a reload.
@@ -65,7 +66,6 @@ class TritonPythonModel:
                 if isinstance(who, Refusal):  # before any work: no input is read, the group never hears of it
                     self.member.refuse(self._responder(sender, "", None), who)
                     continue
-                self.metrics.key_request(who.name)
                 self.member.handle(functools.partial(_input, request), parameters,
                                    str(request.correlation_id() or ""), request.flags(),
                                    functools.partial(self._responder, sender, who.name), who)

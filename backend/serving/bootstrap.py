@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import queue
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ class Hooks:
     on_prompts: Callable[[int, int], None] | None = None  # see LoopHooks
     on_ended: Callable[[str], None] | None = None  # see LoopHooks
     on_line: Callable[[LineCounts], None] | None = None  # see LoopHooks
-    on_snapshot: Callable[[str], None] | None = None  # see LoopHooks
+    on_snapshot: Callable[[str], None] | None = None  # see LoopHooks; also the saves' outcomes, on the intake's thread
+    on_request: Callable[[str], None] = lambda name: None  # a request a key opened the door for (its name), on the
+    # intake's thread
     on_loop_block: Report | None = None  # LoopCpu's report
 
 
@@ -103,7 +106,8 @@ class GroupMember:
             cores = instance_cores(place.host_members)  # this host's cores shared among its own members
             torch.set_num_threads(cores)  # this thread's (loading); the loop and the decode sender set their own
             threads = CoreSplit.of(cores)
-        self.rank, self.hooks, self._finalizing = rank, hooks, False
+        self.rank, self.hooks = rank, hooks
+        self._unloading = threading.Event()  # set by Triton's finalize thread, read by the loop's failure path
         hooks.on_settings(spec.settings)
         if rank == 0:
             log.info("checkpoint %s: %s layout", engine_settings.checkpoint, spec.checkpoint.layout.kind.name)
@@ -125,26 +129,26 @@ class GroupMember:
                      engine_settings.checkpoint, rss())
             group = SequenceParallel(groups.data)
             mesh = Mesh.build(group, engine_settings.tp_degree, serving.collective_timeout_s)
-            self.engine: WorldModelEngine | None = WorldModelEngine(spec, group, mesh=mesh,
-                                                                    decode_group=groups.decode)
-            self.settings_used = self.engine.settings_used  # sent with a session's first block on return_used
+            # The loop and its decode thread hold the engine from here on (the loop lets it go when it ends).
+            engine = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
+            self.settings_used = engine.settings_used  # sent with a session's first block on return_used
             groups.all_arrived("loaded")  # every rank has loaded before the loop starts
             doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret,
                                      serving.collective_timeout_s) if world > 1 else None
             intake_inbox: queue.SimpleQueue = queue.SimpleQueue()
             self.loop = GroupLoop(
-                self.engine, serving, groups.control, intake_inbox.put, LoopHooks(
+                engine, serving, groups.control, intake_inbox.put, LoopHooks(
                     on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
                     on_line=hooks.on_line, on_snapshot=hooks.on_snapshot), doorbell=doorbell, threads=threads,
                 cpu=LoopCpu(hooks.on_loop_block))
-            self.intake = owner_side(rank, world, serving, self.engine, self.loop.post, intake_inbox, hooks.on_snapshot)
+            self.intake = owner_side(rank, world, serving, engine, self.loop.post, intake_inbox, hooks)
         except BaseException as exc:
             if groups is not None:
                 with contextlib.suppress(Exception):  # the store may be gone with rank 0
                     groups.fail_start(rank, exc)
             self._claim.close()
             raise
-        log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, self.engine.attention_name,
+        log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 
     def handle(self, get_input: Callable[[str], np.ndarray | None], parameters_json: str, key: str, flags: int,
@@ -180,15 +184,16 @@ class GroupMember:
 
     def stop(self) -> None:
         """The model is being unloaded: end every session, leave the group, release the model."""
-        self._finalizing = True  # a loop failing now must not ask for an unload of a later load
+        self._unloading.set()  # a loop failing now must not ask for an unload of a later load
         self.loop.stop()
         self.intake.close()
         leave_group()
-        self._release()
+        self._free_model()
 
-    def _release(self) -> None:
-        self.engine = None
-        self._claim.close()  # a later load of this rank may start
+    def _free_model(self) -> None:
+        """Give the model's memory back (the loop has let the engine go) and this rank's claim (a later load may
+        start)."""
+        self._claim.close()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -200,23 +205,24 @@ class GroupMember:
         """In-flight streams already got their error: tell the host (a hung peer can hold the group's teardown),
         then leave the group and release the model now (a host may never get to stop this member: see the
         adapter)."""
-        if self._finalizing:
+        if self._unloading.is_set():
             log.error("rank %d: sequence-parallel group failed (%r) while the model unloads", self.rank, exc)
         else:
             self.hooks.on_failure(exc)
         leave_group()
-        self._release()
+        self._free_model()
 
 
 def owner_side(rank: int, ranks: int, serving: ServingSettings, engine: WorldModelEngine,
-               to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue,
-               on_snapshot: Callable[[str], None] | None = None) -> Intake:
+               to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue, hooks: Hooks | None = None) -> Intake:
     """The intake of a rank of `ranks`, with what its thread alone owns beside the streams: the admission's checks,
     the rank's snapshot store and the ledger of its saves."""
+    hooks = hooks or Hooks()
     store = snapshot_store(serving)
     facts = engine.snapshot_facts
-    saves = Saves(store, facts, ranks, keep_commits=engine.window_frames != GLOBAL_WINDOW, on_outcome=on_snapshot)
-    return Intake(rank, serving, Admission(serving, engine.spec, facts, store), saves, to_loop, inbox)
+    saves = Saves(store, facts, ranks, keep_commits=engine.window_frames != GLOBAL_WINDOW, on_outcome=hooks.on_snapshot)
+    return Intake(rank, serving, Admission(serving, engine.spec, facts, store), saves, to_loop, inbox,
+                  on_request=hooks.on_request)
 
 
 def snapshot_store(serving: ServingSettings) -> SnapshotStore | None:

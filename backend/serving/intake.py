@@ -43,10 +43,12 @@ _CLOSE = object()  # the intake's last letter
 class Intake:
     def __init__(self, rank: int, settings: ServingSettings, admission: Admission, saves: Saves,
                  to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
-                 every_s: float = EVERY_S) -> None:
+                 every_s: float = EVERY_S, on_request: Callable[[str], None] = lambda name: None) -> None:
         """saves: the ledger of this rank's saves (with its snapshot store); to_loop: the group loop's `post` (its
-        inbox, then the doorbell); inbox: this intake's, made by the caller when the group loop must know it first."""
+        inbox, then the doorbell); inbox: this intake's, made by the caller when the group loop must know it first;
+        on_request: told the key's name of each request its door let in (the metrics by key)."""
         self.rank, self.settings, self.every_s = rank, settings, every_s
+        self._on_request = on_request
         self._admission: Admission | None = admission
         self._saves = saves
         self._to_loop = to_loop
@@ -130,6 +132,8 @@ class Intake:
 
     def _arrived(self, letter: mail.Arrived) -> None:
         key, request, responder, who = letter.key, letter.request, letter.responder, letter.principal
+        if who.name:  # its door let it in
+            self._on_request(who.name)
         part = self._steered(key) if key else None
         if part is not None and part.principal.tag != who.tag:  # another key's sequence: it touches nothing
             responder.send_error(KEY_NOT_THE_SESSIONS)
