@@ -156,7 +156,7 @@ def rollout(groups: GroupHandles, config: EngineSettings, request: SessionReques
         for out in (out for out, _ in engine.blocks(session, decode=False)):
             outputs.append(out)
             begin = time.perf_counter()
-            engine.decode(session, out)
+            engine.decode(session.decoding, out)
             decode_ms.append((time.perf_counter() - begin) * 1000.0)
         cache_bytes = session.cache_bytes()
     cuda = engine.device.type == "cuda"

@@ -156,7 +156,7 @@ def timed_request(engine: WorldModelEngine, request: SessionRequest, mode: str) 
 
 def _timed_decode(engine: WorldModelEngine, session: Session, out: BlockOutput) -> tuple[float, float]:
     start = time.perf_counter()
-    engine.decode(session, out)  # returns host frames: the side stream has finished
+    engine.decode(session.decoding, out)  # returns host frames: the side stream has finished
     return start, time.perf_counter()
 
 

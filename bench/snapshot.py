@@ -58,7 +58,7 @@ def save_row(engine: WorldModelEngine, session: Session, store: SnapshotStore, b
         parts = snapshots.session_parts(engine, session)
         pauses.append(ms(start))
         start = time.perf_counter()
-        decode = snapshots.decode_part(engine, session)
+        decode = snapshots.decode_part(engine.vae, engine.sp.rank, session.decoding)
         decode_captures.append(ms(start))
     pause = statistics.median(pauses)
     start = time.perf_counter()
@@ -89,7 +89,7 @@ def cost_rows(engine: WorldModelEngine, save_after: set[int], repeats: int, fold
             (out,) = engine.run_block([session], {session.id: BlockControls(STEP)})
             block_ms = ms(start)
             start = time.perf_counter()
-            engine.decode(session, out)
+            engine.decode(session.decoding, out)
             decode_ms = ms(start)
             if session.block_index in save_after:
                 rows.append(save_row(engine, session, store, block_ms, decode_ms, repeats))

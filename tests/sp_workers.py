@@ -71,7 +71,7 @@ def split_decode(groups: GroupHandles, config: EngineSettings, request: SessionR
     whole = StreamingVae(engine.vae.vae, engine.device)  # the same weights; no group: whole frames
     whole_state = whole.new_decode_state()
     with engine.session(request) as session:
-        shared = session.split_decode
+        shared = session.decoding.split
         blocks = []
         for out, frames in engine.blocks(session):
             if engine.sp.rank == 0:
@@ -179,7 +179,7 @@ def play(engine: WorldModelEngine, session, steps: list, first: int, save_after:
                 engine.recache(session)
         (out,) = engine.run_block([session], {session.id: BlockControls(controls, recached=controls.recache)})
         latents.append(out.latents.numpy())
-        block_frames = engine.decode(session, out)
+        block_frames = engine.decode(session.decoding, out)
         if block_frames is not None:
             frames.append(block_frames)
         if index == save_after:
@@ -202,7 +202,7 @@ def save_in_group(engine: WorldModelEngine, session, store) -> str:
         dist.broadcast_object_list(snapshot_id, group_src=session.owner, group=group)
     folder = store.staging(snapshot_id[0])
     parts = snapshots.session_parts(engine, session)
-    if (decode := snapshots.decode_part(engine, session)) is not None:
+    if (decode := snapshots.decode_part(engine.vae, engine.sp.rank, session.decoding)) is not None:
         parts.append(decode)
     entries = [write_part(folder, part) for part in parts]
     every = [entries]

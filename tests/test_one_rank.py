@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.engine.session import Decoding
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.serving.settings import ServingSettings
@@ -98,14 +99,14 @@ def test_failed_open_errors_that_stream_only(coordinator: OneRank, monkeypatch) 
 
 
 def test_failed_decode_ends_the_stream_and_frees_its_slot(coordinator: OneRank, monkeypatch) -> None:
-    real_decode = coordinator.engine.decode
+    real_frames = Decoding.frames
 
-    def decode(session, output):
-        if session.request.seed == 13 and output.block_index == 1:
+    def frames(decoding, vae, output):
+        if decoding.geometry.num_blocks > 1 and output.block_index == 1:  # the broken session's (the long one)
             raise RuntimeError("decoder broke (simulated)")
-        return real_decode(session, output)
+        return real_frames(decoding, vae, output)
 
-    monkeypatch.setattr(coordinator.engine, "decode", decode)
+    monkeypatch.setattr(Decoding, "frames", frames)
     broken = RecordingResponder()
     coordinator.submit(tiny_request(decode=False, num_frames=129, seed=13), broken)
     wait([broken])
@@ -133,18 +134,18 @@ def test_cancelled_stream_is_dropped(coordinator: OneRank) -> None:
 def test_loop_and_writer_run_on_their_share_of_threads_and_the_loop_reports_its_cpu(engine: WorldModelEngine,
                                                                                    monkeypatch) -> None:
     seen: dict[str, set[int]] = {"dit": set(), "decode": set()}
-    real_run, real_decode = engine.run_block, engine.decode
+    real_run, real_frames = engine.run_block, Decoding.frames
 
     def run_block(sessions, controls=None):
         seen["dit"].add(torch.get_num_threads())
         return real_run(sessions, controls)
 
-    def decode(session, output):
+    def frames(decoding, vae, output):
         seen["decode"].add(torch.get_num_threads())
-        return real_decode(session, output)
+        return real_frames(decoding, vae, output)
 
     monkeypatch.setattr(engine, "run_block", run_block)
-    monkeypatch.setattr(engine, "decode", decode)
+    monkeypatch.setattr(Decoding, "frames", frames)
     reports: list[tuple[float, int]] = []
     failures: list[BaseException] = []
     before = torch.get_num_threads()

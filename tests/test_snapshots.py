@@ -75,7 +75,7 @@ def save_and_play(engine: WorldModelEngine, store: SnapshotStore, steps: list, r
 
     def save(session) -> str:
         at_save["evicted"] = session.cache.evicted_tokens
-        at_save["strides"] = memory_order(session.decode_state)
+        at_save["strides"] = memory_order(session.decoding.state)
         return save_in_group(engine, session, store)
 
     with engine.session(request, keep_commits=True) as session:
@@ -98,7 +98,7 @@ def test_a_resumed_session_makes_the_next_blocks_bit_for_bit(engine: WorldModelE
     snapshot = saved.store.open(saved.snapshot_id)
     session = snapshots.resume(engine, snapshot, engine.geometry_of(read_request(snapshot)))
     try:  # the decoder's caches come back in the memory order they had (channels-last): the same kernels run
-        assert memory_order(session.decode_state) == saved.decode_strides
+        assert memory_order(session.decoding.state) == saved.decode_strides
         assert session.block_index == SAVE_AFTER + 1 and session.prompt == "it starts to snow"
     finally:
         engine.close_session(session)
@@ -158,8 +158,8 @@ def test_the_size_known_before_a_save_bounds_it(engine: WorldModelEngine, saved:
     with engine.session(request) as session:  # the dry run's decoder state is what a decode holds
         engine.run_block([session], {session.id: BlockControls(request.first_controls)})
         out = engine.run_block([session], {session.id: BlockControls(None)})[0]
-        engine.decode(session, out)
-        held = [t.nbytes for t in session.decode_state.feature_cache if isinstance(t, torch.Tensor)]
+        engine.decode(session.decoding, out)
+        held = [t.nbytes for t in session.decoding.state.feature_cache if isinstance(t, torch.Tensor)]
     assert vae_decoder_state(engine.vae_config, 8, 8) == (sum(held), len(held))
 
 

@@ -41,7 +41,7 @@ from .settings import EngineSettings
 from .geometry import VideoGeometry
 from .parts import EngineParts, load_parts
 from .prompts import ENCODER_RANK, SharedPrompts
-from .session import CommitRecord, Session
+from .session import CommitRecord, Decoding, Session
 from .snapshot import sessions as snapshots
 from .validation import GLOBAL_WINDOW, EngineSpec, checked_spec, request_geometry, session_window_frames
 
@@ -146,8 +146,9 @@ class WorldModelEngine:
             device=self.device,
         )
         decode_state = self.vae.new_decode_state() if self.config.decode_frames and request.decode else None
+        session_id = session_id or f"session-{next(self._ids)}"
         return Session(
-            id=session_id or f"session-{next(self._ids)}",
+            id=session_id,
             request=request,
             geometry=geometry,
             generator=torch.Generator("cpu").manual_seed(request.seed),
@@ -160,8 +161,8 @@ class WorldModelEngine:
             prompt=prompt,
             text=text,
             cache=cache,
-            decode_state=decode_state,
-            split_decode=decode_state is not None and self.vae.splits(geometry.latent_height),
+            decoding=Decoding(session_id, owner, geometry, decode_state,
+                              decode_state is not None and self.vae.splits(geometry.latent_height)),
             owner=owner,
             commits=[] if keep_commits else None,
         )
@@ -301,12 +302,9 @@ class WorldModelEngine:
             )
         return outputs
 
-    def decode(self, session: Session, output: BlockOutput) -> np.ndarray | None:
-        """uint8 frames [n, H, W, 3] of one block (in block order) on the session's owner; empty when the
-        session does not decode; None on a rank that only helped (see `Session.split_decode`)."""
-        if session.decode_state is None:
-            return _no_frames(session)
-        return self.vae.decode_block(output.latents, session.decode_state, session.owner)
+    def decode(self, decoding: Decoding, output: BlockOutput) -> np.ndarray | None:
+        """A block's frames (Decoding.frames) on this engine's decoder."""
+        return decoding.frames(self.vae, output)
 
     def close_session(self, session: Session) -> None:
         """Drop the session's KV caches now (they are large). Its decode state stays until the session
@@ -339,7 +337,7 @@ class WorldModelEngine:
         """
         while not session.done:
             (out,) = self.run_block([session])
-            yield out, self.decode(session, out) if decode else _no_frames(session)
+            yield out, self.decode(session.decoding, out) if decode else _no_frames(session)
 
     def generate(self, request: SessionRequest, decode: bool = True) -> list[tuple[BlockOutput, np.ndarray]]:
         """The whole rollout of one request."""

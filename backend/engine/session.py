@@ -9,8 +9,9 @@ import torch
 from ..api.request import SessionRequest
 from ..model.condition import ConditionState
 from ..model.kv_cache import SelfAttentionCache, TextCache
-from ..model.tiny_vae import TinyDecodeState
-from ..model.vae import DecodeState
+from ..model.tiny_vae import StreamingTinyDecoder, TinyDecodeState
+from ..model.vae import DecodeState, StreamingVae
+from .blocks import BlockOutput
 from .camera_track import CameraTrack
 from .geometry import VideoGeometry
 
@@ -38,6 +39,26 @@ class CommitRecord:
 
 
 @dataclass
+class Decoding:
+    """One session's decode on one rank, apart from the rest of the session: the thread that decodes its blocks (the
+    serving loop's decode sender) gets it whole at the session's opening and alone touches its state from then on;
+    the thread that runs the session's blocks never reads it again."""
+
+    session_id: str
+    owner: int  # the rank its frames come back to
+    geometry: VideoGeometry
+    state: DecodeState | TinyDecodeState | None  # the VAE's feature cache or the tiny decoder's memory; None: no frames
+    split: bool  # every rank decodes a band of its blocks' rows (else its owner decodes them alone)
+
+    def frames(self, vae: StreamingVae | StreamingTinyDecoder, output: BlockOutput) -> np.ndarray | None:
+        """uint8 frames [n, H, W, 3] of one block (in block order) on the owner; empty when the session decodes
+        nothing; None on a rank that only helped (`split`)."""
+        if self.state is None:
+            return np.zeros((0, self.geometry.height, self.geometry.width, 3), dtype=np.uint8)
+        return vae.decode_block(output.latents, self.state, self.owner)
+
+
+@dataclass
 class Session:
     id: str
     request: SessionRequest
@@ -49,8 +70,7 @@ class Session:
     prompt: str  # the prompt in force (the request's, until a world event changes it)
     text: TextCache  # its cross-attention K/V (this rank's head shard)
     cache: SelfAttentionCache
-    decode_state: DecodeState | TinyDecodeState | None  # the VAE's feature cache or the tiny decoder's memory
-    split_decode: bool  # every rank decodes a band of its blocks' rows (else its owner decodes them alone)
+    decoding: Decoding  # its decode's (the decode thread's from its opening on)
     owner: int = 0  # the rank that answers the session's request: its decoded frames come back there
     block_index: int = 0
     # The records of the committed blocks whose tokens the cache still holds, oldest first (open_session's

@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
-from ..engine.rollout import WorldModelEngine
-from ..engine.session import Session
+from ..engine.session import Decoding
 from ..engine.snapshot import sessions as snapshots
 from ..engine.snapshot.files import Part
+from ..model.tiny_vae import StreamingTinyDecoder
+from ..model.vae import StreamingVae
 from . import mail
 from .snapshot_writer import SnapshotWriter
 from .threads import use_threads
@@ -26,12 +27,14 @@ log = logging.getLogger(__name__)
 class DecodeSender:
     """Decodes on its own thread, in the order the group loop hands it blocks (so each stream stays ordered)."""
 
-    def __init__(self, engine: WorldModelEngine, to_intake: Callable[[mail.IntakeLetter], None],
-                 to_loop: Callable[[mail.LoopLetter], None], threads: int | None = None) -> None:
-        """to_intake: the intake's inbox (frames, endings); to_loop: the group loop's inbox and doorbell (a
-        failed decode); threads: torch threads of the decode (see threads.CoreSplit), None leaves them as they
-        are."""
-        self.engine = engine
+    def __init__(self, vae: StreamingVae | StreamingTinyDecoder, rank: int,
+                 to_intake: Callable[[mail.IntakeLetter], None], to_loop: Callable[[mail.LoopLetter], None],
+                 threads: int | None = None) -> None:
+        """vae: the engine's decoder (this thread's; the group loop's thread runs the rest of the engine); to_intake:
+        the intake's inbox (frames, endings); to_loop: the group loop's inbox and doorbell (a failed decode);
+        threads: torch threads of the decode (see threads.CoreSplit), None leaves them as they are."""
+        self.vae: StreamingVae | StreamingTinyDecoder | None = vae
+        self.rank = rank
         self.threads = threads
         self._to_intake, self._to_loop = to_intake, to_loop
         self._shared_failed = False  # a shared decode failed: the ranks' exchanges are out of step
@@ -40,40 +43,39 @@ class DecodeSender:
         self._thread = threading.Thread(target=self._run, name="lingbot-decode-sender", daemon=True)
         self._thread.start()
 
-    def block(self, session: Session, output: BlockOutput, final: bool, owned: bool) -> None:
+    def block(self, decoding: Decoding, output: BlockOutput, final: bool, owned: bool) -> None:
         """Decode a block (this rank's band when the decode is shared); its frames go to the intake if this rank
-        owns the session."""
-        shared = session.split_decode
+        owns the session. `decoding` is this thread's from the session's first block on (engine.session)."""
+        sid, shared = decoding.session_id, decoding.split
 
         def decode() -> None:
             start = time.perf_counter()
             if shared and self._shared_failed:  # the group is failing: do not wait on its exchanges again
                 return
-            if session.id in self._failed_sessions:  # a block the client must not get after a missing one
+            if sid in self._failed_sessions:  # a block the client must not get after a missing one
                 return
             try:
-                frames = self.engine.decode(session, output)
+                frames = decoding.frames(self.vae, output)
             except Exception as exc:
-                log.exception("decoding block %d of session %s failed", output.block_index, session.id)
+                log.exception("decoding block %d of session %s failed", output.block_index, sid)
                 if shared:  # the other ranks wait in this decode's exchanges: the group must fail
                     self._shared_failed = True
                     self._to_loop(mail.SharedDecodeFailed(repr(exc)))  # not its traceback: its frames hold the engine
                 else:
-                    self._failed_sessions.add(session.id)
-                    self._to_loop(mail.DecodeFailed(session.id))
+                    self._failed_sessions.add(sid)
+                    self._to_loop(mail.DecodeFailed(sid))
                 return
             if owned:
-                self._to_intake(mail.Decoded(session.id, output, frames, (time.perf_counter() - start) * 1000.0,
-                                             final))
+                self._to_intake(mail.Decoded(sid, output, frames, (time.perf_counter() - start) * 1000.0, final))
 
         self._queue.put(decode)
 
-    def snapshot(self, session: Session, snapshot_id: str, parts: list[Part], writer: SnapshotWriter) -> None:
+    def snapshot(self, decoding: Decoding, snapshot_id: str, parts: list[Part], writer: SnapshotWriter) -> None:
         """After the blocks handed over so far are decoded: the session's decoder state joins this rank's parts of
         a snapshot, which the writer writes."""
         def capture() -> None:
-            decoder_part = snapshots.decode_part(self.engine, session)
-            writer.write(snapshot_id, session.owner, parts if decoder_part is None else [*parts, decoder_part])
+            decoder_part = snapshots.decode_part(self.vae, self.rank, decoding)
+            writer.write(snapshot_id, decoding.owner, parts if decoder_part is None else [*parts, decoder_part])
 
         self._queue.put(capture)
 

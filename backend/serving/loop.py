@@ -99,7 +99,7 @@ class GroupLoop:
         self.clocks = Clocks()  # the line's wait estimates
         self._to_intake = to_intake
         self._inbox: queue.SimpleQueue[mail.LoopLetter] = queue.SimpleQueue()
-        self.decoder = DecodeSender(engine, to_intake, self.post, threads.decode if threads else None)
+        self.decoder = DecodeSender(engine.vae, self.rank, to_intake, self.post, threads.decode if threads else None)
         # Saved worlds (docs/worlds.md): this rank writes its parts in the background; where snapshot_dir is set.
         self.snapshot_root = Path(settings.snapshot_dir) if settings.snapshot_dir else None
         self.writer = SnapshotWriter(self.snapshot_root, self.rank, self.post) if self.snapshot_root else None
@@ -221,8 +221,8 @@ class GroupLoop:
         finishing = {sid for sid, _ in plan.finishing}
         for sid, session, output in zip(plan.batch, sessions, outputs):
             owned = self.here[sid].owned
-            if owned or session.split_decode:
-                self.decoder.block(session, output, final=sid in finishing, owned=owned)
+            if owned or session.decoding.split:
+                self.decoder.block(session.decoding, output, final=sid in finishing, owned=owned)
         for sid, snapshot_id in plan.saves:  # after their block, asked for by its step
             self._save(sid, snapshot_id)
         for sid, ending in plan.finishing:
@@ -237,7 +237,7 @@ class GroupLoop:
         parts = snapshots.session_parts(self.engine, session)
         log.info("rank %d: session %s saved at block %d into snapshot %s (pause %.1f ms)", self.rank, sid,
                  session.block_index, snapshot_id, (time.perf_counter() - start) * 1000.0)
-        self.decoder.snapshot(session, snapshot_id, parts, self.writer)
+        self.decoder.snapshot(session.decoding, snapshot_id, parts, self.writer)
 
     def _hand_on_saves(self, written: list[FilesWritten], plan: Plan) -> None:
         """To this rank's intake, about the saves of the sessions it owns: every rank's files of them (news every
@@ -367,7 +367,7 @@ class GroupLoop:
         if self.writer is not None:  # what was handed over is written; a snapshot left unpublished expires
             self.writer.close()
         self._to_intake(mail.Closed(reason))
-        self.engine = self.decoder.engine = None  # the weights go now: a reload may need the memory
+        self.engine = self.decoder.vae = None  # the weights go now: a reload may need the memory
         self.control.doorbell = LocalDoorbell()  # close the store connections too
         self.control.group = None  # and the control group's sockets
 

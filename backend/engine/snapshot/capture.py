@@ -18,7 +18,7 @@ import torch
 from ...api.request import SessionRequest
 from ...model.condition import ConditionState
 from ...model.tiny_vae import TinyDecodeState
-from ..session import Session
+from ..session import Decoding, Session
 from .files import Part
 from .manifest import CONDITION, DECODE, KV, SHARED
 
@@ -74,10 +74,10 @@ def condition_part(state: ConditionState, rank: int) -> Part:
     return Part(CONDITION, rank, tensors, meta)
 
 
-def decode_part(session: Session, rank: int, rows: tuple[int, int]) -> Part:
+def decode_part(decoding: Decoding, rank: int, rows: tuple[int, int]) -> Part:
     """The decoder's state after the last decoded block: this rank's band of rows `rows` (latent rows) of the
     Wan VAE's feature cache, or the tiny decoder's memory (whole frames, on the owner)."""
-    state = session.decode_state
+    state = decoding.state
     if isinstance(state, TinyDecodeState):
         tensors = {f"memory.{layer}": t for layer, t in state.memory.items()}
         meta = {"decoder": "tiny", "decoded_latent_frames": state.decoded_latent_frames}

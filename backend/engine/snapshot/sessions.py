@@ -22,13 +22,13 @@ from ...api.request import SessionRequest
 from ...model.config import CheckpointConfigs
 from ...model.condition import ConditionState, StreamingConditionEncoder
 from ...model.feature_caches import condition_encoder_state, tiny_decoder_state, vae_decoder_state
-from ...model.tiny_vae import TinyDecodeState
+from ...model.tiny_vae import StreamingTinyDecoder, TinyDecodeState
 from ...model.vae import DecodeState, StreamingVae
 from ...parallel.mesh import Mesh
 from ...parallel.sequence import SequenceParallel
 from ..camera_track import CameraTrack
 from ..geometry import VideoGeometry
-from ..session import CommitRecord, Session
+from ..session import CommitRecord, Decoding, Session
 from ..settings import EngineSettings
 from ..validation import EngineSpec, session_window_frames
 from . import capture, size
@@ -48,7 +48,7 @@ class Engine(Protocol):
     ckpt: CheckpointConfigs
     sp: SequenceParallel
     mesh: Mesh
-    vae: StreamingVae
+    vae: StreamingVae | StreamingTinyDecoder
     conditions: StreamingConditionEncoder | None
     device: torch.device
     dtype: torch.dtype
@@ -80,25 +80,25 @@ def session_parts(engine: Engine, session: Session) -> list[Part]:
     return parts
 
 
-def decode_part(engine: Engine, session: Session) -> Part | None:
+def decode_part(vae: StreamingVae | StreamingTinyDecoder, rank: int, decoding: Decoding) -> Part | None:
     """This rank's part of a session's decoder state, after the decode of its last block (on the decode thread,
     before its next decode): its band of rows under a split decode, else the owner's whole frame; None where this
     rank holds none or the session decodes nothing."""
-    rows = decode_rows(engine, session.geometry.latent_height, session.decode_state is not None,
-                       session.split_decode, session.owner)
-    return None if rows is None else capture.decode_part(session, engine.sp.rank, rows)
+    rows = decode_rows(vae, rank, decoding.geometry.latent_height, decoding.state is not None, decoding.split,
+                       decoding.owner)
+    return None if rows is None else capture.decode_part(decoding, rank, rows)
 
 
-def decode_rows(engine: Engine, latent_rows: int, decodes: bool, split: bool,
+def decode_rows(vae: StreamingVae | StreamingTinyDecoder, rank: int, latent_rows: int, decodes: bool, split: bool,
                 owner: int) -> tuple[int, int] | None:
-    """The latent rows of a session's decoder state this rank holds: its band under a split decode, the whole
+    """The latent rows of a session's decoder state rank `rank` holds: its band under a split decode, the whole
     height on the owner otherwise, None on the other ranks or without a decode."""
     if not decodes:
         return None
     if split:
-        assert isinstance(engine.vae, StreamingVae)
-        return engine.vae.band(latent_rows)
-    return (0, latent_rows) if engine.sp.rank == owner else None
+        assert isinstance(vae, StreamingVae)
+        return vae.band(latent_rows)
+    return (0, latent_rows) if rank == owner else None
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,8 @@ def resume(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, session_
     session.block_index = shared.block_index
     if session.condition is not None:
         session.condition = state.condition
-    session.decode_state = state.decode
-    session.split_decode = state.decode is not None and engine.vae.splits(geometry.latent_height)
+    session.decoding = Decoding(session.id, owner, geometry, state.decode,
+                                state.decode is not None and engine.vae.splits(geometry.latent_height))
     return session
 
 
@@ -240,7 +240,7 @@ def read_rank(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, owner
         condition = _to(read_condition(snapshot), vae_device)
     decodes = bool(snapshot.manifest.entries(DECODE)) and engine.config.decode_frames and request.decode
     split = decodes and engine.vae.splits(geometry.latent_height)
-    rows = decode_rows(engine, geometry.latent_height, decodes, split, owner)
+    rows = decode_rows(engine.vae, engine.sp.rank, geometry.latent_height, decodes, split, owner)
     decode = None
     if rows is not None:
         decode = _to(read_decode(snapshot, rows), engine.vae.device)
