@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from backend.api import contract as c
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.engine.blocks import BlockOutput
+from backend.engine.rollout import WorldModelEngine
 from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.settings import ServingSettings
-from backend.serving.intake import Intake
+from backend.serving.bootstrap import snapshot_store
+from backend.serving.intake import KEEP_ENDED, Intake
 from factories import tiny_settings, tiny_request
+from polling import wait_until
 from test_one_rank import RecordingResponder
 
 STEERED_KEY = "7"
@@ -52,9 +58,9 @@ def intake(tiny_checkpoint: str):
     side.close()
 
 
-def steered_start():
+def steered_start(key: str = STEERED_KEY):
     return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                               session_key=STEERED_KEY)
+                               session_key=key)
 
 
 def block(index: int) -> BlockOutput:
@@ -155,3 +161,60 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
     side.arrive("", tiny_request(decode=False), marker)
     assert marker.closed.wait(5) and marker.code == "GROUP_FAILED"
     assert not first.blocks and loop.quiet()
+
+
+def test_the_newest_ended_keys_are_remembered_and_the_oldest_forgotten(intake) -> None:
+    """KEEP_ENDED keys whose session ended tell a late step why (a moved world its snapshot's id); one more ending
+    forgets the key that ended longest ago, and a key that ended again counts from its latest ending."""
+    side, loop = intake
+    expired, again = Refusal(c.EXPIRED, "it sent no step"), Refusal(c.CANCELLED, "its client went away")
+    moved = messages.moved(secrets.token_hex(16))
+
+    def end(keys: list[str], ending: Refusal) -> None:
+        for key in keys:
+            side.arrive(key, steered_start(key), RecordingResponder())
+        for _ in keys:
+            side.post(mail.Ended(loop.next(mail.Submitted).session.id, ending, ending))
+
+    end([f"k{i}" for i in range(KEEP_ENDED)], expired)
+    end(["k0"], again)  # k0 started again and ended: now the newest but one
+    end([f"k{KEEP_ENDED}"], moved)  # one ending more than are kept: k1 goes
+    told = {}
+    for key in ("k0", "k1", "k2", f"k{KEEP_ENDED}"):
+        told[key] = RecordingResponder()
+        side.arrive(key, StepRequest(key, Controls(keys="d")), told[key])
+    for r in told.values():
+        assert r.closed.wait(5)
+    assert (told["k0"].code, told["k1"].code, told["k2"].code) == (c.CANCELLED, c.SESSION_UNKNOWN, c.EXPIRED)
+    assert messages.NEVER_STARTED.sentence in told["k1"].error
+    newest = told[f"k{KEEP_ENDED}"]
+    assert newest.code == c.MOVED and moved.sentence in newest.error  # the sentence names the snapshot to resume
+    assert loop.quiet()
+
+
+@pytest.fixture()
+def saving(engine: WorldModelEngine, tmp_path: Path):
+    """An intake of a server that keeps snapshots in `tmp_path` (the engine's facts size a save's reservation)."""
+    loop = FakeLoop()
+    settings = ServingSettings(snapshot_dir=str(tmp_path))
+    admission = Admission(settings, engine.spec, engine.snapshot_facts, snapshot_store(settings))
+    side = Intake(0, settings, admission, loop.post, every_s=0.05)
+    yield side, loop, tmp_path
+    side.close()
+
+
+def test_a_failed_save_keeps_the_older_snapshot_it_names_and_a_durable_one_releases_it(saving) -> None:
+    side, loop, store = saving
+    sid, first = start(side, loop)
+    older = secrets.token_hex(16)
+    (store / older).mkdir()  # the world's last durable snapshot, which its next save releases
+    for _ in range(2):  # sent ahead: the saves' outcomes are told on the oldest open request, the start's
+        side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d", save=True, release=older)),
+                    RecordingResponder())
+    failed, durable = (loop.next(mail.Stepped).step.controls.snapshot_id for _ in range(2))
+    side.post(mail.Saved(sid, failed, messages.save_failed(failed)))
+    wait_until(lambda: first.notices, 5, "the failed save's outcome")
+    assert first.notices[0].error is not None and (store / older).is_dir()  # still the world's fallback
+    side.post(mail.Saved(sid, durable, None))
+    wait_until(lambda: len(first.notices) == 2, 5, "the durable save's outcome")
+    assert first.notices[1].error is None and not (store / older).exists()
