@@ -19,7 +19,8 @@ from backend.engine.geometry import VideoGeometry
 from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, LineCounts, \
     line_waits, retry_after_s, slot_waits
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
-from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
+from backend.serving.keys import ANONYMOUS
+from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, State
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
@@ -40,6 +41,13 @@ def steered(sid: str, on_starve: str = "wait", max_blocks: int = 0) -> SharedSes
     request = dataclasses.replace(tiny_request(num_frames=9), num_frames=None, poses=None, keys="w",
                                   on_starve=on_starve, session_key=sid, max_blocks=max_blocks)
     return SharedSession.submitted(sid, request, geometry(), owner=0)
+
+
+def resumed(sid: str, made: int, on_starve: str = "wait", max_blocks: int = 0) -> SharedSession:
+    """A steered session resumed from its snapshot after its first `made` blocks, on a "w" step."""
+    snapshot = ResumeFrom("ab" * 16, "{}", made)
+    return SharedSession.resumed(sid, steered(sid, on_starve, max_blocks).request, geometry(), 0, ANONYMOUS, snapshot,
+                                 Controls(keys="w"))
 
 
 def step(sid: str, keys: str | None = "d", end: bool = False) -> RankEvents:
@@ -146,6 +154,25 @@ def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
     plan = s.plan([step("a", None, end=True)])
     assert plan.ended_by(ENDED) == ["a"] and a.ending.told().sentence == "it ended by its client"
     assert a.state is State.DONE and [o.id for o in plan.opens] == ["b"]
+
+
+def test_a_resumed_session_counts_its_blocks_on_from_its_snapshot_up_to_its_block_limit() -> None:
+    """max_blocks=5, saved after 3 blocks: two blocks are left, the second its last."""
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[resumed("a", made=3, max_blocks=5)])])
+    fourth = s.plan([RankEvents()])
+    assert fourth.batch == ["a"] and keys_of(fourth, "a") == "w" and not fourth.finishing
+    fifth = s.plan([step("a", "d")])
+    assert fifth.batch == ["a"] and fifth.finishing == [("a", Ending(FINISHED))] and not s.table
+
+
+def test_a_resumed_session_on_hold_runs_one_block_beyond_its_requests_as_a_new_one_does() -> None:
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[resumed("a", made=3, on_starve="hold")])])
+    assert keys_of(s.plan([RankEvents()]), "a") == "w"
+    held = s.plan([RankEvents()])
+    assert held.batch == ["a"] and keys_of(held, "a") is None
+    assert s.plan([RankEvents()]).idle
 
 
 def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None:
