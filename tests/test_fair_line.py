@@ -138,6 +138,17 @@ def test_a_batch_never_takes_a_key_past_its_quota() -> None:
     assert plan.batch == ["a0", "a1"] and plan.ended_by(EndReason.QUOTA) == ["a2"]
 
 
+def test_each_block_of_a_batch_counts_towards_its_keys_quota() -> None:
+    """A key's two sessions batched together: its 4 blocks an hour are two batches, and both sessions then end."""
+    s = Scheduler(ServingSettings(max_sessions=4, max_batch=2, max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks_per_hour=4) for i in range(2)], clock_s=0.0)])
+    plans = [s.plan([RankEvents(clock_s=t)]) for t in (1.0, 2.0, 3.0)]
+    assert [p.batch for p in plans] == [["a0", "a1"], ["a0", "a1"], []]
+    assert plans[2].ended_by(EndReason.QUOTA) == ["a0", "a1"] and not s.table
+    (_, ending), _ = plans[2].ended
+    assert ending.error.retry_after_s == pytest.approx(1.0 + HOUR_S - 3.0)  # when the first batch's two age out
+
+
 def test_the_boundary_clock_is_the_latest_rank_clock_and_never_goes_back() -> None:
     s = Scheduler(ServingSettings())
     s.plan([RankEvents(clock_s=50.0), RankEvents(clock_s=70.0)])
