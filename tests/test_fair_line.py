@@ -176,3 +176,13 @@ def test_the_hourly_usage_ages_blocks_out_and_forgets_idle_keys() -> None:
     assert usage.used("A", HOUR_S + 1.0) == 1
     usage.forget(["A"], 2 * HOUR_S)
     assert usage.entries == {}
+
+
+def test_blocks_at_one_boundary_time_add_up_and_a_key_far_over_its_limit_waits_for_enough_to_age_out() -> None:
+    usage = HourlyUsage()
+    usage.add("A", 0.0, 2)
+    usage.add("A", 0.0, 1)  # another batch at the same boundary time
+    usage.add("A", 100.0, 1)
+    assert usage.used("A", 100.0) == 4
+    # Its limit lowered to 1 (a reload, its name kept): all 4 blocks must age out, the last at 100 s + an hour.
+    assert usage.retry_after_s("A", 1, 100.0) == HOUR_S
