@@ -4,6 +4,7 @@ would: no key, a wrong one, a revoked one, a key in a prompt, two keys in one re
 from __future__ import annotations
 
 import json
+import queue
 import stat
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from backend.api import contract as c
 from backend.api.errors import ConfigError
 from backend.api.refusal import Refusal
 from backend.launch import keys as tool
+from backend.serving import key_watch
+from backend.serving.host_signals import HostSignals
+from backend.serving.key_watch import KeyWatch, gate_of
 from backend.serving.keys import (AUTH_INVALID, AUTH_REQUIRED, KEY_PREFIX, Gate, KeyRing, Principal, Quota,
                                   digest_of, key_line, new_key, take_key)
 
@@ -96,6 +100,33 @@ def test_a_reload_names_the_revoked_keys_by_tag_and_a_rotated_key_is_revoked_too
     new = ring_of(alice=new_key(), carol=new_key())  # alice rotated, bob removed, carol added
     assert new.revoked_since(old) == {old.check(alice).tag, old.check(bob).tag}
     assert new.check(alice) is AUTH_INVALID
+
+
+def test_an_instance_takes_a_published_reload_and_ends_the_sessions_of_the_keys_it_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's SIGHUP as an instance sees it: the door serves the new keys at once, and the keys the new file
+    no longer holds (removed, or rotated under the same name) are named for their sessions to end, no other."""
+    monkeypatch.setattr(key_watch, "KEYS_POLL_S", 0.05)
+    alice, bob, carol, dave, bob_again = (new_key() for _ in range(5))
+    signals = HostSignals(tmp_path)
+
+    def publish(**keys: str) -> None:  # what the launcher does with the keys file it checked
+        signals.publish_keys("\n".join(key_line(name, key, Quota()) for name, key in keys.items()))
+
+    publish(alice=alice, bob=bob, carol=carol)
+    gate = gate_of(signals)
+    old = gate.ring
+    revoked: queue.SimpleQueue[set[str]] = queue.SimpleQueue()
+    watch = KeyWatch(signals, gate, revoked.put)
+    try:
+        publish(alice=alice, bob=bob_again, dave=dave)  # bob rotated, carol removed, dave added
+        assert revoked.get(timeout=5) == {old.check(bob).tag, old.check(carol).tag}
+    finally:
+        watch.close()
+    for key, name in ((alice, "alice"), (bob_again, "bob"), (dave, "dave"), (bob, None), (carol, None)):
+        who, _ = gate.admit(json.dumps({c.KEY_HEADER: key}))
+        assert (who is AUTH_INVALID) if name is None else who.name == name
+    assert revoked.empty()
 
 
 @pytest.mark.parametrize("text, words", [
