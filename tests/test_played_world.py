@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from backend.api.codec import BlockResponse, BlockUsed, SnapshotNotice
+from backend.api.codec import BlockResponse, BlockUsed, Place, SnapshotNotice
 from backend.api.request import Controls, SessionRequest
 from client import world as world_module
 from client.stream import StreamError, StreamTimeoutError
 from client.world import Failover, PlayedWorld, Saved, WorldLostError
 
 pytestmark = pytest.mark.timeout(30)
+
+PLACE_EVERY_S = 0.1  # how often a session waiting in a busy group's line is told its place
 
 
 @dataclass
@@ -32,6 +34,7 @@ class StandIn:
     no_store: bool = False  # the server keeps no snapshots
     tamper: bool = False  # a resumed world is another one
     forget: bool = False  # the store loses its snapshots
+    line_s: float = 0.0  # a resumed session waits this long in the group's line for a slot, told its place
     store: dict[str, list[str]] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)  # snapshots a durable save released (gone from the store)
     made: int = 0  # blocks made, every session's, replays included
@@ -40,7 +43,7 @@ class StandIn:
     sessions: list[Session] = field(default_factory=list)
 
     def session(self, *args: object, **kwargs: object) -> Session:
-        self.sessions.append(Session(self, kwargs["on_snapshot"]))
+        self.sessions.append(Session(self, kwargs["on_snapshot"], kwargs["on_place"]))
         return self.sessions[-1]
 
 
@@ -55,8 +58,9 @@ def keys_of(controls: Controls) -> str:
 class Session:
     """A steered session of the stand-in: every request answered at once, in order (a save's at-once refusal too)."""
 
-    def __init__(self, server: StandIn, on_snapshot) -> None:
-        self.server, self.on_snapshot = server, on_snapshot
+    def __init__(self, server: StandIn, on_snapshot, on_place) -> None:
+        self.server, self.on_snapshot, self.on_place = server, on_snapshot, on_place
+        self.slot_at = 0.0  # when it has its slot: nothing is answered before
         self.history: list[str] = []
         self.answers: deque = deque()
         self.answered_sent_s: float | None = None
@@ -80,6 +84,7 @@ class Session:
             self._answer(StreamError("x", f"[SNAPSHOT_UNKNOWN] no snapshot {snapshot_id}"))
             return
         self.history = list(self.server.store[snapshot_id])
+        self.slot_at = time.perf_counter() + self.server.line_s
         if self.server.tamper:
             self.history[0] = "another world"
         self._block(controls, save, index=len(self.history))
@@ -133,6 +138,12 @@ class Session:
         return self.answers[0][1] if self.answers else (self.silent_since if self.dead == "silent" else None)
 
     def next_block(self, timeout: float | None = None) -> BlockResponse | None:
+        deadline = time.perf_counter() + (timeout or 0)
+        while (now := time.perf_counter()) < self.slot_at:  # in line: its place is told, no answer comes
+            if now >= deadline:
+                raise StreamTimeoutError("nothing within the timeout")
+            time.sleep(min(PLACE_EVERY_S, self.slot_at - now, deadline - now))
+            self.on_place(Place(1, -1.0))
         if not self.answers:
             time.sleep(timeout or 0)  # a silent stream: nothing comes
             raise StreamTimeoutError("nothing within the timeout")
@@ -230,6 +241,18 @@ def test_a_silent_stream_is_given_up_at_the_stall_bound(monkeypatch: pytest.Monk
     blocks, _, failovers = play(server, save_every=2)
     assert hashes(blocks) == UNINTERRUPTED
     assert "stall bound" in failovers[0].reason and time.perf_counter() - began < 3
+
+
+def test_a_world_that_fails_over_into_a_busy_group_keeps_its_place_past_the_stall_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume waits in line for a second, three stall bounds, told its place all along: the places are news of
+    the session, so it is not given up for a silent one."""
+    monkeypatch.setattr(world_module, "STALL_FLOOR_S", 0.3)
+    server = StandIn(fail_at={5: "error"}, line_s=1.0)
+    places: list[Place] = []
+    blocks, saves, (lost, through) = play(server, save_every=2, on_place=places.append)
+    assert hashes(blocks) == UNINTERRUPTED and places
+    assert through.attempts == 1 and server.opens == ["start", lost.snapshot_id]
 
 
 def test_a_save_refused_by_a_full_store_is_sent_again_without_it_and_the_world_goes_on() -> None:
