@@ -5,17 +5,22 @@ are in test_world_failover.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from backend.api.codec import BlockResponse, BlockUsed, Place, SnapshotNotice
+from backend.api import contract
+from backend.api.codec import BlockResponse, BlockUsed, Place, SnapshotNotice, controls_arrays, parse_request
 from backend.api.request import Controls, SessionRequest
 from client import world as world_module
+from client.__main__ import main as client_main
+from client.connection import Connection
 from client.stream import StreamError, StreamTimeoutError
 from client.world import Failover, PlayedWorld, Saved, WorldLostError
 
@@ -291,3 +296,34 @@ def test_a_world_that_cannot_be_resumed_within_its_bound_is_lost() -> None:
     with pytest.raises(WorldLostError, match="could not be resumed within 1 s"):
         play(server, save_every=2, resume_within_s=1.0)
     assert time.perf_counter() - began < 4
+
+
+class Wire:
+    """A gRPC stream that records the parameters of each request a client sends, and answers nothing."""
+
+    def __init__(self) -> None:
+        self.parameters: list[dict] = []
+
+    def start_stream(self, callback, headers=None) -> None:
+        pass
+
+    def async_stream_infer(self, model_name: str, inputs: list, parameters: dict | None = None, **kwargs) -> None:
+        self.parameters.append(parameters or {})
+
+    def stop_stream(self, cancel_requests: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("flags, read", [(["--fork-seed", "0"], 0), ([], contract.NO_FORK)])
+def test_play_resumes_a_fork_from_seed_0_as_seed_0(flags: list[str], read: int, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 is a seed like any other: only a resume without --fork-seed lets the saved noise go on."""
+    wire = Wire()
+    monkeypatch.setattr(Connection, "client", lambda self, url, verbose=False: wire)
+    assert client_main(["play", "--url", "wire:8001", "--resume", "ab" * 16, *flags, "--keys", "w", "--height", "64",
+                        "--width", "64", "--timeout", "0.05", "--out", str(tmp_path / "play.mp4")]) == 1  # no answer
+    resume = json.dumps(wire.parameters[0])  # as the server's parser reads it
+    assert parse_request(controls_arrays(Controls(keys="w")).get, resume, "7", contract.SEQUENCE_START).fork_seed == read
