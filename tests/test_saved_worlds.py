@@ -202,6 +202,13 @@ def test_forks_of_one_snapshot_are_independent_worlds(group, uninterrupted, save
     assert not np.array_equal(other.latents[0], uninterrupted[SAVED_AFTER + 1])  # another step
 
 
+def test_a_fork_from_seed_0_is_a_fork(group, uninterrupted, saved) -> None:
+    """0 is a seed like any other: only a resume without a fork seed (NO_FORK) lets the saved noise go on."""
+    fork = World(group, resume_request(saved, STEPS[SAVED_AFTER], key="f0", fork_seed=0))
+    fork.end()
+    assert not np.array_equal(fork.latents[0], uninterrupted[SAVED_AFTER + 1])
+
+
 def copy_snapshot(snapshots: Path, snapshot_id: str) -> str:
     """A published snapshot copied under a new id (its manifest names its id): what an attacker may tamper with."""
     twin = secrets.token_hex(16)
