@@ -3,7 +3,7 @@ backpressure, cancels, and the steering of steered sessions (steps, hold, end, e
 from __future__ import annotations
 
 import dataclasses
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +21,7 @@ from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S
 from backend.serving.scheduler import Plan, RankEvents, Scheduler, StepEvent
 from backend.serving.keys import ANONYMOUS
 from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, State
+from backend.serving import streams
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
@@ -222,16 +223,21 @@ def block(index: int) -> BlockOutput:
     return BlockOutput("a", index, 0, torch.zeros(1), 0.0, 0)
 
 
-def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
-    """The idle clock runs only while the server waits on the client (every request answered)."""
+def test_owner_clock_decides_expiry_and_every_scheduler_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle clock runs only while the server waits on the client (every request answered). The owner's clock
+    reads whole seconds here, so each limit is tried at its very edge: near a power of two (a host up 1,000 s) a
+    real clock's t + 60 - t rounds below 60."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(streams, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
     settings = ServingSettings(session_idle_timeout_s=60, max_session_s=100)
     stream = SteeredStream(Answered())
-    owner = OwnerPart(stream=stream, sequence_key="7", started_s=time.monotonic())
+    owner = OwnerPart(stream=stream, sequence_key="7", started_s=clock["now"])
     far = owner.started_s + 99.0  # past the idle limit, within the lifetime
     assert owner.deadline(settings) == owner.started_s + 100.0 and owner.expiry(settings, far) is None
+    clock["now"] += 1.0
     stream.send_block(block(0), np.zeros(1), 0.0, True)  # answered: now the server waits on the client
     answered = stream.waits_on_client_since()
-    assert answered is not None and owner.deadline(settings) == answered + 60.0
+    assert answered == clock["now"] and owner.deadline(settings) == answered + 60.0
     assert "session_idle_timeout_s=60 s" in owner.expiry(settings, answered + 60.0).sentence
     stream.add(Answered())  # a step waits for its block (behind a long one, say): no idle clock
     assert owner.expiry(settings, answered + 90.0) is None
