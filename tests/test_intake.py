@@ -220,6 +220,38 @@ def test_a_failed_save_keeps_the_older_snapshot_it_names_and_a_durable_one_relea
     assert first.notices[1].error is None and not (store / older).exists()
 
 
+def test_a_drain_moves_each_steered_world_once_its_snapshot_is_durable_and_takes_no_new_session(saving) -> None:
+    """Each steered session is saved where it stands and ends MOVED with its snapshot's id only once that snapshot is
+    durable (one whose save failed ends SERVER_STOPPING: nothing to resume); a whole trajectory runs on."""
+    side, loop, _ = saving
+    pauses = {}
+    for key in ("7", "8"):  # two played worlds, each with the pause its client keeps open
+        side.arrive(key, steered_start(key), RecordingResponder())
+        sid = loop.next(mail.Submitted).session.id
+        side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
+        loop.next(mail.Delivered)
+        pauses[sid] = RecordingResponder()
+        side.arrive(key, StepRequest(key, None, pause=True), pauses[sid])
+    side.arrive("", tiny_request(decode=False), RecordingResponder())
+    whole = loop.next(mail.Submitted).session.id
+    side.post(mail.Drain())
+    moving = {m.session_id: m.snapshot_id for m in (loop.next(mail.Moving) for _ in pauses)}
+    assert set(moving) == set(pauses) and whole not in moving
+    (saved, failed), refused = moving, RecordingResponder()
+    for sid, snapshot_id in moving.items():  # the loop saves each at the next boundary and ends it
+        side.post(mail.Ended(sid, messages.moved(snapshot_id), messages.moved(snapshot_id)))
+    side.arrive("9", steered_start("9"), refused)  # answered after the endings were read (one inbox, in order)
+    assert refused.closed.wait(5) and refused.code == c.SERVER_STOPPING
+    assert not any(p.closed.is_set() for p in pauses.values())  # held until their snapshots are durable
+    side.post(mail.Saved(saved, moving[saved], None))
+    side.post(mail.Saved(failed, moving[failed], messages.save_failed(moving[failed])))
+    for p in pauses.values():
+        assert p.closed.wait(5) and not p.notices  # a move's id comes with MOVED, not as a save's outcome
+    assert pauses[saved].code == c.MOVED and moving[saved] in pauses[saved].error
+    assert pauses[failed].code == c.SERVER_STOPPING
+    assert loop.quiet()
+
+
 @pytest.mark.xfail(strict=True, reason="product bug: a session that ends on its own (its max_blocks) forgets its key at "
                    "once, so the pause its client keeps open after the last block is refused and the outcome of a save "
                    "on that block is never told (docs/worlds.md: its stream stays open until every save is told)")
