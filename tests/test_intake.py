@@ -23,6 +23,7 @@ from backend.serving.admission import Admission
 from backend.serving.settings import ServingSettings
 from backend.serving.bootstrap import snapshot_store
 from backend.serving.intake import KEEP_ENDED, Intake
+from backend.serving.keys import Principal
 from factories import tiny_settings, tiny_request
 from polling import wait_until
 from test_one_rank import RecordingResponder
@@ -161,6 +162,38 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
     side.arrive("", tiny_request(decode=False), marker)
     assert marker.closed.wait(5) and marker.code == "GROUP_FAILED"
     assert not first.blocks and loop.quiet()
+
+
+def test_a_step_after_the_end_flag_is_told_so_and_the_sequence_may_start_again_at_once(intake) -> None:
+    side, loop = intake
+    sid, first = start(side, loop)
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d"), end=True), RecordingResponder())
+    assert loop.next(mail.Stepped).step.end  # its last block still runs
+    late = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), late)
+    assert late.closed.wait(5) and late.code == c.SESSION_UNKNOWN and messages.ENDED_BY_FLAG.sentence in late.error
+    side.arrive(STEERED_KEY, steered_start(), RecordingResponder())  # not SESSION_EXISTS
+    assert loop.next(mail.Submitted).session.id != sid and loop.quiet()
+
+
+def test_another_keys_request_on_a_sequence_touches_nothing(intake) -> None:
+    """A step, pause or end flag of alice's sequence sent with bob's key is refused; her open pause stays open."""
+    side, loop = intake
+    alice, bob = Principal("alice", "tag-a"), Principal("bob", "tag-b")
+    side.arrive(STEERED_KEY, steered_start(), RecordingResponder(), principal=alice)
+    sid = loop.next(mail.Submitted).session.id
+    side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
+    loop.next(mail.Delivered)
+    paused = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, None, pause=True), paused, principal=alice)
+    for request in (StepRequest(STEERED_KEY, Controls(keys="d")), StepRequest(STEERED_KEY, None, pause=True),
+                    StepRequest(STEERED_KEY, None, end=True)):
+        refused = RecordingResponder()
+        side.arrive(STEERED_KEY, request, refused, principal=bob)
+        assert refused.closed.wait(5) and refused.code == c.AUTH_INVALID
+    assert not paused.closed.is_set() and loop.quiet()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), RecordingResponder(), principal=alice)
+    assert loop.next(mail.Stepped).step.session_id == sid and paused.closed.wait(5)  # her own step answers it
 
 
 def test_the_newest_ended_keys_are_remembered_and_the_oldest_forgotten(intake) -> None:
