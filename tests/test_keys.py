@@ -135,6 +135,7 @@ def test_an_instance_takes_a_published_reload_and_ends_the_sessions_of_the_keys_
     (f"al ice sha256:{'0' * 64}", "expected NAME"),
     (f"alice sha256:{'0' * 64} seats=3", "'seats=3' is not a limit"),
     (f"alice sha256:{'0' * 64} sessions=0", "sessions must be at least 1"),
+    (f"alice sha256:{'0' * 64} queue=-1", "queue must be at least 0"),
     (f"alice sha256:{'0' * 64} sessions=two", "sessions must be a number"),
     (f"alice sha256:{'0' * 64} sessions=1 sessions=2", "given twice"),
     (f"alice sha256:{'0' * 64}\nalice sha256:{'1' * 64}", "line 2: the name alice is taken"),
@@ -143,6 +144,11 @@ def test_an_instance_takes_a_published_reload_and_ends_the_sessions_of_the_keys_
 def test_a_bad_keys_file_is_refused_naming_its_line(text: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         KeyRing.parse("# a comment\n\n" + text if "line 2" not in words else text)
+
+
+def test_a_key_may_be_kept_out_of_the_line_with_queue_0() -> None:
+    (entry,) = KeyRing.parse(f"alice sha256:{'0' * 64} sessions=1 queue=0").entries
+    assert entry.quota == Quota(sessions=1, queue=0)
 
 
 def test_the_tool_prints_the_key_once_and_writes_only_its_hash(tmp_path: Path, capsys) -> None:
