@@ -48,6 +48,17 @@ def test_slots_alternate_between_keys_and_each_waiting_session_knows_its_place()
     assert served == line  # the places told were the true order
 
 
+def test_a_key_whose_sessions_all_ended_counts_as_not_served_recently() -> None:
+    """B was served before A, but A's sessions all ended since: A's next session goes first, B's waiting longer."""
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=8))
+    s.plan([RankEvents(submissions=[of("B", "b0")])])
+    s.plan([RankEvents(submissions=[of("A", "a0"), of("C", "c0")])])  # a0 takes the other slot, c0 waits
+    assert ids(s.plan([RankEvents(cancelled=["a0"])]).opens) == ["c0"]  # A has no session left
+    s.plan([RankEvents(submissions=[of("B", "b1"), of("A", "a1")])])
+    assert ids(s.waiting()) == ["a1", "b1"]
+    assert ids(s.plan([RankEvents(cancelled=["c0"])]).opens) == ["a1"]
+
+
 def test_without_keys_the_line_is_first_come_first_served() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("", f"s{i}") for i in range(4)])])
