@@ -49,6 +49,17 @@ def test_slots_alternate_between_keys_and_each_waiting_session_knows_its_place()
     assert served == line  # the places told were the true order
 
 
+def test_a_key_whose_sessions_all_ended_counts_as_not_served_recently() -> None:
+    """B was served before A, but A's sessions all ended since: A's next session goes first, B's waiting longer."""
+    s = Scheduler(ServingSettings(max_sessions=2, max_queue=8))
+    s.plan([RankEvents(submissions=[of("B", "b0")])])
+    s.plan([RankEvents(submissions=[of("A", "a0"), of("C", "c0")])])  # a0 takes the other slot, c0 waits
+    assert ids(s.plan([RankEvents(cancelled=["a0"])]).opens) == ["c0"]  # A has no session left
+    s.plan([RankEvents(submissions=[of("B", "b1"), of("A", "a1")])])
+    assert ids(s.waiting()) == ["a1", "b1"]
+    assert ids(s.plan([RankEvents(cancelled=["c0"])]).opens) == ["a1"]
+
+
 def test_without_keys_the_line_is_first_come_first_served() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("", f"s{i}") for i in range(4)])])
@@ -139,6 +150,17 @@ def test_a_batch_never_takes_a_key_past_its_quota() -> None:
     assert plan.batch == ["a0", "a1"] and plan.ended_by(EndReason.QUOTA) == ["a2"]
 
 
+def test_each_block_of_a_batch_counts_towards_its_keys_quota() -> None:
+    """A key's two sessions batched together: its 4 blocks an hour are two batches, and both sessions then end."""
+    s = Scheduler(ServingSettings(max_sessions=4, max_batch=2, max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks_per_hour=4) for i in range(2)], clock_s=0.0)])
+    plans = [s.plan([RankEvents(clock_s=t)]) for t in (1.0, 2.0, 3.0)]
+    assert [p.batch for p in plans] == [["a0", "a1"], ["a0", "a1"], []]
+    assert plans[2].ended_by(EndReason.QUOTA) == ["a0", "a1"] and not s.table
+    (_, ending), _ = plans[2].ended
+    assert ending.error.retry_after_s == pytest.approx(1.0 + HOUR_S - 3.0)  # when the first batch's two age out
+
+
 def test_the_boundary_clock_is_the_latest_rank_clock_and_never_goes_back() -> None:
     s = Scheduler(ServingSettings())
     s.plan([RankEvents(clock_s=50.0), RankEvents(clock_s=70.0)])
@@ -166,3 +188,13 @@ def test_the_hourly_usage_ages_blocks_out_and_forgets_idle_keys() -> None:
     assert usage.used("A", HOUR_S + 1.0) == 1
     usage.forget(["A"], 2 * HOUR_S)
     assert usage.entries == {}
+
+
+def test_blocks_at_one_boundary_time_add_up_and_a_key_far_over_its_limit_waits_for_enough_to_age_out() -> None:
+    usage = HourlyUsage()
+    usage.add("A", 0.0, 2)
+    usage.add("A", 0.0, 1)  # another batch at the same boundary time
+    usage.add("A", 100.0, 1)
+    assert usage.used("A", 100.0) == 4
+    # Its limit lowered to 1 (a reload, its name kept): all 4 blocks must age out, the last at 100 s + an hour.
+    assert usage.retry_after_s("A", 1, 100.0) == HOUR_S

@@ -17,7 +17,7 @@ import pytest
 from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
 from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
 from backend.launch.drain import streams_open
-from backend.launch.fleet import main
+from backend.launch.fleet import balancer_tls, build_parser, main
 from backend.launch.restart import launcher_of
 from backend.launch.control import ControlError, ModelControl
 from backend.launch import heal
@@ -160,6 +160,25 @@ def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
     config.write_text(text.replace("balance leastconn", "balance nonsense"))
     with pytest.raises(ValueError, match="haproxy refuses"):
         check_config(config)
+
+
+def test_the_fleets_tls_flags_reach_the_balancer_and_a_client_ca_makes_it_mutual(tmp_path: Path) -> None:
+    pem, ca = tmp_path / "balancer.pem", tmp_path / "clients-ca.pem"
+    for path in (pem, ca):
+        path.write_text("PEM")
+
+    def bind(*flags: str) -> str:  # the balancer's bind line, as the fleet's flags render it
+        tls = balancer_tls(build_parser().parse_args(list(flags)))
+        text = render_haproxy([GroupAddress("group0", "127.0.0.1", 9001, 9000, 9003)], "0.0.0.0", 443, 1.0,
+                              tmp_path / "haproxy.sock", tls=tls)
+        return next(line.strip() for line in text.splitlines() if line.strip().startswith("bind "))
+
+    assert bind("--tls-pem", str(pem), "--tls-client-ca", str(ca)) == \
+        f"bind 0.0.0.0:443 ssl crt {pem.resolve()} alpn h2 ca-file {ca.resolve()} verify required"
+    assert bind("--tls-pem", str(pem)) == f"bind 0.0.0.0:443 ssl crt {pem.resolve()} alpn h2"
+    assert bind() == "bind 0.0.0.0:443 proto h2"
+    with pytest.raises(ValueError, match="--tls-client-ca needs --tls-pem"):
+        bind("--tls-client-ca", str(ca))
 
 
 def test_a_group_address_is_host_and_three_ports() -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import secrets
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from backend.api import contract as c
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.engine.blocks import BlockOutput
+from backend.engine.rollout import WorldModelEngine
 from backend.engine.snapshot.store import staging_folder
 from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
@@ -22,8 +25,10 @@ from backend.serving.bootstrap import owner_side
 from backend.serving.news import FilesWritten
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
-from backend.serving.intake import Intake
+from backend.serving.intake import KEEP_ENDED, Intake
+from backend.serving.keys import Principal
 from factories import tiny_settings, tiny_request
+from polling import wait_until
 from test_one_rank import RecordingResponder
 
 STEERED_KEY = "7"
@@ -58,9 +63,9 @@ def intake(tiny_checkpoint: str):
     side.close()
 
 
-def steered_start():
+def steered_start(key: str = STEERED_KEY):
     return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                               session_key=STEERED_KEY)
+                               session_key=key)
 
 
 def block(index: int) -> BlockOutput:
@@ -163,13 +168,140 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
     assert not first.blocks and loop.quiet()
 
 
+def test_a_step_after_the_end_flag_is_told_so_and_the_sequence_may_start_again_at_once(intake) -> None:
+    side, loop = intake
+    sid, first = start(side, loop)
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d"), end=True), RecordingResponder())
+    assert loop.next(mail.Stepped).step.end  # its last block still runs
+    late = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), late)
+    assert late.closed.wait(5) and late.code == c.SESSION_UNKNOWN and messages.ENDED_BY_FLAG.sentence in late.error
+    side.arrive(STEERED_KEY, steered_start(), RecordingResponder())  # not SESSION_EXISTS
+    assert loop.next(mail.Submitted).session.id != sid and loop.quiet()
+
+
+def test_another_keys_request_on_a_sequence_touches_nothing(intake) -> None:
+    """A step, pause or end flag of alice's sequence sent with bob's key is refused; her open pause stays open."""
+    side, loop = intake
+    alice, bob = Principal("alice", "tag-a"), Principal("bob", "tag-b")
+    side.arrive(STEERED_KEY, steered_start(), RecordingResponder(), principal=alice)
+    sid = loop.next(mail.Submitted).session.id
+    side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
+    loop.next(mail.Delivered)
+    paused = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, None, pause=True), paused, principal=alice)
+    for request in (StepRequest(STEERED_KEY, Controls(keys="d")), StepRequest(STEERED_KEY, None, pause=True),
+                    StepRequest(STEERED_KEY, None, end=True)):
+        refused = RecordingResponder()
+        side.arrive(STEERED_KEY, request, refused, principal=bob)
+        assert refused.closed.wait(5) and refused.code == c.AUTH_INVALID
+    assert not paused.closed.is_set() and loop.quiet()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), RecordingResponder(), principal=alice)
+    assert loop.next(mail.Stepped).step.session_id == sid and paused.closed.wait(5)  # her own step answers it
+
+
+def test_the_newest_ended_keys_are_remembered_and_the_oldest_forgotten(intake) -> None:
+    """KEEP_ENDED keys whose session ended tell a late step why (a moved world its snapshot's id); one more ending
+    forgets the key that ended longest ago, and a key that ended again counts from its latest ending."""
+    side, loop = intake
+    expired, again = Refusal(c.EXPIRED, "it sent no step"), Refusal(c.CANCELLED, "its client went away")
+    moved = messages.moved(secrets.token_hex(16))
+
+    def end(keys: list[str], ending: Refusal) -> None:
+        for key in keys:
+            side.arrive(key, steered_start(key), RecordingResponder())
+        for _ in keys:
+            side.post(mail.Ended(loop.next(mail.Submitted).session.id, ending, ending))
+
+    end([f"k{i}" for i in range(KEEP_ENDED)], expired)
+    end(["k0"], again)  # k0 started again and ended: now the newest but one
+    end([f"k{KEEP_ENDED}"], moved)  # one ending more than are kept: k1 goes
+    told = {}
+    for key in ("k0", "k1", "k2", f"k{KEEP_ENDED}"):
+        told[key] = RecordingResponder()
+        side.arrive(key, StepRequest(key, Controls(keys="d")), told[key])
+    for r in told.values():
+        assert r.closed.wait(5)
+    assert (told["k0"].code, told["k1"].code, told["k2"].code) == (c.CANCELLED, c.SESSION_UNKNOWN, c.EXPIRED)
+    assert messages.NEVER_STARTED.sentence in told["k1"].error
+    newest = told[f"k{KEEP_ENDED}"]
+    assert newest.code == c.MOVED and moved.sentence in newest.error  # the sentence names the snapshot to resume
+    assert loop.quiet()
+
+
 @pytest.fixture()
-def saving_intake(engine, tmp_path):
-    """An intake whose server keeps snapshots: a drain reserves an id for each steered session it moves."""
+def saving(engine: WorldModelEngine, tmp_path: Path):
+    """An intake of a server that keeps snapshots in `tmp_path` (the engine's facts size a save's reservation)."""
     loop = FakeLoop()
     side = owner_side(0, 1, ServingSettings(snapshot_dir=str(tmp_path)), engine, loop.post, queue.SimpleQueue())
-    yield side, loop
+    yield side, loop, tmp_path
     side.close()
+
+
+def test_a_failed_save_keeps_the_older_snapshot_it_names_and_a_durable_one_releases_it(saving) -> None:
+    side, loop, store = saving
+    sid, first = start(side, loop)
+    older = secrets.token_hex(16)
+    (store / older).mkdir()  # the world's last durable snapshot, which its next save releases
+    for _ in range(2):  # sent ahead: the saves' outcomes are told on the oldest open request, the start's
+        side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d", save=True, release=older)),
+                    RecordingResponder())
+    failed, durable = (loop.next(mail.Stepped).step.snapshot_id for _ in range(2))
+    side.post(FilesWritten(failed, 0, 0, (), messages.save_failed(failed)))  # a rank could not write its files
+    wait_until(lambda: first.notices, 5, "the failed save's outcome")
+    assert first.notices[0].error is not None and (store / older).is_dir()  # still the world's fallback
+    side.post(files_written(side, durable))
+    wait_until(lambda: len(first.notices) == 2, 5, "the durable save's outcome")
+    assert first.notices[1].error is None and not (store / older).exists()
+
+
+def test_a_drain_moves_each_steered_world_once_its_snapshot_is_durable_and_takes_no_new_session(saving) -> None:
+    """Each steered session is saved where it stands and ends MOVED with its snapshot's id only once that snapshot is
+    durable (one whose save failed ends SERVER_STOPPING: nothing to resume); a whole trajectory runs on."""
+    side, loop, _ = saving
+    pauses = {}
+    for key in ("7", "8"):  # two played worlds, each with the pause its client keeps open
+        side.arrive(key, steered_start(key), RecordingResponder())
+        sid = loop.next(mail.Submitted).session.id
+        side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
+        loop.next(mail.Delivered)
+        pauses[sid] = RecordingResponder()
+        side.arrive(key, StepRequest(key, None, pause=True), pauses[sid])
+    side.arrive("", tiny_request(decode=False), RecordingResponder())
+    whole = loop.next(mail.Submitted).session.id
+    side.post(mail.Drain())
+    moving = {m.session_id: m.snapshot_id for m in (loop.next(mail.Moving) for _ in pauses)}
+    assert set(moving) == set(pauses) and whole not in moving
+    (saved, failed), refused = moving, RecordingResponder()
+    for sid, snapshot_id in moving.items():  # the loop saves each at the next boundary and ends it
+        side.post(mail.Ended(sid, messages.moved(snapshot_id), messages.moved(snapshot_id)))
+    side.arrive("9", steered_start("9"), refused)  # answered after the endings were read (one inbox, in order)
+    assert refused.closed.wait(5) and refused.code == c.SERVER_STOPPING
+    assert not any(p.closed.is_set() for p in pauses.values())  # held until their snapshots are durable
+    side.post(files_written(side, moving[saved]))
+    side.post(FilesWritten(moving[failed], 0, 0, (), messages.save_failed(moving[failed])))
+    for p in pauses.values():
+        assert p.closed.wait(5) and not p.notices  # a move's id comes with MOVED, not as a save's outcome
+    assert pauses[saved].code == c.MOVED and moving[saved] in pauses[saved].error
+    assert pauses[failed].code == c.SERVER_STOPPING
+    assert loop.quiet()
+
+
+def test_a_save_on_a_bounded_sessions_last_block_is_told_on_the_pause_its_client_keeps(saving) -> None:
+    side, loop, _ = saving
+    sid, first = start(side, loop)
+    last = RecordingResponder()
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d", save=True)), last)
+    snapshot_id = loop.next(mail.Stepped).step.snapshot_id
+    for index in (0, 1):
+        side.post(mail.Decoded(sid, block(index), np.zeros(1), 0.0, False))
+    finished = Refusal(c.SESSION_UNKNOWN, "it finished")
+    side.post(mail.Ended(sid, None, finished))  # its max_blocks ran: the loop ends it after its last block
+    pause = RecordingResponder()  # what a client sends once every request is answered
+    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, None, pause=True), pause)
+    side.post(files_written(side, snapshot_id))
+    assert pause.closed.wait(5) and last.blocks == [1]
+    assert [n.snapshot_id for n in pause.notices] == [snapshot_id] and pause.error is None
 
 
 def files_written(side: Intake, snapshot_id: str) -> FilesWritten:
@@ -207,10 +339,10 @@ def drained_while_a_step_waits(side: Intake, loop: FakeLoop) -> tuple[str, Recor
     return snapshot_id, waiting, late
 
 
-def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable(saving_intake) -> None:
+def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable(saving) -> None:
     """Neither the waiting step nor a late one hears MOVED, which names the snapshot, before the snapshot is
     published: a client that resumed on the id at once found no snapshot in the store, and its world was lost."""
-    side, loop = saving_intake
+    side, loop, _ = saving
     snapshot_id, waiting, late = drained_while_a_step_waits(side, loop)
     assert not waiting.closed.is_set() and not late.closed.is_set()
     side.post(files_written(side, snapshot_id))  # every rank's files (one rank here): published, durable now
@@ -222,8 +354,8 @@ def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable
     assert loop.quiet()  # the late steps are no news for the loop
 
 
-def test_a_move_whose_save_failed_names_no_snapshot(saving_intake) -> None:
-    side, loop = saving_intake
+def test_a_move_whose_save_failed_names_no_snapshot(saving) -> None:
+    side, loop, _ = saving
     snapshot_id, waiting, late = drained_while_a_step_waits(side, loop)
     side.post(FilesWritten(snapshot_id, 0, 0, (), messages.save_failed(snapshot_id)))
     for r in (waiting, late):

@@ -4,6 +4,7 @@ would: no key, a wrong one, a revoked one, a key in a prompt, two keys in one re
 from __future__ import annotations
 
 import json
+import queue
 import stat
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from backend.api import contract as c
 from backend.api.errors import ConfigError
 from backend.api.refusal import Refusal
 from backend.launch import keys as tool
+from backend.serving import key_watch
+from backend.serving.host_signals import HostSignals
+from backend.serving.key_watch import KeyWatch, gate_of
 from backend.serving.keys import (AUTH_INVALID, AUTH_REQUIRED, KEY_PREFIX, Gate, KeyRing, Principal, Quota,
                                   digest_of, key_line, new_key, take_key)
 
@@ -98,12 +102,40 @@ def test_a_reload_names_the_revoked_keys_by_tag_and_a_rotated_key_is_revoked_too
     assert new.check(alice) is AUTH_INVALID
 
 
+def test_an_instance_takes_a_published_reload_and_ends_the_sessions_of_the_keys_it_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's SIGHUP as an instance sees it: the door serves the new keys at once, and the keys the new file
+    no longer holds (removed, or rotated under the same name) are named for their sessions to end, no other."""
+    monkeypatch.setattr(key_watch, "KEYS_POLL_S", 0.05)
+    alice, bob, carol, dave, bob_again = (new_key() for _ in range(5))
+    signals = HostSignals(tmp_path)
+
+    def publish(**keys: str) -> None:  # what the launcher does with the keys file it checked
+        signals.publish_keys("\n".join(key_line(name, key, Quota()) for name, key in keys.items()))
+
+    publish(alice=alice, bob=bob, carol=carol)
+    gate = gate_of(signals)
+    old = gate.ring
+    revoked: queue.SimpleQueue[set[str]] = queue.SimpleQueue()
+    watch = KeyWatch(signals, gate, revoked.put)
+    try:
+        publish(alice=alice, bob=bob_again, dave=dave)  # bob rotated, carol removed, dave added
+        assert revoked.get(timeout=5) == {old.check(bob).tag, old.check(carol).tag}
+    finally:
+        watch.close()
+    for key, name in ((alice, "alice"), (bob_again, "bob"), (dave, "dave"), (bob, None), (carol, None)):
+        who, _ = gate.admit(json.dumps({c.KEY_HEADER: key}))
+        assert (who is AUTH_INVALID) if name is None else who.name == name
+    assert revoked.empty()
+
+
 @pytest.mark.parametrize("text, words", [
     ("alice", "expected NAME sha256:HEX"),
     ("alice sha256:abc", "expected NAME sha256:HEX"),
     (f"al ice sha256:{'0' * 64}", "expected NAME"),
     (f"alice sha256:{'0' * 64} seats=3", "'seats=3' is not a limit"),
     (f"alice sha256:{'0' * 64} sessions=0", "sessions must be at least 1"),
+    (f"alice sha256:{'0' * 64} queue=-1", "queue must be at least 0"),
     (f"alice sha256:{'0' * 64} sessions=two", "sessions must be a number"),
     (f"alice sha256:{'0' * 64} sessions=1 sessions=2", "given twice"),
     (f"alice sha256:{'0' * 64}\nalice sha256:{'1' * 64}", "line 2: the name alice is taken"),
@@ -112,6 +144,11 @@ def test_a_reload_names_the_revoked_keys_by_tag_and_a_rotated_key_is_revoked_too
 def test_a_bad_keys_file_is_refused_naming_its_line(text: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         KeyRing.parse("# a comment\n\n" + text if "line 2" not in words else text)
+
+
+def test_a_key_may_be_kept_out_of_the_line_with_queue_0() -> None:
+    (entry,) = KeyRing.parse(f"alice sha256:{'0' * 64} sessions=1 queue=0").entries
+    assert entry.quota == Quota(sessions=1, queue=0)
 
 
 def test_the_tool_prints_the_key_once_and_writes_only_its_hash(tmp_path: Path, capsys) -> None:

@@ -17,7 +17,7 @@ from backend.api.errors import ConfigError
 from backend.api.settings import format_value, parameter_fields
 from backend.engine.settings import EngineSettings
 from backend.engine.validation import checked_spec
-from backend.launch.launcher import Termination, build_parser, drains_on_sigterm, main, parse_param, render
+from backend.launch.launcher import Termination, build_parser, drains_on_sigterm, main, parse_param, render, tls_of
 from backend.launch.generated import rendered
 from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
@@ -192,6 +192,25 @@ def test_cpu_start_lines_are_no_error_excerpt(tmp_path: Path) -> None:
     server = TritonServer(tmp_path, log_path=log, extra_args=CPU_ONLY_ARGS)
     assert server.log_excerpt() == 'E1203 13:53:00.000000 1 model_lifecycle.cc:1] "failed to load lingbot_world: boom"'
     assert "--pinned-memory-pool-byte-size=0" in server.command() and "--allow-gpu-metrics=false" in server.command()
+
+
+def test_the_launchers_tls_flags_reach_tritonserver_and_a_client_ca_makes_it_mutual(tmp_path: Path) -> None:
+    cert, key, ca = (tmp_path / name for name in ("server.pem", "server.key", "clients-ca.pem"))
+    for path in (cert, key, ca):
+        path.write_text("PEM")
+
+    def command(*flags: str) -> list[str]:  # what the launcher's flags make tritonserver run
+        return TritonServer(tmp_path, tls=tls_of(build_parser().parse_args(["--kind", "cpu", *flags]))).command()
+
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    served = ["--grpc-use-ssl=true", f"--grpc-server-cert={cert.resolve()}", f"--grpc-server-key={key.resolve()}"]
+    mutual = ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={ca.resolve()}"]
+    assert set(served + mutual) <= set(command(*tls, "--tls-client-ca", str(ca)))
+    one_way = command(*tls)
+    assert set(served) <= set(one_way) and not set(mutual) & set(one_way)
+    assert not [arg for arg in command() if "ssl" in arg]
+    with pytest.raises(ValueError, match="--tls-client-ca needs --tls-cert and --tls-key"):  # refused, not dropped
+        command("--tls-client-ca", str(ca))
 
 
 def test_the_launcher_describes_the_server_and_an_instance_refuses_a_false_description(tmp_path: Path,

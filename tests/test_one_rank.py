@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.api.codec import SnapshotNotice
 from backend.engine.session import Decoding
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
@@ -28,6 +29,7 @@ class RecordingResponder:
     def __init__(self) -> None:
         self.blocks: list[int] = []
         self.places: list[tuple[int, float]] = []
+        self.notices: list[SnapshotNotice] = []
         self.error: str | None = None
         self.code: str | None = None
         self.closed = threading.Event()
@@ -44,6 +46,9 @@ class RecordingResponder:
 
     def send_place(self, position: int, wait_s: float) -> None:
         self.places.append((position, wait_s))
+
+    def send_notice(self, notice: SnapshotNotice) -> None:
+        self.notices.append(notice)
 
     def finish(self) -> None:
         self.closed.set()

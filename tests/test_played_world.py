@@ -5,21 +5,28 @@ are in test_world_failover.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from backend.api.codec import BlockResponse, BlockUsed, SnapshotNotice
+from backend.api import contract
+from backend.api.codec import BlockResponse, BlockUsed, Place, SnapshotNotice, controls_arrays, parse_request
 from backend.api.request import Controls, SessionRequest
 from client import world as world_module
+from client.__main__ import main as client_main
+from client.connection import Connection
 from client.stream import StreamError, StreamTimeoutError
 from client.world import Failover, PlayedWorld, Saved, WorldLostError
 
 pytestmark = pytest.mark.timeout(30)
+
+PLACE_EVERY_S = 0.1  # how often a session waiting in a busy group's line is told its place
 
 
 @dataclass
@@ -33,6 +40,10 @@ class StandIn:
     no_store: bool = False  # the server keeps no snapshots
     tamper: bool = False  # a resumed world is another one
     forget: bool = False  # the store loses its snapshots
+    line_s: float = 0.0  # a resumed session waits this long in the group's line for a slot, told its place
+    open_s: float = 0.0  # then a session's first block takes this long (its caches opened, its snapshot read)
+    skew: int = 0  # a resumed session's first block is numbered this many past the one after its snapshot
+    durable_saves: int | None = None  # the saves after this many fail to be written: their outcome is an error
     store: dict[str, list[str]] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)  # snapshots a durable save released (gone from the store)
     made: int = 0  # blocks made, every session's, replays included
@@ -41,7 +52,7 @@ class StandIn:
     sessions: list[Session] = field(default_factory=list)
 
     def session(self, *args: object, **kwargs: object) -> Session:
-        self.sessions.append(Session(self, kwargs["on_snapshot"]))
+        self.sessions.append(Session(self, kwargs["on_snapshot"], kwargs["on_place"]))
         return self.sessions[-1]
 
 
@@ -56,8 +67,10 @@ def keys_of(controls: Controls) -> str:
 class Session:
     """A steered session of the stand-in: every request answered at once, in order (a save's at-once refusal too)."""
 
-    def __init__(self, server: StandIn, on_snapshot) -> None:
-        self.server, self.on_snapshot = server, on_snapshot
+    def __init__(self, server: StandIn, on_snapshot, on_place) -> None:
+        self.server, self.on_snapshot, self.on_place = server, on_snapshot, on_place
+        self.line_until = 0.0  # it waits in line, told its place, until then
+        self.slot_at = 0.0  # nothing is answered before
         self.history: list[str] = []
         self.answers: deque = deque()
         self.answered_sent_s: float | None = None
@@ -67,6 +80,7 @@ class Session:
 
     def start(self, request: SessionRequest) -> None:
         self.server.opens.append("start")
+        self.slot_at = time.perf_counter() + self.server.open_s
         self._block(Controls(keys=request.keys), save=False, index=0)
 
     def resume(self, snapshot_id: str, controls: Controls, fork_seed=None, *, return_latents=True,
@@ -86,9 +100,11 @@ class Session:
             self._answer(StreamError("x", f"[SNAPSHOT_UNKNOWN] no snapshot {snapshot_id}"))
             return
         self.history = list(self.server.store[snapshot_id])
+        self.line_until = time.perf_counter() + self.server.line_s
+        self.slot_at = self.line_until + self.server.open_s
         if self.server.tamper:
             self.history[0] = "another world"
-        self._block(controls, save, index=len(self.history))
+        self._block(controls, save, index=len(self.history) + self.server.skew)
 
     def step(self, controls: Controls, end: bool = False, save: bool = False) -> None:
         self._block(controls, save, index=len(self.history))
@@ -124,7 +140,9 @@ class Session:
         camera = np.tile(np.eye(4, dtype=np.float32), (12, 1, 1))
         used = BlockUsed(camera, "a street", block_hash(self.history))
         self._answer(BlockResponse(index, 0, None, np.zeros((0, 0, 0, 3), np.uint8), (), 0.0, False, used))
-        if save:
+        if save and self.server.durable_saves is not None and self.server.durable_saves <= len(self.server.store):
+            self.on_snapshot(SnapshotNotice(secrets.token_hex(16), "[SNAPSHOT_SAVE_FAILED] could not be written"))
+        elif save:
             snapshot_id = secrets.token_hex(16)
             self.server.store[snapshot_id] = list(self.history)
             if controls.release:  # as the server does once the new snapshot is durable
@@ -139,6 +157,13 @@ class Session:
         return self.answers[0][1] if self.answers else (self.silent_since if self.dead == "silent" else None)
 
     def next_block(self, timeout: float | None = None) -> BlockResponse | None:
+        deadline = time.perf_counter() + (timeout or 0)
+        while (now := time.perf_counter()) < self.slot_at:  # in line (its place told), then opening
+            if now >= deadline:
+                raise StreamTimeoutError("nothing within the timeout")
+            time.sleep(min(PLACE_EVERY_S, self.slot_at - now, deadline - now))
+            if time.perf_counter() < self.line_until:
+                self.on_place(Place(1, -1.0))
         if not self.answers:
             time.sleep(timeout or 0)  # a silent stream: nothing comes
             raise StreamTimeoutError("nothing within the timeout")
@@ -154,8 +179,10 @@ class Session:
 KEYS = ["w", "a", "s", "d", "wa", "wd", "j", "l", "i", "k", "w", "s"]
 
 
-def play(server: StandIn, keys: list[str] = KEYS, lookahead: int = 1, **options: object) -> tuple[list, list, list]:
-    """A world played as `python -m client play` plays it: (blocks returned, saves told, failovers told)."""
+def play(server: StandIn, keys: list[str] = KEYS, lookahead: int = 1, asked: tuple[int, ...] = (),
+         **options: object) -> tuple[list, list, list]:
+    """A world played as `python -m client play` plays it: (blocks returned, saves told, failovers told). asked: the
+    steps before which its player asks for a save."""
     saves: list[Saved] = []
     failovers: list[Failover] = []
     world = PlayedWorld("stand-in:8001", session_factory=server.session, on_snapshot=saves.append,
@@ -166,6 +193,8 @@ def play(server: StandIn, keys: list[str] = KEYS, lookahead: int = 1, **options:
     blocks, sent = [], 1
     for received in range(len(keys)):
         while sent < len(keys) and sent - received <= lookahead:
+            if sent in asked:
+                world.save()
             world.step(Controls(keys=keys[sent]), end=sent == len(keys) - 1)
             sent += 1
         blocks.append(world.next_block(5))
@@ -247,6 +276,53 @@ def test_a_silent_stream_is_given_up_at_the_stall_bound(monkeypatch: pytest.Monk
     assert "stall bound" in failovers[0].reason and time.perf_counter() - began < 3
 
 
+def test_a_world_that_fails_over_into_a_busy_group_keeps_its_place_past_the_stall_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume waits in line for a second, three stall bounds, told its place all along: the places are news of
+    the session, so it is not given up for a silent one."""
+    monkeypatch.setattr(world_module, "STALL_FLOOR_S", 0.3)
+    server = StandIn(fail_at={5: "error"}, line_s=1.0)
+    places: list[Place] = []
+    blocks, saves, (lost, through) = play(server, save_every=2, on_place=places.append)
+    assert hashes(blocks) == UNINTERRUPTED and places
+    assert through.attempts == 1 and server.opens == ["start", lost.snapshot_id]
+
+
+def test_a_resume_is_given_as_long_for_its_first_block_as_the_worlds_start_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's first block takes 0.8 s (its caches opened, its snapshot read), every other comes at once: the
+    resume's first block is not given up at the stall bound (0.5 s) alone."""
+    monkeypatch.setattr(world_module, "STALL_FLOOR_S", 0.5)
+    server = StandIn(fail_at={5: "error"}, open_s=0.8)
+    blocks, _, (lost, through) = play(server, save_every=2)
+    assert hashes(blocks) == UNINTERRUPTED
+    assert through.attempts == 1 and server.opens == ["start", lost.snapshot_id]
+
+
+def test_a_save_its_player_asked_for_survives_a_failover_and_is_never_released() -> None:
+    """The player asks for a save on block 5's step and the stream fails before that block: the next step after the
+    failover saves instead; it releases no periodic snapshot, and no periodic save releases it."""
+    server = StandIn(fail_at={5: "error"})
+    blocks, saves, _ = play(server, save_every=2, asked=(5,))
+    assert hashes(blocks) == UNINTERRUPTED
+    (mine,) = [s for s in saves if s.asked]
+    assert mine.block_index == 7 and mine.error is None and not mine.released
+    assert mine.snapshot_id in server.store and server.released == [s.snapshot_id for s in saves if not s.asked][:-2]
+
+
+def test_a_save_whose_write_failed_releases_nothing_and_the_world_fails_over_from_the_last_durable_one() -> None:
+    server = StandIn(fail_at={8: "error"}, durable_saves=2)
+    blocks, saves, (lost, _) = play(server, save_every=2)
+    assert hashes(blocks) == UNINTERRUPTED
+    assert [s.error is None for s in saves][:3] == [True, True, False]
+    assert not [s.released for s in saves if s.error is not None and s.released] and not server.released
+    assert lost.snapshot_id == saves[1].snapshot_id and lost.resume_block == 4
+
+
+def test_a_world_resumed_at_another_block_than_the_one_after_its_snapshot_is_lost() -> None:
+    with pytest.raises(WorldLostError, match="resumed at block 7, not at block 6 after its snapshot's"):
+        play(StandIn(fail_at={7: "error"}, skew=1), save_every=3)
+
+
 def test_a_save_refused_by_a_full_store_is_sent_again_without_it_and_the_world_goes_on() -> None:
     server = StandIn(full=True)
     blocks, saves, _ = play(server, save_every=4)
@@ -283,3 +359,34 @@ def test_a_world_that_cannot_be_resumed_within_its_bound_is_lost() -> None:
     with pytest.raises(WorldLostError, match="could not be resumed within 1 s"):
         play(server, save_every=2, resume_within_s=1.0)
     assert time.perf_counter() - began < 4
+
+
+class Wire:
+    """A gRPC stream that records the parameters of each request a client sends, and answers nothing."""
+
+    def __init__(self) -> None:
+        self.parameters: list[dict] = []
+
+    def start_stream(self, callback, headers=None) -> None:
+        pass
+
+    def async_stream_infer(self, model_name: str, inputs: list, parameters: dict | None = None, **kwargs) -> None:
+        self.parameters.append(parameters or {})
+
+    def stop_stream(self, cancel_requests: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("flags, read", [(["--fork-seed", "0"], 0), ([], contract.NO_FORK)])
+def test_play_resumes_a_fork_from_seed_0_as_seed_0(flags: list[str], read: int, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 is a seed like any other: only a resume without --fork-seed lets the saved noise go on."""
+    wire = Wire()
+    monkeypatch.setattr(Connection, "client", lambda self, url, verbose=False: wire)
+    assert client_main(["play", "--url", "wire:8001", "--resume", "ab" * 16, *flags, "--keys", "w", "--height", "64",
+                        "--width", "64", "--timeout", "0.05", "--out", str(tmp_path / "play.mp4")]) == 1  # no answer
+    resume = json.dumps(wire.parameters[0])  # as the server's parser reads it
+    assert parse_request(controls_arrays(Controls(keys="w")).get, resume, "7", contract.SEQUENCE_START).fork_seed == read

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import threading
 from pathlib import Path
@@ -202,6 +203,13 @@ def test_forks_of_one_snapshot_are_independent_worlds(group, uninterrupted, save
     assert not np.array_equal(other.latents[0], uninterrupted[SAVED_AFTER + 1])  # another step
 
 
+def test_a_fork_from_seed_0_is_a_fork(group, uninterrupted, saved) -> None:
+    """0 is a seed like any other: only a resume without a fork seed (NO_FORK) lets the saved noise go on."""
+    fork = World(group, resume_request(saved, STEPS[SAVED_AFTER], key="f0", fork_seed=0))
+    fork.end()
+    assert not np.array_equal(fork.latents[0], uninterrupted[SAVED_AFTER + 1])
+
+
 def copy_snapshot(snapshots: Path, snapshot_id: str) -> str:
     """A published snapshot copied under a new id (its manifest names its id): what an attacker may tamper with."""
     twin = secrets.token_hex(16)
@@ -325,6 +333,31 @@ def test_a_save_releases_the_older_snapshot_it_names_once_it_is_durable(engine: 
                       KEY, c.SEQUENCE_START)
     with pytest.raises(InputError, match="'release' must be a snapshot id"):
         parse_request(step.get, json.dumps({c.PARAM_RELEASE: "../" + "a" * 29, c.PARAM_SAVE: True}), KEY, 0)
+
+
+def published(store: Path) -> set[str]:
+    """The ids of the snapshots a store holds (a folder each, named by its id)."""
+    return {p.name for p in store.iterdir() if re.fullmatch(c.SNAPSHOT_ID_PATTERN, p.name)}
+
+
+def test_a_bounded_world_resumes_for_the_block_it_has_left_and_not_after_its_last(engine: WorldModelEngine,
+                                                                                  tmp_path: Path) -> None:
+    """max_blocks=3, saved after block 1 and after block 2 (its last): the first resumes and makes block 2 as the
+    world did; the second is refused, nothing being left to play."""
+    ranks = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=str(tmp_path), max_blocks_ahead=100))
+    try:
+        world = World(ranks, dataclasses.replace(start_request("b"), max_blocks=3))
+        world.step(Controls(keys="w"), save=True)
+        one_left = world.saved().snapshot_id
+        world.step(Controls(keys="d"), save=True)
+        (last,) = wait_until(lambda: published(tmp_path) - {one_left}, 30, "the last block's snapshot")
+        refusal = refusal_of(ranks, resume_request(last, Controls(keys="w"), key="r1"))
+        assert refusal.code == c.INVALID_INPUT and "max_blocks=3" in refusal.sentence
+        resumed = World(ranks, resume_request(one_left, Controls(keys="d"), key="r2"))
+        assert len(world.latents) == 3 and len(resumed.latents) == 1
+        assert np.array_equal(resumed.latents[0], world.latents[2])
+    finally:
+        ranks.stop()
 
 
 def test_without_a_snapshot_dir_a_save_or_a_resume_is_refused_naming_it(engine: WorldModelEngine) -> None:

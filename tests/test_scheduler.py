@@ -3,7 +3,7 @@ backpressure, cancels, and the steering of steered sessions (steps, hold, end, e
 from __future__ import annotations
 
 import dataclasses
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,9 +18,11 @@ from backend.serving.settings import ServingSettings
 from backend.engine.geometry import VideoGeometry
 from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, LineCounts, \
     line_waits, retry_after_s, slot_waits
+from backend.serving import streams
+from backend.serving.keys import ANONYMOUS
 from backend.serving.news import RankEvents, StepEvent
 from backend.serving.scheduler import Plan, Scheduler
-from backend.serving.sessions import EndReason, Ending, OwnerPart, SharedSession, State
+from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, State, Step
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
@@ -41,6 +43,13 @@ def steered(sid: str, on_starve: str = "wait", max_blocks: int = 0) -> SharedSes
     request = dataclasses.replace(tiny_request(num_frames=9), num_frames=None, poses=None, keys="w",
                                   on_starve=on_starve, session_key=sid, max_blocks=max_blocks)
     return SharedSession.submitted(sid, request, geometry(), owner=0)
+
+
+def resumed(sid: str, made: int, on_starve: str = "wait", max_blocks: int = 0) -> SharedSession:
+    """A steered session resumed from its snapshot after its first `made` blocks, on a "w" step."""
+    snapshot = ResumeFrom("ab" * 16, "{}", made)
+    return SharedSession.resumed(sid, steered(sid, on_starve, max_blocks).request, geometry(), 0, ANONYMOUS, snapshot,
+                                 Step(Controls(keys="w")))
 
 
 def step(sid: str, keys: str | None = "d", end: bool = False) -> RankEvents:
@@ -149,6 +158,25 @@ def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
     assert a.state is State.DONE and [o.id for o in plan.opens] == ["b"]
 
 
+def test_a_resumed_session_counts_its_blocks_on_from_its_snapshot_up_to_its_block_limit() -> None:
+    """max_blocks=5, saved after 3 blocks: two blocks are left, the second its last."""
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[resumed("a", made=3, max_blocks=5)])])
+    fourth = s.plan([RankEvents()])
+    assert fourth.batch == ["a"] and keys_of(fourth, "a") == "w" and not fourth.finishing
+    fifth = s.plan([step("a", "d")])
+    assert fifth.batch == ["a"] and fifth.finishing == [("a", Ending(FINISHED))] and not s.table
+
+
+def test_a_resumed_session_on_hold_runs_one_block_beyond_its_requests_as_a_new_one_does() -> None:
+    s = Scheduler(ServingSettings(max_blocks_ahead=100))
+    s.plan([RankEvents(submissions=[resumed("a", made=3, on_starve="hold")])])
+    assert keys_of(s.plan([RankEvents()]), "a") == "w"
+    held = s.plan([RankEvents()])
+    assert held.batch == ["a"] and keys_of(held, "a") is None
+    assert s.plan([RankEvents()]).idle
+
+
 def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[sub("a"), steered("b")])])
@@ -196,16 +224,21 @@ def block(index: int) -> BlockOutput:
     return BlockOutput("a", index, 0, torch.zeros(1), 0.0, 0)
 
 
-def test_owner_clock_decides_expiry_and_every_scheduler_ends_it() -> None:
-    """The idle clock runs only while the server waits on the client (every request answered)."""
+def test_owner_clock_decides_expiry_and_every_scheduler_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle clock runs only while the server waits on the client (every request answered). The owner's clock
+    reads whole seconds here, so each limit is tried at its very edge: near a power of two (a host up 1,000 s) a
+    real clock's t + 60 - t rounds below 60."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(streams, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
     settings = ServingSettings(session_idle_timeout_s=60, max_session_s=100)
     stream = SteeredStream(Answered())
-    owner = OwnerPart(stream=stream, sequence_key="7", started_s=time.monotonic())
+    owner = OwnerPart(stream=stream, sequence_key="7", started_s=clock["now"])
     far = owner.started_s + 99.0  # past the idle limit, within the lifetime
     assert owner.deadline(settings) == owner.started_s + 100.0 and owner.expiry(settings, far) is None
+    clock["now"] += 1.0
     stream.send_block(block(0), np.zeros(1), 0.0, True)  # answered: now the server waits on the client
     answered = stream.waits_on_client_since()
-    assert answered is not None and owner.deadline(settings) == answered + 60.0
+    assert answered == clock["now"] and owner.deadline(settings) == answered + 60.0
     assert "session_idle_timeout_s=60 s" in owner.expiry(settings, answered + 60.0).sentence
     stream.add(Answered())  # a step waits for its block (behind a long one, say): no idle clock
     assert owner.expiry(settings, answered + 90.0) is None

@@ -293,6 +293,33 @@ def test_saves_past_the_quota_are_refused_before_writing_and_expired_ones_make_r
     assert store.usage() == 0
 
 
+def test_the_quota_and_the_time_to_live_hold_at_their_edges(tmp_path: Path) -> None:
+    """Saves that fill the quota exactly fit and one byte more does not; a snapshot expires at its time to live
+    exactly; a full store's retry waits for its oldest snapshot, whose expiry makes the room."""
+    clock = Clock()
+    store = SnapshotStore(tmp_path / "store", quota_bytes=100_000, ttl_s=60.0, clock=clock)
+    store.abandon(store.reserve(100_000))  # the whole quota
+    saves = [store.reserve(60_000), store.reserve(40_000)]
+    with refused(SNAPSHOT_STORE_FULL):
+        store.reserve(1)
+    for snapshot_id in saves:
+        store.abandon(snapshot_id)
+    older = store.reserve(30_000)
+    publish_small(store, older, 30_000)
+    clock.now += 10.0
+    publish_small(store, newer := store.reserve(30_000), 30_000)
+    clock.now += 10.0
+    with refused(SNAPSHOT_STORE_FULL) as caught:
+        store.reserve(50_000)
+    assert caught.value.refusal.retry_after_s == pytest.approx(40.0)  # the older one's expiry frees enough
+    clock.now += 39.0
+    store.open(older)  # 59 s old
+    clock.now += 1.0
+    with refused(SNAPSHOT_EXPIRED):
+        store.open(older)  # 60 s old
+    store.open(newer)
+
+
 def test_saves_under_way_hold_their_reservation_so_two_at_once_never_pass_the_quota(tmp_path: Path) -> None:
     """A reserved save counts at its reservation while its ranks write (or at what they wrote, when more), so a
     second save reserved meanwhile is refused; the store's folder is made with its parents."""

@@ -184,8 +184,11 @@ class Intake:
             responder.send_error(messages.no_session(key, self._ended_keys.get(key, messages.NEVER_STARTED),
                                                      step.pause))
             return
-        if part.ending is not None:  # it ended; its saves' outcomes are not all told: answered once they are
-            part.late.append((responder, step.pause))
+        if part.ending is not None:  # it ended; its saves' outcomes are not all told yet
+            if step.pause:  # held open for them (a save's outcome is told on it), then closed with the ending
+                part.stream.pause(responder)
+            else:  # told how it ended, once they are
+                part.late.append(responder)
             return
         stream: SteeredStream = part.stream
         if step.pause:  # no news for the scheduler: it changes no block
@@ -243,9 +246,9 @@ class Intake:
         self._answer_late(part, told)
 
     def _answer_late(self, part: OwnerPart, told: Refusal) -> None:
-        """The requests of an ended session's sequence that came after its end: told how it ended."""
-        for responder, pause in part.late:
-            responder.send_error(messages.no_session(part.sequence_key, told, pause))
+        """The steps of an ended session's sequence that came after its end: told how it ended."""
+        for responder in part.late:
+            responder.send_error(messages.no_session(part.sequence_key, told))
         part.late.clear()
 
     def _drain(self) -> None:

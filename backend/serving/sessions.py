@@ -168,8 +168,8 @@ class OwnerPart:
     geometry: VideoGeometry | None = None
     ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until its saves are told
     move_dropped: bool = False  # the drain's save of it failed: it ends without a snapshot to resume
-    late: list[tuple[Responder, bool]] = field(default_factory=list)  # (request, a pause?) of its sequence after its
-    # end, answered with `told` once its saves are told (a snapshot is named only once durable: serving/saves)
+    late: list[Responder] = field(default_factory=list)  # steps of its sequence after its end, told `told` once its
+    # saves are told (a snapshot is named only once durable: serving/saves); a pause then waits on its stream
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit
