@@ -352,32 +352,36 @@ def fake_stub(rank: int, holds: bool) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(30)
-def test_a_stub_still_holding_its_rank_after_the_unload_is_killed_before_the_load(tmp_path: Path,
-                                                                                  monkeypatch) -> None:
-    """Rank 1's stub is stuck with its dead peer, its rank's claim held: the healer waits STUBS_GONE_S for it, kills
-    it, and loads only once no stub of the failed load holds its rank, so the load is neither refused nor left
-    waiting for it. Rank 0's stub lingers having let its claim go: it is left alone and costs the heal no wait."""
+def test_no_stub_of_the_failed_load_is_left_when_the_new_load_starts(tmp_path: Path, monkeypatch) -> None:
+    """Rank 1's stub is stuck with its dead peer, its rank's claim held: the healer waits STUBS_GONE_S for it, then
+    kills it, so the load is neither refused nor left waiting for it. Rank 0's stub left its group (its claim let go)
+    and lingers, its instance never finalised: it costs the heal no wait, and is killed too, so the new load's stubs
+    are the server's only ones (an old one beside a new one of the same rank would be watched in its stead)."""
     monkeypatch.setattr(heal, "STUBS_GONE_S", 1.0)
     stuck, lingering = fake_stub(1, holds=True), fake_stub(0, holds=False)
-    live = {0: lingering, 1: stuck}
     try:
-        server = LoadAfterStubs([stuck])
+        server = LoadAfterStubs([stuck, lingering])
+        live = {0: lingering, 1: stuck}
         healer = Healer(server, "m", HostSignals(tmp_path),
                         stubs=lambda: {r: p.pid for r, p in live.items() if p.poll() is None})
         began = time.monotonic()
-        done = healer._heal("rank 0 died")
-        assert done.healed and server.survivors_at_load == [] and stuck.returncode == -9
-        assert lingering.poll() is None and time.monotonic() - began >= heal.STUBS_GONE_S
-
-        live = {0: lingering}  # no stub holds its rank: no wait at all
-        healer = Healer(LoadAfterStubs([]), "m", HostSignals(tmp_path),
-                        stubs=lambda: {r: p.pid for r, p in live.items() if p.poll() is None})
-        began = time.monotonic()
-        assert healer._heal("rank 1 died").healed and time.monotonic() - began < heal.STUBS_GONE_S
+        assert healer._heal("rank 0 died").healed and time.monotonic() - began >= heal.STUBS_GONE_S
+        assert server.survivors_at_load == [] and stuck.returncode == lingering.returncode == -9
     finally:
         for p in (stuck, lingering):
             p.kill()
             p.wait()
+    lingering = fake_stub(0, holds=False)
+    try:
+        server = LoadAfterStubs([lingering])
+        healer = Healer(server, "m", HostSignals(tmp_path), stubs=lambda: {0: lingering.pid} if lingering.poll() is None
+                        else {})
+        began = time.monotonic()
+        assert healer._heal("rank 1 died").healed and time.monotonic() - began < heal.STUBS_GONE_S  # no wait
+        assert server.survivors_at_load == [] and lingering.returncode == -9
+    finally:
+        lingering.kill()
+        lingering.wait()
 
 
 @pytest.mark.timeout(30)
@@ -497,3 +501,4 @@ def test_restart_touches_only_a_live_launcher_of_the_running_fleet(tmp_path: Pat
         for p in (fleet, stranger):
             p.kill()
             p.wait()
+

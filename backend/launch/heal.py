@@ -7,10 +7,10 @@ watch: Triton 2.51 neither restarts it nor marks the model not ready (every requ
 ... is not healthy"), so the healer unloads the model itself, then loads it as above. A stub that dies before the
 watch first saw it is seen too: the model then reads ready with no stub process left on this server.
 
-Every heal is bounded: the unload's wait, then no stub of the failed load holding its rank (one stuck past
-STUBS_GONE_S, whose rank's claim would refuse the new load, is killed), then at most `attempts` loads, each its own timeout. A
-heal that does not take ends the launcher (`on_unhealed`): it exits EXIT_UNHEALED, for its supervisor (the fleet, or
-the operator's) to start the group afresh."""
+Every heal is bounded: the unload's wait, then the failed load's stubs' end (each lets its rank's claim go as it
+leaves; one stuck past STUBS_GONE_S, whose claim would refuse the new load, and those that linger are killed), then
+at most `attempts` loads, each its own timeout. A heal that does not take ends the launcher (`on_unhealed`): it exits
+EXIT_UNHEALED, for its supervisor (the fleet, or the operator's) to start the group afresh."""
 from __future__ import annotations
 
 import contextlib
@@ -187,21 +187,24 @@ class Healer:
         return Heal(why, took, self.attempts, False)
 
     def _end_stubs(self) -> None:
-        """Before a load: no stub of the failed load holds its rank. Each lets its claim go as it leaves; one that
-        still holds it STUBS_GONE_S after the unload is stuck and is killed (SIGKILL: it may be blocked where no
-        signal handler runs)."""
+        """Before a load: no stub of the failed load is left. Each lets its rank's claim go as it leaves its group;
+        one that still holds it STUBS_GONE_S after the unload is stuck. Then every stub still alive (none of the new
+        load is yet) is killed (SIGKILL: a stuck one may be blocked where no signal handler runs; one that left its
+        group lingers with its model's instance never finalised), so the new load's stubs are the server's only
+        ones."""
         if self.stubs is None:
             return
         deadline = time.monotonic() + STUBS_GONE_S
-        while (left := self._holding()) and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+        while (holding := self._holding()) and time.monotonic() < deadline and not self._stop.wait(POLL_S):
             pass
-        for rank, pid in left.items():
+        for rank, pid in holding.items():
             log.warning("%s: the stub of rank %d (pid %d) still held its rank %g s after the unload; killing it",
                         self.model, rank, pid, STUBS_GONE_S)
+        for pid in self.stubs().values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + STUBS_GONE_S  # a killed process's sockets close as the kernel reaps it
-        while self._holding() and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+        deadline = time.monotonic() + STUBS_GONE_S  # gone once their server reaps them
+        while self.stubs() and time.monotonic() < deadline and not self._stop.wait(POLL_S):
             pass
 
     def _holding(self) -> dict[int, int]:
