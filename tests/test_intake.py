@@ -25,7 +25,8 @@ from backend.serving.bootstrap import owner_side
 from backend.serving.news import FilesWritten
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
-from backend.serving.intake import KEEP_ENDED, Intake
+from backend.serving.intake import Intake
+from backend.serving.sequences import KEEP_ENDED
 from backend.serving.keys import Principal
 from factories import tiny_settings, tiny_request
 from polling import wait_until

@@ -247,7 +247,7 @@ class WorldModelEngine:
             s.cache.make_room()
         ctx = self._context(sessions, starts, geometry)
         condition_latents = self._condition_latents(sessions, geometry)
-        condition = self._with_masks(condition_latents, starts, geometry)
+        condition = with_masks(condition_latents, starts, geometry)
         steps = [controls[s.id] if s.steered else BlockControls(None) for s in sessions]
         video_poses = [s.camera.resolve(c.controls) if s.steered else s.planned[s.block_index]
                        for s, c in zip(sessions, steps)]
@@ -357,13 +357,6 @@ class WorldModelEngine:
             latents = torch.empty(shape, device=self.device)
         return self.sp.broadcast(latents.contiguous(), src=ENCODER_RANK)
 
-    def _with_masks(self, latents: torch.Tensor, starts: list[int], g: VideoGeometry) -> torch.Tensor:
-        """[B, 4 + z, block_frames, h, w]: the masks of the blocks starting at latent frames `starts`, then
-        their condition latents."""
-        bf = g.block_frames
-        masks = torch.cat([condition_mask(f, bf, g.latent_height, g.latent_width, self.device) for f in starts])
-        return torch.cat([masks, latents], dim=1)
-
     def _camera(self, sessions: list[Session], poses: list[torch.Tensor], g: VideoGeometry) -> torch.Tensor:
         """[B, 384, block_frames, h, w]: the camera features of each session's block from its model poses."""
         fold = self.ckpt.vae.spatial_factor
@@ -381,7 +374,7 @@ class WorldModelEngine:
     def _recommit(self, session: Session, record: CommitRecord) -> None:
         """The forward that wrote one kept block's K/V again, under the session's text K/V in force."""
         g, starts = session.geometry, [record.first_frame]
-        condition = self._with_masks(record.condition, starts, g)
+        condition = with_masks(record.condition, starts, g)
         camera = self._camera([session], [record.poses], g)
         self._commit_forward(record.latents, condition, camera, g, self._context([session], starts, g),
                              record.timestep)
@@ -414,6 +407,14 @@ class WorldModelEngine:
         """The model's velocity [B, z, F, h, w] (float32) for noisy latents x [B, z, F, h, w] (float32)."""
         model_in = torch.cat([x, condition], dim=1).to(self.dtype)
         return self.transformer(model_in, camera, timesteps, g.tokens_per_frame, ctx).float()
+
+
+def with_masks(latents: torch.Tensor, starts: list[int], g: VideoGeometry) -> torch.Tensor:
+    """[B, 4 + z, block_frames, h, w]: the masks of the blocks starting at latent frames `starts`, then their
+    condition latents (on the latents' device)."""
+    bf = g.block_frames
+    masks = torch.cat([condition_mask(f, bf, g.latent_height, g.latent_width, latents.device) for f in starts])
+    return torch.cat([masks, latents], dim=1)
 
 
 def _no_frames(session: Session) -> np.ndarray:

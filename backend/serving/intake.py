@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from ..api import contract as c
@@ -29,6 +28,7 @@ from .admission import Admission
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
 from .news import FilesWritten, StepEvent
 from .saves import Outcome, Purpose, Saves
+from .sequences import Sequences
 from .sessions import OwnerPart, Step
 from .settings import ServingSettings
 from .streams import Responder, SteeredStream, WholeStream
@@ -36,7 +36,6 @@ from .streams import Responder, SteeredStream, WholeStream
 log = logging.getLogger(__name__)
 
 EVERY_S = 0.5  # how often the open streams' cancelled flags are read
-KEEP_ENDED = 1024  # sequence keys whose session ended, remembered to tell a late step why
 _CLOSE = object()  # the intake's last letter
 
 
@@ -54,8 +53,7 @@ class Intake:
         self._to_loop = to_loop
         self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
         self._parts: dict[str, OwnerPart] = {}  # the sessions this rank owns that have not ended, by id
-        self._running: dict[str, str] = {}  # Triton sequence key -> its steered session that takes the steps
-        self._ended_keys: OrderedDict[str, Refusal] = OrderedDict()  # key -> what a late step of it is told
+        self._sequences = Sequences()  # which session each Triton sequence steers, and how the last ones ended
         self._closed: Refusal | None = None  # the group loop has ended: what every request gets
         self._draining = False  # no new session is taken: the group moves its worlds elsewhere
         self._ids = itertools.count()
@@ -153,7 +151,7 @@ class Intake:
 
     def _submit(self, request: SessionRequest | ResumeRequest, responder: Responder, who: Principal) -> None:
         key = request.session_key
-        if request.steered and key in self._running:
+        if request.steered and self._sequences.session_of(key) is not None:
             responder.send_error(messages.session_exists(key))
             return
         sid = f"r{self.rank}-{next(self._ids)}"
@@ -173,7 +171,7 @@ class Intake:
                          geometry=shared.geometry)
         self._parts[sid] = part
         if request.steered:
-            self._running[key] = sid
+            self._sequences.start(key, sid)
         self._to_loop(mail.Submitted(shared))
 
     def _step(self, step: StepRequest, responder: Responder) -> None:
@@ -181,8 +179,7 @@ class Intake:
         key = step.session_key
         part = self._steered(key)
         if part is None:
-            responder.send_error(messages.no_session(key, self._ended_keys.get(key, messages.NEVER_STARTED),
-                                                     step.pause))
+            responder.send_error(messages.no_session(key, self._sequences.ending_of(key), step.pause))
             return
         if part.ending is not None:  # it ended; its saves' outcomes are not all told yet
             if step.pause:  # held open for them (a save's outcome is told on it), then closed with the ending
@@ -194,7 +191,7 @@ class Intake:
         if step.pause:  # no news for the scheduler: it changes no block
             stream.pause(responder)
             return
-        sid = self._running[key]
+        sid = self._sequences.session_of(key)
         snapshot_id = None
         try:
             self._admission.step(step)
@@ -204,7 +201,7 @@ class Intake:
             responder.send_error(exc.refusal)
             return
         if step.end:  # no step may follow: the sequence's next request is told so
-            self._forget_key(part, sid, messages.ENDED_BY_FLAG)
+            self._sequences.end(part.sequence_key, sid, messages.ENDED_BY_FLAG)
         sent = stream.sent
         if step.controls is not None:
             stream.add(responder)  # answered at once by a block computed ahead (held)
@@ -241,7 +238,7 @@ class Intake:
         if part.move_dropped and told.code == c.MOVED:  # nothing to resume: it only ends
             error = told = messages.DRAINING
         del self._parts[sid]
-        self._forget_key(part, sid, told)
+        self._sequences.end(part.sequence_key, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
         self._answer_late(part, told)
 
@@ -300,27 +297,15 @@ class Intake:
 
     def _steered(self, key: str) -> OwnerPart | None:
         """The steered session that takes the steps of Triton sequence `key`."""
-        sid = self._running.get(key)
+        sid = self._sequences.session_of(key)
         return None if sid is None else self._parts[sid]
-
-    def _forget_key(self, part: OwnerPart, sid: str, ending: Refusal) -> None:
-        """Sequence `part.sequence_key` no longer steers session `sid`; a late request is told `ending`."""
-        key = part.sequence_key
-        if key is None:
-            return
-        if self._running.get(key) == sid:
-            del self._running[key]
-        self._ended_keys[key] = ending
-        self._ended_keys.move_to_end(key)
-        while len(self._ended_keys) > KEEP_ENDED:
-            self._ended_keys.popitem(last=False)
 
     def _close(self, reason: Refusal) -> None:
         """The group loop ended: every open stream gets `reason`, and so does every later request. The admission
         (the engine's spec) goes with it."""
         self._closed, self._admission = reason, None
         for sid, part in self._parts.items():
-            self._forget_key(part, sid, reason)
+            self._sequences.end(part.sequence_key, sid, reason)
             part.stream.send_error(reason)
             self._answer_late(part, reason)
         self._parts.clear()
