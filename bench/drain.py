@@ -2,11 +2,11 @@
 
     python -m bench.drain [--players 4] [--pace-s 0.25] [--after 6]
 
-One fleet of 2 SP1 groups on the tiny random checkpoint (`python -m backend.launch.fleet`, check interval 1 s;
+One fleet of 2 SP1 groups on the tiny random checkpoint (`python -m backend.fleet`, check interval 1 s;
 max_sessions = --players each, so either group holds every world; max_batch 1, so a world's blocks are bit for bit
 those of a lone run), real HAProxy in front. --players steered worlds play through the balancer, a step every
 --pace-s (leastconn puts half on each group); then a rolling restart, one group at a time, each back in rotation
-before the next drains (`backend.launch.restart.rolling_restart`, what `fleet rolling-restart` runs). A moved
+before the next drains (`backend.fleet.restart.rolling_restart`, what `fleet rolling-restart` runs). A moved
 world's stream ends MOVED with its snapshot's id; its player resumes it through the balancer with the next block's
 step at once. Each plays --after steps more once the restart is done. Then, in the same run, every world is played again from its
 start without interruption, the same steps at the same pace: its latents must equal the moved world's bit for bit,
@@ -26,7 +26,7 @@ import numpy as np
 from backend.api import contract
 from backend.api.codec import controls_arrays, resume_parameters
 from backend.api.request import Controls, ResumeRequest, SessionRequest
-from backend.launch.restart import Restarted, rolling_restart
+from backend.fleet.restart import Restarted, rolling_restart
 from bench.common import BUILD_DIR, TINY, ensure_checkpoint, format_table, make_request
 from bench.fleet import running_fleet
 from client.steer import SteeredSession

@@ -7,7 +7,7 @@ with a process of the group that holds it SIGKILLed after `--kill-after` blocks.
 lookahead 1, strict: every block made again must be bit for bit the one received) saves every `--save-every`
 blocks. Servers run max_batch 1, so a world's forward is its own wherever it runs (docs/fidelity.md).
 
-1. fleet, tritonserver: a fleet of 2 SP1 groups behind HAProxy (`python -m backend.launch.fleet`, its default
+1. fleet, tritonserver: a fleet of 2 SP1 groups behind HAProxy (`python -m backend.fleet`, its default
    check interval), the world on group 0 (group 1 held full by paused players of its own while the world starts,
    then freed); group 0's tritonserver killed.
 2. fleet, stub: the same, group 0's model stub killed (Triton keeps that stream open).
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from backend.api.contract import MODEL_NAME
 from backend.api.request import Controls
-from backend.launch.balancer import server_states, server_stats
+from backend.fleet.balancer import server_states, server_stats
 from backend.launch.drain import STREAMS_OPEN_METRIC
 from backend.launch.metrics_page import metrics_page, samples
 from backend.launch.model_repository import write_model_repository
@@ -114,7 +114,7 @@ def running_fleet(checkpoint: Path, out: Path) -> Iterator[tuple[str, list[dict]
     out.mkdir(parents=True, exist_ok=True)
     log = out / "fleet.log"
     with log.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--groups", "2", "--kind", "cpu",
+        process = subprocess.Popen([sys.executable, "-m", "backend.fleet", "--groups", "2", "--kind", "cpu",
                                     "--grpc-port", str(free_port()), "--out", str(out),
                                     *(a for k, v in parameters.items() for a in ("--param", f"{k}={v}"))],
                                    stdout=sink, stderr=subprocess.STDOUT)

@@ -1,4 +1,4 @@
-"""Many groups behind one address: what the balancer costs and what it buys (`python -m backend.launch.fleet`).
+"""Many groups behind one address: what the balancer costs and what it buys (`python -m backend.fleet`).
 
     python -m bench.fleet [--steps 60] [--rounds 3] [--sessions 4]
 
@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient
 
 from backend.api import contract
 from backend.api.request import Controls
-from backend.launch.balancer import server_stats
+from backend.fleet.balancer import server_stats
 from backend.launch.polling import wait_for
 from backend.parallel.ports import free_port
 from bench.common import (BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, percentile,
@@ -65,7 +65,7 @@ def running_fleet(checkpoint: Path, sessions: int, out: Path, sp: int = 1, **set
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     with (out / "fleet.log").open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--groups", "2", "--sp", str(sp),
+        process = subprocess.Popen([sys.executable, "-m", "backend.fleet", "--groups", "2", "--sp", str(sp),
                                     "--kind", "cpu",
                                     "--grpc-port", str(port), "--out", str(out),
                                     *(a for k, v in parameters.items() for a in ("--param", f"{k}={v}"))],

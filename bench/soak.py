@@ -2,7 +2,7 @@
 
     python -m bench.soak [--faults 50] [--worlds 4] [--pace-s 0.5] [--save-every 2]
 
-One fleet of 2 SP2 groups on the tiny random checkpoint (`python -m backend.launch.fleet --sp 2`, check interval 1 s;
+One fleet of 2 SP2 groups on the tiny random checkpoint (`python -m backend.fleet --sp 2`, check interval 1 s;
 max_sessions = --worlds each, so either group holds every world; max_batch 1, so a world's blocks are bit for bit those
 of a lone run), real HAProxy in front. --worlds played worlds (client/world.PlayedWorld, as `play` and the page play:
 lookahead 1, saved every --save-every blocks, strict: a block made again must be the one received) play through the
@@ -39,12 +39,12 @@ import time
 from pathlib import Path
 
 from backend.api.request import Controls
-from backend.launch.balancer import server_states
+from backend.fleet.balancer import server_states
 from backend.launch.drain import streams_open
 from backend.launch.metrics_page import metrics_page
 from backend.launch.polling import wait_for
 from backend.launch.procfs import children, command_line, stub_pids
-from backend.launch.restart import rolling_restart
+from backend.fleet.restart import rolling_restart
 from bench.common import BUILD_DIR, TINY, ensure_checkpoint, format_table, make_request, percentile
 from bench.fleet import running_fleet
 from client.world import Failover, PlayedWorld

@@ -99,11 +99,11 @@ def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def sp2_group(tiny_checkpoint: str, snapshot_dir: str):
-    """One SP2 serving group of two local processes (serving/local_group, no tritonserver) for the whole run:
+    """One SP2 serving group of two local processes (launch/local_group, no tritonserver) for the whole run:
     one session per forward (latents compare bit for bit with SP1), no frame decode, a short steered-session
     idle limit."""
     from backend.serving.settings import ServingSettings
-    from backend.serving.local_group import LocalGroup
+    from backend.launch.local_group import LocalGroup
     from factories import tiny_settings
 
     serving = ServingSettings(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,

@@ -116,7 +116,7 @@ def recache_event(groups: GroupHandles, config: EngineSettings, request: Session
     return {"recached": recached, "truth": ground_truth(engine, request, blocks, at, prompt, recached)}
 
 
-# -- serving members (serving/local_group): a setup run in each member's process, and calls into a member --
+# -- serving members (launch/local_group): a setup run in each member's process, and calls into a member --
 
 ADMISSIONS = {"request_geometry": 0, "check_request": 0, "open_session": 0}
 

@@ -22,7 +22,7 @@ from backend.model.official_checkpoint import official_copy
 from backend.model.pth_files import read_pth_index, read_pth_tensors
 from backend.model.tiny_checkpoint import write_checkpoint
 from backend.serving.settings import ServingSettings
-from backend.serving.local_group import LocalGroup
+from backend.launch.local_group import LocalGroup
 from client.recording import RecordedBlock, Recording
 from client.replay import replay_whole
 from client.stream import StreamError

@@ -1,4 +1,4 @@
-"""Many groups behind one address: `python -m backend.launch.fleet` with real HAProxy and two real SP1
+"""Many groups behind one address: `python -m backend.fleet` with real HAProxy and two real SP1
 tritonservers on loopback (2 slots and a line of 1 each), one fleet for the whole module; its last test stops it."""
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import imageio.v3 as iio
 import pytest
 
 from backend.api import contract
-from backend.launch.balancer import HAPROXY, server_states, server_stats
+from backend.fleet.balancer import HAPROXY, server_states, server_stats
 from backend.launch.metrics_page import metrics_page, samples
-from backend.launch.one_world import check_one_world, read_parameters
+from backend.fleet.one_world import check_one_world, read_parameters
 from backend.launch.procfs import children, descendants, stub_pids, tcp_sockets, tritonserver_of
-from backend.launch.restart import rolling_restart
+from backend.fleet.restart import rolling_restart
 from backend.parallel.ports import free_port, port_in_use
 from client.steer import SteeredSession
 from client.stream import StreamError, StreamingSession, request_inputs
@@ -96,7 +96,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str) -> Ite
     began = time.monotonic()
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "backend.launch.fleet", "--groups", "2", "--sp", "1", "--kind", "cpu",
+            [sys.executable, "-m", "backend.fleet", "--groups", "2", "--sp", "1", "--kind", "cpu",
              "--grpc-port", str(port), "--check-interval", str(CHECK_S), "--out", str(out / "build"),
              *(a for k, v in parameters.items() for a in ("--param", f"{k}={v}"))],
             cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
@@ -429,7 +429,7 @@ def test_groups_started_elsewhere_are_balanced_by_their_addresses(fleet, tmp_pat
     log = tmp_path / "remote.log"
     addresses = [f"{g.grpc_url}:{g.http_port}:{g.agent_port}" for g in fleet.groups]
     with log.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "backend.launch.fleet", "--grpc-port", str(port),
+        process = subprocess.Popen([sys.executable, "-m", "backend.fleet", "--grpc-port", str(port),
                                     "--check-interval", str(CHECK_S), "--out", str(tmp_path / "build"),
                                     *(a for g in addresses for a in ("--group", g))],
                                    cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)

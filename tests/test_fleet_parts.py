@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from backend.launch.agent import CapacityAgent, GroupState, agent_reply, free_slots_of
-from backend.launch.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
+from backend.fleet.balancer import HAPROXY, GroupAddress, check_config, render_haproxy
 from backend.launch.drain import streams_open
-from backend.launch.fleet import balancer_tls, build_parser, main
-from backend.launch.restart import launcher_of
+from backend.fleet.supervisor import balancer_tls, build_parser, main
+from backend.fleet.restart import launcher_of
 from backend.launch.control import ControlError, ModelControl
 from backend.launch import heal
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
@@ -458,7 +458,7 @@ def test_a_stub_that_dies_while_the_model_reads_ready_is_healed_after_the_grace(
 
 def test_local_gpu_groups_each_get_their_own_visible_gpus_and_ports(monkeypatch, tmp_path: Path) -> None:
     """Not run on a GPU here: the launchers the fleet would start on an 8-GPU host's last four GPUs."""
-    from backend.launch.fleet import build_parser, local_groups
+    from backend.fleet.supervisor import build_parser, local_groups
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     groups = local_groups(build_parser().parse_args(["--groups", "2", "--sp", "2", "--kind", "gpu", "--out",

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 from backend.api import contract as c
 from backend.launch.agent import CapacityAgent, GroupProbe
 from backend.launch.launcher import reload_keys
-from backend.launch.balancer import (BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
+from backend.fleet.balancer import (BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
                                      start_haproxy)
 from backend.launch.procfs import status_kib
 from backend.launch.server import TritonServer, Tls

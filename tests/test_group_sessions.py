@@ -1,4 +1,4 @@
-"""Steered sessions and world events in a serving group without tritonserver (serving/local_group, SP2 over
+"""Steered sessions and world events in a serving group without tritonserver (launch/local_group, SP2 over
 gloo): what the group does with them, on every rank alike. What only Triton does with them (its sequence
 batcher, its START flag, the client over gRPC) is tested in test_steering.py."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from backend.api.contract import SEQUENCE_START
 from backend.api.controls import integrate, parse_key_script
 from backend.api.request import Controls, SessionRequest
 from backend.serving.settings import ServingSettings
-from backend.serving.local_group import LocalGroup, LocalStreamError
+from backend.launch.local_group import LocalGroup, LocalStreamError
 from conftest import GROUP_IDLE_S
 from factories import forward_poses, tiny_settings, tiny_request
 from polling import wait_until

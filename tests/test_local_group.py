@@ -1,4 +1,4 @@
-"""A serving group without tritonserver (serving/local_group): N members as local processes over gloo take
+"""A serving group without tritonserver (launch/local_group): N members as local processes over gloo take
 requests as Triton hands them over, through the same parse, admission, group loop and streams."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from backend.api.contract import SEQUENCE_END, SEQUENCE_START
 from backend.api.request import Controls
 from backend.model.memory import weight_parameters
 from backend.serving.settings import ServingSettings
-from backend.serving.local_group import LocalGroup, LocalStreamError
+from backend.launch.local_group import LocalGroup, LocalStreamError
 from factories import tiny_settings, tiny_request
 from polling import wait_until
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 BACKEND = Path(__file__).resolve().parent.parent / "backend"
-# Each room may import the rooms before it; adapter and launch are both on top and do not import each other.
-ROOMS = ["api", "parallel", "model", "engine", "serving", "adapter", "launch"]
-LEVEL = {"api": 0, "parallel": 1, "model": 2, "engine": 3, "serving": 4, "adapter": 5, "launch": 5}
+# Each room may import the rooms before it; adapter and launch stand side by side and do not import each other; the
+# fleet (many groups) stands on launch (one group's server).
+ROOMS = ["api", "parallel", "model", "engine", "serving", "adapter", "launch", "fleet"]
+LEVEL = {"api": 0, "parallel": 1, "model": 2, "engine": 3, "serving": 4, "adapter": 5, "launch": 5, "fleet": 6}
 
 
 def backend_imports(path: Path) -> set[str]:

@@ -1,5 +1,5 @@
 """A group's capacity agent: HAProxy's `agent-check` text protocol on a TCP port, so a balancer in front of several
-groups sends new sessions to those with free slots (backend/launch/fleet.py).
+groups sends new sessions to those with free slots (the fleet: backend/fleet/).
 
 Each connection gets one line and is closed; what the peer sends is never read. The line is built from what the
 group itself publishes: the model's readiness (HTTP `/v2/models/<model>/ready`), `max_sessions` from its model

@@ -318,7 +318,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: reload_keys(server))
     with server, contextlib.ExitStack() as stack:
         agent = None
-        if args.agent_port is not None:  # where a balancer reads the group's capacity (launch/fleet.py)
+        if args.agent_port is not None:  # where a balancer reads the group's capacity (the fleet: backend/fleet/)
             agent = CapacityAgent(GroupProbe(server.host, server.http_port, server.metrics_port), args.agent_port,
                                   args.address).start()
             stack.callback(agent.stop)

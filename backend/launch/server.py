@@ -97,7 +97,7 @@ def _temp_log_path() -> Path:
     return Path(path)
 
 
-def _terminate_with_parent() -> None:
+def terminate_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -247,7 +247,7 @@ class TritonServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent if self.die_with_parent else None,
+                preexec_fn=terminate_with_parent if self.die_with_parent else None,
             )
         if self.healer is not None:
             self.healer.start()

@@ -1,6 +1,6 @@
 """One rank of a serving group, started: it joins the group, loads its part of the model, runs the group loop,
 and takes requests as named arrays. The Triton adapter starts one per model instance; tests and benchmarks
-start N of them as local processes (serving/local_group) without tritonserver."""
+start N of them as local processes (launch/local_group) without tritonserver."""
 from __future__ import annotations
 
 import contextlib

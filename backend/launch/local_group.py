@@ -5,6 +5,11 @@ loop, the streams: everything but Triton's own machinery). For tests and benchma
     with LocalGroup(engine_settings, ServingSettings(), world=2) as group:
         blocks = group.stream(request, rank=1)  # a whole trajectory, owned by rank 1
         session = group.steered(first_request)  # a steered session: session.step(controls) -> its block
+
+It is in the launch room, not the serving room: it does the launcher's job without tritonserver (starts a group's
+members as processes with the group's secret, and stops them), no serving module uses it, and its users stand where
+a launcher does. The members are the serving room's `GroupMember`s, as under Triton; in their processes it adds only
+a responder into a queue, where the adapter has Triton's.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from ..engine.settings import EngineSettings
 from ..parallel.local import process_context
 from ..parallel.ports import free_port
 from ..parallel.secret import SECRET_VARIABLE
-from .settings import ServingSettings
+from ..serving.settings import ServingSettings
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -108,7 +113,7 @@ class _QueueResponder:
 
 def _member_main(rank: int, world: int, engine_settings: EngineSettings, serving: ServingSettings, secret: str,
                  setup: str | None, inbox: mp.Queue, outbox: mp.Queue) -> None:
-    from .bootstrap import GroupMember, Hooks, Place
+    from ..serving.bootstrap import GroupMember, Hooks, Place
 
     os.environ[SECRET_VARIABLE] = secret
     try:

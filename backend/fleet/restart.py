@@ -1,7 +1,7 @@
 """Restart the groups of a running fleet without losing a world (docs/scale-out.md, "Drain and restart").
 
-    python -m backend.launch.fleet restart --out build/fleet --group 0
-    python -m backend.launch.fleet rolling-restart --out build/fleet
+    python -m backend.fleet restart --out build/fleet --group 0
+    python -m backend.fleet rolling-restart --out build/fleet
 
 A group's launcher is sent SIGTERM: it drains (its agent takes it out of the balancer's rotation, every steered
 session is saved and ends MOVED, its client resumes through the balancer on another group: launch/drain.py) and
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..launch.heal import alive
+from ..launch.paths import BUILD_DIR
+from ..launch.polling import wait_for
 from .balancer import server_states
-from .heal import alive
-from .paths import BUILD_DIR
-from .polling import wait_for
 
 COMMANDS = ("restart", "rolling-restart")
 POLL_S = 0.2
-# The fleet's supervisor looks at its groups every 0.5 s (fleet.SUPERVISE_S) and rewrites fleet.json at a start.
+# The fleet's supervisor looks at its groups every 0.5 s (supervisor.SUPERVISE_S) and rewrites fleet.json at a start.
 RESTARTED_S = 10.0
 
 
@@ -113,7 +113,7 @@ def rolling_restart(out: Path) -> list[Restarted]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m backend.launch.fleet",
+    parser = argparse.ArgumentParser(prog="python -m backend.fleet",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=COMMANDS)
     parser.add_argument("--out", type=Path, default=BUILD_DIR / "fleet",

@@ -1,4 +1,4 @@
-"""HAProxy in front of several groups: its configuration, and the haproxy process (launch/fleet.py runs both).
+"""HAProxy in front of several groups: its configuration, and the haproxy process (fleet/supervisor.py runs both).
 
 A session is one gRPC stream, so one HTTP/2 stream: HAProxy (`mode http`, `proto h2` on both sides) balances
 streams, not connections, and a stream stays on the group it started on. `balance leastconn` counts each group's
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..api.contract import MAX_INPUT_PIXELS, MODEL_NAME
-from .server import _terminate_with_parent
+from ..launch.server import terminate_with_parent
 
 HAPROXY = "/usr/sbin/haproxy"  # Debian's package
 STREAM_TIMEOUT = "1h"  # a stream may be quiet this long (a paused player renews its pause every 20 s)
@@ -84,7 +84,7 @@ def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, chec
     inter = f"{round(check_interval_s * 1000)}ms"
     checked = f"proto h2 check check-proto h1 inter {inter} fall 1 rise 2 on-marked-down shutdown-sessions"
     lines = [
-        "# Written by python -m backend.launch.fleet (backend/launch/balancer.py); rewritten at every start.",
+        "# Written by python -m backend.fleet (backend/fleet/balancer.py); rewritten at every start.",
         "global",
         f"    stats socket {stats_socket} mode 600 level user",
         "    log stderr format short local0 notice",
@@ -140,7 +140,7 @@ def start_haproxy(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         return subprocess.Popen([haproxy_binary(), "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_terminate_with_parent)
+                                preexec_fn=terminate_with_parent)
 
 
 def server_stats(stats_socket: Path) -> dict[str, dict[str, str]]:

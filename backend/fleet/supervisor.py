@@ -1,15 +1,15 @@
 """Many groups behind one address: N sequence-parallel groups (each its own launcher and tritonserver) behind
 HAProxy, one gRPC address for every client.
 
-    python -m backend.launch.fleet --groups 2 --sp 1 --kind cpu --param checkpoint=... --wait
-    python -m backend.launch.fleet --group host1:8001:8000:8003 --group host2:8001:8000:8003   # started elsewhere
-    python -m backend.launch.fleet restart --out build/fleet --group 0   # a running fleet's group (launch/restart.py)
-    python -m backend.launch.fleet rolling-restart --out build/fleet     # every local group, one at a time
+    python -m backend.fleet --groups 2 --sp 1 --kind cpu --param checkpoint=... --wait
+    python -m backend.fleet --group host1:8001:8000:8003 --group host2:8001:8000:8003   # started elsewhere
+    python -m backend.fleet restart --out build/fleet --group 0   # a running fleet's group (fleet/restart.py)
+    python -m backend.fleet rolling-restart --out build/fleet     # every local group, one at a time
 
 Local groups bind loopback on ports of their own; each serves its capacity to the balancer (launch/agent.py) and is
 restarted when its launcher exits: at once when it was asked to (SIGTERM: it drained its worlds elsewhere first,
 launch/drain.py), else (its tritonserver died) bounded restarts with backoff. Every group must serve one world
-(launch/one_world.py), checked before the balancer opens. The balancer (launch/balancer.py) listens only on
+(fleet/one_world.py), checked before the balancer opens. The balancer (fleet/balancer.py) listens only on
 `--address:--grpc-port`; SIGTERM drains and stops every group, then the balancer. What was started is written to
 `--out`/fleet.json (ports, pids, logs, the bounds a restart waits for) for operators, `restart` and tests.
 """
@@ -30,16 +30,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..api.contract import MODEL_NAME
+from ..launch.drain import DRAIN_TIMEOUT_S
+from ..launch.launcher import gpu_count, instance_count, parse_param
+from ..launch.paths import BUILD_DIR, DEFAULT_BACKENDS_DIR
+from ..launch.server import terminate_with_parent
+from ..launch.wheel import prepare_backends
 from ..parallel.ports import free_port, port_in_use
 from .balancer import (MAX_REQUEST_BYTES, BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
                        start_haproxy)
-from .drain import DRAIN_TIMEOUT_S
-from .launcher import gpu_count, instance_count, parse_param
 from .one_world import check_one_world, read_parameters
-from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR
 from .restart import COMMANDS as RESTART_COMMANDS, main as restart_main
-from .server import _terminate_with_parent
-from .wheel import prepare_backends
 
 LOOPBACK = "127.0.0.1"
 RESTARTS = 5  # a group's restarts in a row before the fleet leaves it down
@@ -72,7 +72,7 @@ class SupervisedGroup:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=_terminate_with_parent)
+                                            start_new_session=True, preexec_fn=terminate_with_parent)
         self.starts += 1
         self.started_s = time.monotonic()
 
@@ -159,7 +159,7 @@ def stop_groups(groups: Sequence[SupervisedGroup], stop_s: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m backend.launch.fleet", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m backend.fleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=0, help="local groups to start (each --sp instances)")
     parser.add_argument("--group", action="append", default=[], metavar="HOST:GRPC:HTTP:AGENT",
                         help="a group started elsewhere (python -m backend.launch --agent-port ...), repeatable")
