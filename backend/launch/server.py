@@ -102,6 +102,11 @@ def terminate_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def repository_models(repository: Path) -> list[str]:
+    """The models of a model repository (a server loads each at its start)."""
+    return sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
+
+
 class TritonServer:
     """A tritonserver child process in its own process group, logging to `log_path`.
 
@@ -159,7 +164,7 @@ class TritonServer:
         self.healer: Healer | None = None
         self.unhealed: Heal | None = None  # the heal that did not take, which stopped the server
         if heal:
-            (model,) = self.models()
+            (model,) = repository_models(self.model_repository)
             self.healer = Healer(self.control, model, self.signals, stubs=self.stub_pids, on_unhealed=self._unhealed)
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -212,16 +217,12 @@ class TritonServer:
             # Each server's Python-backend shared-memory regions get their own names: servers on one host
             # (tests, multi-host ranks on one machine) otherwise share "triton_python_backend_shm_region_*".
             f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}{self.grpc_port}_",
-            *(f"--load-model={name}" for name in self.models()),
+            *(f"--load-model={name}" for name in repository_models(self.model_repository)),
             *self.tls_args,
         ]
         if self.keys_file is not None:  # the client's key header reaches the model as a request parameter
             cmd.append(f"--grpc-header-forward-pattern=^{KEY_HEADER}$")
         return cmd + ([f"--log-verbose={self.log_verbose}"] if self.log_verbose else []) + self.extra_args
-
-    def models(self) -> list[str]:
-        """The models of the repository (each loaded at start)."""
-        return sorted(p.name for p in self.model_repository.iterdir() if (p / "config.pbtxt").is_file())
 
     def environment(self) -> dict[str, str]:
         # The stub finds the venv's packages through the interpreter first on PATH (not PYTHONPATH),
