@@ -9,7 +9,7 @@ import logging
 from ..api.contract import NO_FORK, PARAM_RECACHE, block_video_frames
 from ..api.errors import InputError
 from ..api.request import Controls, ResumeRequest, SessionRequest, StepRequest
-from ..engine.snapshot.restore import read_shared
+from ..engine.snapshot.restore import SharedState, read_shared
 from ..engine.snapshot.sessions import SnapshotFacts
 from ..engine.snapshot.store import SnapshotStore
 from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
@@ -52,11 +52,13 @@ class Admission:
                              f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute "
                              "every frame of the session")
 
-    def resume(self, resume: ResumeRequest, session_id: str, owner: int, principal: Principal) -> SharedSession:
+    def resume(self, resume: ResumeRequest, session_id: str, owner: int,
+               principal: Principal) -> tuple[SharedSession, SharedState]:
         """A session opened from its snapshot: the store finds it (its id's form checked before any path is
         built), its settings must be this server's, its own file is read (its SHA-256 checked) for the saved
-        request, which then meets this server's limits like a new one. SnapshotError or InputError, with its
-        code."""
+        request, which then meets this server's limits like a new one. Returns the session and what was read of
+        its snapshot's shared file (its owner opens the session from it: the file is read once here). SnapshotError
+        or InputError, with its code."""
         snapshot = self._store().open(resume.snapshot_id)
         self.facts.check_fits(snapshot)
         saved = read_shared(snapshot)
@@ -70,7 +72,7 @@ class Admission:
         self._check_controls(resume.controls)
         fork = None if resume.fork_seed == NO_FORK else resume.fork_seed
         start = ResumeFrom(resume.snapshot_id, snapshot.manifest.to_text(), saved.block_index, fork)
-        return SharedSession.resumed(session_id, request, geometry, owner, principal, start, Step(resume.controls))
+        return SharedSession.resumed(session_id, request, geometry, owner, principal, start, Step(resume.controls)), saved
 
     def _store(self) -> SnapshotStore:
         if self.store is None:

@@ -156,8 +156,8 @@ class Intake:
             return
         sid = f"r{self.rank}-{next(self._ids)}"
         try:
-            shared = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
-                      else self._admission.session(request, sid, self.rank, who))
+            shared, saved = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
+                             else (self._admission.session(request, sid, self.rank, who), None))
             first = shared.steps[0].controls if shared.steps else None
             if first is not None and first.save:  # the first block's save: reserved now, or the start is refused
                 shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry, Purpose.ASKED,
@@ -172,7 +172,7 @@ class Intake:
         self._parts[sid] = part
         if request.steered:
             self._sequences.start(key, sid)
-        self._to_loop(mail.Submitted(shared))
+        self._to_loop(mail.Submitted(shared, saved))
 
     def _step(self, step: StepRequest, responder: Responder) -> None:
         """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""

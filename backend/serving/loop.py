@@ -33,6 +33,7 @@ from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
 from ..engine.snapshot import sessions as snapshots
 from ..engine.snapshot.manifest import SnapshotError
+from ..engine.snapshot.restore import SharedState
 from ..engine.snapshot.store import snapshot_at
 from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
@@ -78,6 +79,8 @@ class Here:
     submitted_s: float = 0.0  # owned: when it reached the loop (its wait in line, for the metrics)
     delivered: int = 0  # owned: blocks its client received, as the intake last said
     told: int = 0  # owned: the place in line its client was last told (0: its slot)
+    saved: SharedState | None = None  # owned and resumed: what admission read of its snapshot's shared file, until
+    # it opens
 
 
 class GroupLoop:
@@ -157,9 +160,9 @@ class GroupLoop:
         now = time.monotonic()
         for letter in drain(self._inbox):
             match letter:
-                case mail.Submitted(shared):
+                case mail.Submitted(shared, saved):
                     events.submissions.append(shared)
-                    self.here[shared.id] = Here(owned=True, submitted_s=now)
+                    self.here[shared.id] = Here(owned=True, submitted_s=now, saved=saved)
                 case mail.Stepped(step):
                     events.steps.append(step)
                 case mail.Cancelled(sid):
@@ -303,8 +306,9 @@ class GroupLoop:
         for shared in opens:
             here = self.here.setdefault(shared.id, Here(owned=False))
             try:
-                here.engine = self._open(shared)
+                here.engine = self._open(shared, here.saved)
                 here.opened_s = time.monotonic()
+                here.saved = None
             except SnapshotError as exc:  # refused by every rank alike (a damaged file, other settings)
                 log.warning("rank %d: resuming session %s failed: %s", self.rank, shared.id, exc.refusal)
                 self._failed.append((shared.id, Ending(EndReason.REJECTED, exc.refusal)))
@@ -318,14 +322,15 @@ class GroupLoop:
                 if shared.resume is not None and self.hooks.on_snapshot is not None:
                     self.hooks.on_snapshot("resumed")
 
-    def _open(self, shared: SharedSession) -> Session:
-        """A new session, or one resumed from its snapshot (a collective either way)."""
+    def _open(self, shared: SharedSession, saved: SharedState | None) -> Session:
+        """A new session, or one resumed from its snapshot (a collective either way; `saved`: its shared file as its
+        owner's admission read it, else read here)."""
         if (resume := shared.resume) is None:
             # A steered session keeps what its cached blocks were made of, for a world event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
         session = snapshots.resume(self.engine, snapshot_at(self.snapshot_root, resume.snapshot_id, resume.manifest),
-                                             shared.geometry, shared.id, shared.owner, resume.fork_seed)
+                                             shared.geometry, shared.id, shared.owner, resume.fork_seed, saved)
         session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
         return session
 

@@ -15,6 +15,7 @@ import numpy as np
 from ..api.refusal import Refusal
 from ..api.request import ResumeRequest, SessionRequest, StepRequest
 from ..engine.blocks import BlockOutput
+from ..engine.snapshot.restore import SharedState
 from .keys import ANONYMOUS, Principal
 from .news import FilesWritten, StepEvent
 from .sessions import SharedSession
@@ -25,9 +26,12 @@ from .streams import Responder
 
 @dataclass(frozen=True)
 class Submitted:
-    """A session this rank admitted (its owner): shared with every rank at the next boundary."""
+    """A session this rank admitted (its owner): shared with every rank at the next boundary. A resumed one's
+    `saved` is what admission read of its snapshot's shared file, for this rank's opening of it (no other rank's:
+    it stays here)."""
 
     session: SharedSession
+    saved: SharedState | None = None
 
 
 @dataclass(frozen=True)

@@ -182,16 +182,17 @@ class RankState:
 
 @torch.no_grad()
 def resume(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,
-           owner: int = 0, fork_seed: int | None = None) -> Session:
+           owner: int = 0, fork_seed: int | None = None, shared: SharedState | None = None) -> Session:
     """The saved session, where it stood, on this engine's layout (any TP x SP): its next block is the block the
     saved session would have made next. geometry: `engine.geometry_of(restore.read_request(...))`, checked once;
     fork_seed: draw the noise from this seed from the next block on (None: the saved generator's). A collective,
-    every rank alike (the text K/V of the prompt in force is recomputed). Raises SnapshotError on every rank alike
+    every rank alike (the text K/V of the prompt in force is recomputed). `shared`: the snapshot's shared file as
+    this rank read it already (its owner's admission), else read here. Raises SnapshotError on every rank alike
     (SNAPSHOT_INVALID, SETTINGS_MISMATCH)."""
     engine.snapshot_facts.check_fits(snapshot)
     state, error = None, None
     try:
-        state = read_rank(engine, snapshot, geometry, owner, fork_seed)
+        state = read_rank(engine, snapshot, geometry, owner, fork_seed, shared)
     except SnapshotError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - a fault of this rank's: told to every rank, logged here
@@ -216,9 +217,9 @@ def resume(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, session_
 
 
 def read_rank(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, owner: int,
-              fork_seed: int | None) -> RankState:
-    """This rank's part of a resume: every read and check, no exchange."""
-    shared = read_shared(snapshot)
+              fork_seed: int | None, shared: SharedState | None = None) -> RankState:
+    """This rank's part of a resume: every read and check, no exchange (`shared`: the shared file, read already)."""
+    shared = shared or read_shared(snapshot)
     request, device = shared.request, engine.device
     tcfg = engine.ckpt.transformer
     kv = read_kv(snapshot, head_range(engine), tcfg.num_layers, tcfg.head_dim, engine.dtype)
