@@ -2,9 +2,11 @@
 itself), the command line's refusals, the stub watch."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -22,10 +24,12 @@ from backend.fleet.restart import launcher_of
 from backend.launch.control import ControlError, ModelControl
 from backend.launch import heal
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch, alive
+from backend.parallel.ports import free_port, port_in_use
 from backend.serving.host_signals import HostSignals
 from polling import wait_until
 from system_tools import requires_tool
 
+ROOT = Path(__file__).resolve().parent.parent
 needs_haproxy = requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")
 
 
@@ -502,3 +506,29 @@ def test_restart_touches_only_a_live_launcher_of_the_running_fleet(tmp_path: Pat
             p.kill()
             p.wait()
 
+
+
+@pytest.mark.timeout(30)
+def test_a_stub_whose_server_dies_outright_exits_and_lets_its_port_go() -> None:
+    """A model instance's stub (here a process that starts the watch and listens on a port, as rank 0's store does)
+    whose parent, its tritonserver, is killed: it exits within a second or so and its port is free again (the
+    group's launcher, started again, can take its rendezvous port)."""
+    port = free_port()
+    stub_code = ("import socket, time; from backend.serving.parent_watch import watch_parent; watch_parent(0.1); "
+                 f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True); "
+                 "time.sleep(60)")
+    server_code = (f"import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', {stub_code!r}]); "
+                   "print(stub.pid, flush=True); time.sleep(60)")
+    server = subprocess.Popen([sys.executable, "-c", server_code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stub = int(server.stdout.readline())
+        wait_until(lambda: port_in_use(port), 20, "the stub listening")
+        server.kill()
+        server.wait()
+        killed = time.monotonic()
+        wait_until(lambda: not alive(stub), 10, "the orphaned stub to exit")
+        assert time.monotonic() - killed < 5 and not port_in_use(port)
+    finally:
+        server.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stub, signal.SIGKILL)

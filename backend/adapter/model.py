@@ -17,6 +17,7 @@ from ..serving.settings import split_parameters
 from ..serving.host_signals import HostSignals, StopWatch
 from ..serving.key_watch import KeyWatch, gate_of
 from ..serving.line import LineCounts
+from ..serving.parent_watch import watch_parent
 from .metrics import StreamMetrics
 from .placement import instance_rank
 from .responder import TritonLogHandler, TritonResponder
@@ -29,6 +30,7 @@ class TritonPythonModel:
         if not log.handlers:
             log.addHandler(TritonLogHandler())
             log.setLevel(logging.INFO)
+        watch_parent()  # a stub whose tritonserver died outright ends too (serving/parent_watch)
         model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
