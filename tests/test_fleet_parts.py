@@ -512,10 +512,14 @@ def test_restart_touches_only_a_live_launcher_of_the_running_fleet(tmp_path: Pat
 def test_a_stub_whose_server_dies_outright_exits_and_lets_its_port_go() -> None:
     """A model instance's stub (here a process that starts the watch and listens on a port, as rank 0's store does)
     whose parent, its tritonserver, is killed: it exits within a second or so and its port is free again (the
-    group's launcher, started again, can take its rendezvous port)."""
+    group's launcher, started again, can take its rendezvous port), though a thread of it is stuck in the log
+    handler (as one is, sending to the dead server's log) and holds the handler's lock."""
     port = free_port()
-    stub_code = ("import socket, time; from backend.serving.parent_watch import watch_parent; watch_parent(0.1); "
-                 f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True); "
+    stub_code = ("import logging, socket, threading, time; from backend.serving.parent_watch import watch_parent\n"
+                 "class Stuck(logging.Handler):\n    def emit(self, record): time.sleep(600)\n"
+                 "logging.getLogger().addHandler(Stuck())\n"
+                 "threading.Thread(target=logging.getLogger().error, args=('a line',), daemon=True).start()\n"
+                 f"watch_parent(0.1); s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen()\n"
                  "time.sleep(60)")
     server_code = (f"import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', {stub_code!r}]); "
                    "print(stub.pid, flush=True); time.sleep(60)")

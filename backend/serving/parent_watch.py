@@ -4,13 +4,11 @@ ran) would live on, holding its rank's claim, its sockets and, on rank 0, the gr
 not start again on this host. A thread watches the stub's parent and ends the process once it is gone."""
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 
 EVERY_S = 0.5  # how often the parent is looked at
-log = logging.getLogger(__name__)
 
 
 def watch_parent(every_s: float = EVERY_S) -> threading.Thread:
@@ -21,7 +19,9 @@ def watch_parent(every_s: float = EVERY_S) -> threading.Thread:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(every_s)
-        log.error("the server (pid %d) of this model instance is gone: its stub exits", parent)
+        # Not through logging: its handler sends to the dead server, a send that never returns, and another thread
+        # may hold the handler's lock, stuck in one already.
+        os.write(2, f"lingbot_world: the server (pid {parent}) of this model instance is gone: its stub exits\n".encode())
         os._exit(1)
 
     thread = threading.Thread(target=watch, name="lingbot-parent-watch", daemon=True)
