@@ -1,11 +1,12 @@
-"""What a caller of client/world.PlayedWorld sees of its saves without a failover, as the page's bridge plays it: a
-save asked for, each outcome told as the blocks come, the end read from next_block. Against test_played_world.py's
-stand-in server."""
+"""What a caller of client/world.PlayedWorld sees without a failover, as the page's bridge plays it: a save asked
+for, each outcome told as the blocks come, the end read from next_block, its place in line. Against
+test_played_world.py's stand-in server."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from backend.api.codec import Place
 from backend.api.request import Controls, SessionRequest
 from client.world import PlayedWorld, Saved
 from test_played_world import StandIn
@@ -13,9 +14,9 @@ from test_played_world import StandIn
 pytestmark = pytest.mark.timeout(30)
 
 
-def started(server: StandIn, told: list[Saved], save_every: int) -> PlayedWorld:
-    world = PlayedWorld("stand-in:8001", session_factory=server.session, save_every=save_every,
-                        on_snapshot=told.append)
+def started(server: StandIn, told: list[Saved], save_every: int, **options: object) -> PlayedWorld:
+    world = PlayedWorld("stand-in:8001", save_every=save_every, on_snapshot=told.append,
+                        **{"session_factory": server.session, **options})
     world.start(SessionRequest(image=np.zeros((8, 8, 3), np.uint8), prompt="a street", poses=None, num_frames=None,
                                seed=1, height=8, width=8, keys="w"))
     return world
@@ -53,3 +54,18 @@ def test_a_world_ended_with_every_block_read_ends_in_next_block_at_once() -> Non
     assert [world.next_block(5).block_index for _ in range(2)] == [0, 1]
     world.end()
     assert world.next_block(5) is None
+
+
+def test_on_place_hears_each_place_in_line_and_nothing_else() -> None:
+    server, places = StandIn(), []
+
+    def session_in_line(*args: object, **kwargs: object):
+        session = server.session(*args, **kwargs)
+        kwargs["on_place"](Place(1, 0.5))  # as tritonclient's thread tells it while the start waits for a slot
+        return session
+
+    world = started(server, [], save_every=1, session_factory=session_in_line, on_place=places.append)
+    world.step(Controls(keys="a"), end=True)  # saves: its outcome is heard too
+    while world.next_block(5) is not None:
+        pass
+    assert places == [Place(1, 0.5)]

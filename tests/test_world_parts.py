@@ -151,7 +151,7 @@ def test_the_bound_is_blocks_times_the_longest_of_the_last_samples_and_a_first_b
 
 def test_a_place_in_line_or_a_save_s_outcome_is_a_sign_of_life_and_a_block_s_time_runs_from_a_place_in_line() -> None:
     clock = StallClock(floor_s=1.0, blocks=4, samples=8)
-    clock.block(arrival_s=1.0, sent_s=0.0)
+    clock.block(arrival_s=0.5, sent_s=0.0)
     clock.block(arrival_s=1.2, sent_s=1.0)
     assert clock.stall_at(2.0) == pytest.approx(3.0)
     clock.heard(2.5, paced=False)  # a save's outcome
@@ -160,8 +160,8 @@ def test_a_place_in_line_or_a_save_s_outcome_is_a_sign_of_life_and_a_block_s_tim
     assert clock.stall_at(2.0) == pytest.approx(3.5)
     clock.block(arrival_s=2.75, sent_s=2.0)  # 0.5 s from the place in line, not 0.75 s from its send
     assert clock.bound_s() == pytest.approx(2.0)
-    clock.restart()  # a new session: what the old one heard is no sign of its life; its first block adds 1 s
-    assert clock.stall_at(2.6) == pytest.approx(2.6 + 2.0 + 1.0)
+    clock.restart()  # a new session: what the old one heard is no sign of its life; its first block adds 0.5 s
+    assert clock.stall_at(2.6) == pytest.approx(2.6 + 2.0 + 0.5)
 
 
 # The replay check.
