@@ -38,8 +38,10 @@ import threading
 import time
 from pathlib import Path
 
+from backend.api.contract import MODEL_NAME
 from backend.api.request import Controls
 from backend.fleet.balancer import server_states
+from backend.launch.control import ModelControl
 from backend.launch.drain import streams_open
 from backend.launch.metrics_page import metrics_page
 from backend.launch.polling import wait_for
@@ -195,12 +197,15 @@ class Soak:
         return time.perf_counter(), ()
 
     def whole(self, name: str, old_stubs: set[int]) -> bool:
-        """The group hit serves again: every rank's stub is a new process, and the balancer has it in rotation."""
+        """The group hit serves again: every rank's stub is a new process (Triton starts a load's stubs at once, so
+        that alone says little), its model reads ready, and the balancer has it in rotation."""
         try:
             _, stubs = self.server_and_stubs(name)
         except (ValueError, StopIteration, OSError):
             return False
+        group = self.group(name)
         return (len(stubs) == SP and not set(stubs.values()) & old_stubs
+                and ModelControl(f"{group['host']}:{group['http_port']}", "").is_model_ready(MODEL_NAME)
                 and server_states(Path(self.manifest()["stats_socket"])).get(name) == "UP")
 
 
