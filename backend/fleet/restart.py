@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..launch.heal import alive
+from ..serving.parent_watch import alive
 from ..launch.paths import BUILD_DIR
 from ..launch.polling import wait_for
 from .balancer import server_states

@@ -21,10 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..parallel.host_claim import MEMBER
 from ..serving.host_signals import HostSignals
+from ..serving.parent_watch import alive
 from .control import ControlError, ModelControl
 from .procfs import unix_socket_names
 
@@ -52,14 +52,6 @@ class Heal:
     seconds: float  # from the request to ready (or to giving up)
     attempts: int
     healed: bool
-
-
-def alive(pid: int) -> bool:
-    """Whether a process runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class StubWatch:

@@ -22,6 +22,7 @@ from ..api.contract import KEY_HEADER
 from ..parallel.secret import SECRET_VARIABLE
 from ..parallel.ports import free_port
 from ..serving.host_signals import HostSignals
+from ..serving.parent_watch import SERVER_OWNER_VARIABLE
 from ..serving.keys import KeyRing
 from .control import ADMIN_HEADER, ModelControl
 from .heal import Heal, Healer
@@ -229,7 +230,7 @@ class TritonServer:
         # and must embed this interpreter's own libpython: a different 3.11 patch release (the system
         # one) fails on the venv's stdlib extensions (`import ssl`: undefined symbol _PyModule_Add).
         env = STUB_THREAD_ENVIRONMENT | dict(os.environ) | {SECRET_VARIABLE: self.group_secret} \
-            | self.signals.environment()  # for the stubs
+            | self.signals.environment() | {SERVER_OWNER_VARIABLE: str(os.getpid())}  # for the stubs
         libs = [str(_libpython_dir() or ""), str(self.wheel.libs_dir), env.get("LD_LIBRARY_PATH")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
