@@ -191,15 +191,15 @@ class GroupMember:
         self._free_model()
 
     def _free_model(self) -> None:
-        """Give the model's memory back (the loop has let the engine go) and this rank's claim (a later load may
-        start)."""
-        self._claim.close()
+        """Give the model's memory back (the loop has let the engine go), then this rank's claim: a later load may
+        start, and the healer may end this process, once it is let go."""
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap pages; give them back
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         log.info("rank %d: model released (RSS now %s)", self.rank, rss())
+        self._claim.close()
 
     def _on_group_failure(self, exc: BaseException) -> None:
         """In-flight streams already got their error: tell the host (a hung peer can hold the group's teardown),
