@@ -8,6 +8,7 @@ from collections.abc import Callable
 from backend.api.request import ResumeRequest, SessionRequest, StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.serving.bootstrap import owner_side
+from backend.serving.keys import ANONYMOUS, Principal
 from backend.serving.settings import ServingSettings
 from backend.serving.line import LineCounts
 from backend.serving.loop import GroupLoop, LoopHooks
@@ -28,9 +29,11 @@ class OneRank:
                               threads=threads, cpu=cpu)
         self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox)
 
-    def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder) -> None:
-        """A request as the member hands it over (its sequence's open pause is answered first)."""
-        self.intake.arrive(request.session_key, request, responder)
+    def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder,
+               principal: Principal = ANONYMOUS) -> None:
+        """A request as the member hands it over (its sequence's open pause is answered first), from `principal`'s
+        key."""
+        self.intake.arrive(getattr(request, "session_key", "") or "", request, responder, principal=principal)
 
     @property
     def sessions(self) -> dict:

@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..api.description import split_description
 from ..api.refusal import Refusal
-from ..api.request import SessionRequest, StepRequest
+from ..api.request import SavesRequest, SessionRequest, StepRequest
 from ..parallel.host_claim import claim_for_this_host
 from ..serving.bootstrap import GroupMember, Hooks, Place
 from ..serving.settings import split_parameters
@@ -72,9 +72,9 @@ class TritonPythonModel:
         return None
 
     def _responder(self, sender: pb_utils.InferenceResponseSender, user: str,
-                   parsed: SessionRequest | StepRequest | None) -> TritonResponder:
+                   parsed: SessionRequest | StepRequest | SavesRequest | None) -> TritonResponder:
         """user: the request's key name ("" without keys), for the metrics by key."""
-        if parsed is None:
+        if parsed is None or isinstance(parsed, SavesRequest):
             return TritonResponder(sender, False, self.metrics, user=user)
         steered = isinstance(parsed, StepRequest) or parsed.steered
         used = self.member.settings_used if parsed.return_used else None

@@ -97,6 +97,9 @@ class _QueueResponder:
     def send_notice(self, notice: SnapshotNotice) -> None:
         self._send("notice", notice, False)
 
+    def send_saves(self, listing: str) -> None:
+        self._send("saves", json.loads(listing), True)
+
     def finish(self) -> None:
         self._send("finish", None, True)
 
@@ -164,7 +167,7 @@ class LocalCall:
         self.done = False
 
     def next(self, timeout_s: float = DEFAULT_TIMEOUT_S, places: bool = False,
-             notices: bool = False) -> LocalBlock | LocalPlace | SnapshotNotice | None:
+             notices: bool = False) -> LocalBlock | LocalPlace | SnapshotNotice | dict | None:
         """The next block (or, with `places` or `notices`, the next place in line or save's outcome too); None when
         the request ended without one. Raises LocalStreamError on an error."""
         deadline = time.monotonic() + timeout_s
@@ -188,6 +191,9 @@ class LocalCall:
                 if notices:
                     return payload
                 continue
+            if kind == "saves":  # the key's snapshots (request parameter saves): the request's one answer
+                self.done = True
+                return payload
             self.done = kind == "finish" or payload.final
             return payload if kind == "block" else None
 
@@ -337,7 +343,7 @@ class LocalGroup:
                 kind, tag, payload = self._outbox.get()
             except (EOFError, OSError):
                 return
-            if kind in ("block", "place", "notice", "error", "finish"):
+            if kind in ("block", "place", "notice", "saves", "error", "finish"):
                 self._calls[tag].responses.put((kind, payload))
             else:
                 self._control.put((kind, tag, payload))

@@ -21,9 +21,9 @@ from ..api import contract as c
 from ..api.codec import SnapshotNotice
 from ..api.errors import InputError
 from ..api.refusal import Refusal
-from ..api.request import ResumeRequest, SessionRequest, StepRequest
+from ..api.request import ResumeRequest, SavesRequest, SessionRequest, StepRequest
 from ..engine.snapshot.manifest import SnapshotError
-from . import mail, messages
+from . import key_saves, mail, messages
 from .admission import Admission
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
 from .news import FilesWritten, StepEvent
@@ -144,6 +144,8 @@ class Intake:
             responder.send_error(letter.refusal)
         elif isinstance(request, StepRequest):
             self._step(request, responder)
+        elif isinstance(request, SavesRequest):
+            self._key_saves(request, responder, who)
         elif self._draining:
             responder.send_error(messages.DRAINING)
         else:
@@ -161,7 +163,7 @@ class Intake:
             first = shared.steps[0].controls if shared.steps else None
             if first is not None and first.save:  # the first block's save: reserved now, or the start is refused
                 shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry, Purpose.ASKED,
-                                                                  first.release))
+                                                                  first.release, who, first.share))
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
@@ -196,7 +198,8 @@ class Intake:
         try:
             self._admission.step(step)
             if step.controls is not None and step.controls.save:  # reserved now, or the step is refused whole
-                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.ASKED, step.controls.release)
+                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.ASKED, step.controls.release,
+                                                  part.principal, step.controls.share)
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
@@ -209,6 +212,13 @@ class Intake:
             stream.add_closing(responder)
         self._to_loop(mail.Stepped(StepEvent(sid, step.controls, step.end, snapshot_id)))
         self._delivered(sid, part, sent)
+
+    def _key_saves(self, request: SavesRequest, responder: Responder, who: Principal) -> None:
+        """A key asks about its own snapshots: answered at once, from the rank's store."""
+        try:
+            responder.send_saves(key_saves.answer(self._saves.store, request, who))
+        except (InputError, SnapshotError) as exc:
+            responder.send_error(exc.refusal)
 
     def _delivered(self, sid: str, part: OwnerPart, sent_before: int) -> None:
         """Tell the group loop when the client received blocks (a session held back by its client may run)."""
@@ -257,7 +267,7 @@ class Intake:
             if not part.steered or part.ending is not None:
                 continue
             try:
-                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE)
+                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE, who=part.principal)
             except (InputError, SnapshotError) as exc:  # no store, or no room: it only ends
                 log.warning("rank %d: session %s cannot be saved as the server drains: %s", self.rank, sid,
                             exc.refusal)
