@@ -7,17 +7,27 @@ import json
 
 from ..api.errors import InputError
 from ..api.request import SavesRequest
+from ..engine.snapshot.manifest import SnapshotError
 from ..engine.snapshot.store import SnapshotStore
 from . import messages
 from .keys import Principal
+from .streams import Responder
 
 NO_KEYS = ("this server has no keys file, so its snapshots have no owner to list them for: their ids are the only "
            "way to them")
 
 
-def answer(store: SnapshotStore | None, request: SavesRequest, who: Principal) -> str:
-    """The key's snapshots as the output `saves` carries them, after the change `request` asks for. InputError
-    (no store, no key), SnapshotError (SNAPSHOT_UNKNOWN, SNAPSHOT_NOT_YOURS)."""
+def answer(store: SnapshotStore | None, request: SavesRequest, who: Principal, responder: Responder) -> None:
+    """The request answered at once: the key's snapshots after the change it asks for, or its refusal (no store, no
+    key: INVALID_INPUT; SNAPSHOT_UNKNOWN, SNAPSHOT_NOT_YOURS)."""
+    try:
+        responder.send_saves(listing(store, request, who))
+    except (InputError, SnapshotError) as exc:
+        responder.send_error(exc.refusal)
+
+
+def listing(store: SnapshotStore | None, request: SavesRequest, who: Principal) -> str:
+    """The key's snapshots as the output `saves` carries them, after the change `request` asks for."""
     if store is None:
         raise InputError(messages.NO_SNAPSHOT_DIR.sentence)
     if not who.digest:
