@@ -5,10 +5,12 @@ intake on those books: a session that waits for its key's seat across the fleet,
 hour. Fast: no tritonserver (the fleet's own: tests/test_books_fleet.py)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from backend.api.errors import ConfigError, Refused
 from backend.api.request import StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.fleet.books_server import BooksServer, redis_binary
+from backend.fleet.fleet_books import FleetBooks
 from backend.parallel.ports import free_port
 from backend.serving import mail, messages
 from backend.serving.books import CALL_TIMEOUT_S, Books, BooksAddress, BooksUnavailable
@@ -238,3 +241,42 @@ def test_an_unseated_session_waits_for_its_seat_whatever_the_free_slots() -> Non
     assert [o.id for o in s.plan([RankEvents(seated=["a"])]).opens] == ["a"]
     over = s.plan([RankEvents(over_quota=[("b", messages.quota_exhausted("alice", 3, 60.0))])])
     assert over.ended_by(EndReason.QUOTA) == ["b"]
+
+
+# ---------------------------------------------------------------- the fleet's own store
+
+
+def test_the_fleet_s_own_store_is_loopback_behind_a_password_it_made_and_comes_back_with_the_keys(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(f"alice sha256:{'0' * 64} sessions=2 queue=0\n")
+    args = argparse.Namespace(books_url=None, books_password_file=None, books_ca=None, keys_file=keys_file, groups=2,
+                              out=tmp_path / "out")
+    fleet = FleetBooks.of(args).start()
+    try:
+        server = fleet.server
+        assert stat.S_IMODE(server.folder.stat().st_mode) == 0o700
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (server.password_file, server.config))
+        password = server.password_file.read_text()
+        assert password not in Path(f"/proc/{server.process.pid}/cmdline").read_text()
+        assert password not in " ".join(fleet.launcher_args())
+        books = fleet.books
+        assert books.client.config_get("bind")["bind"] == "127.0.0.1"
+        assert books.client.config_get("protected-mode")["protected-mode"] == "yes"
+        assert books.client.config_get("save")["save"] == ""  # nothing on disk
+        with pytest.raises(BooksUnavailable):  # no password, no books
+            BooksAddress(server.address.url).connect().keys_version()
+        assert KeyRing.parse(books.keys()[1]).entries == KeyRing.parse(keys_file.read_text()).entries
+        version = books.keys_version()
+        keys_file.write_text("alice not-a-hash\n")
+        assert not fleet.push_keys("SIGHUP") and books.keys_version() == version  # named; the keys in force stay
+        assert "line 1" in capsys.readouterr().err
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+        keys_file.write_text(f"bob sha256:{'1' * 64}\n")
+        fleet.supervise()  # started again on its port, and the keys it lost pushed again
+        assert [e.name for e in KeyRing.parse(books.keys()[1]).entries] == ["bob"]
+    finally:
+        fleet.stop()
+    no_keys = argparse.Namespace(**{**vars(args), "keys_file": None})
+    assert FleetBooks.of(no_keys) is None  # without keys its groups keep their books in process
