@@ -23,6 +23,8 @@ from backend.api.request import StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.fleet.books_server import BooksServer, redis_binary
 from backend.fleet.fleet_books import FleetBooks
+from backend.launch.books_keys import KeysFromBooks
+from backend.launch.launcher import books_of, build_parser
 from backend.parallel.ports import free_port
 from backend.serving import mail, messages
 from backend.serving.books import CALL_TIMEOUT_S, Books, BooksAddress, BooksUnavailable
@@ -280,3 +282,39 @@ def test_the_fleet_s_own_store_is_loopback_behind_a_password_it_made_and_comes_b
         fleet.stop()
     no_keys = argparse.Namespace(**{**vars(args), "keys_file": None})
     assert FleetBooks.of(no_keys) is None  # without keys its groups keep their books in process
+
+
+def test_a_launcher_takes_the_books_keys_and_keeps_them_while_the_books_are_silent(store: BooksServer,
+                                                                                   books: Books) -> None:
+    keys = KeysFromBooks(store.connect())
+    try:
+        with pytest.raises(TimeoutError, match="held no keys"):  # a group never serves without the fleet's keys
+            keys.wait(0.1)
+        books.push_keys(KeyRing.parse(f"alice sha256:{'0' * 64} sessions=2\n"))
+        path = keys.wait(5)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(keys.folder.stat().st_mode) == 0o700
+        assert [e.name for e in KeyRing.parse(path.read_text()).entries] == ["alice"]
+        changes: list[str] = []
+        keys.start(lambda: changes.append(path.read_text()))
+        books.push_keys(KeyRing.parse(f"bob sha256:{'1' * 64}\n"))  # alice revoked, bob added
+        wait_until(lambda: changes, 5, "the launcher to take the new keys")
+        assert [e.name for e in KeyRing.parse(changes[-1]).entries] == ["bob"]
+        books.client.flushall()  # a store that lost them: the keys in force stay
+        assert keys.refresh() and [e.name for e in KeyRing.parse(path.read_text()).entries] == ["bob"]
+        store.stop()  # and one that does not answer
+        assert keys.refresh() and [e.name for e in KeyRing.parse(path.read_text()).entries] == ["bob"]
+    finally:
+        keys.close()
+        if store.exited() is not None:
+            store.start()
+    assert not keys.folder.exists()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--keys-file", "k.txt", "--books-url", "redis://127.0.0.1:1/0"], "leave out --keys-file"),
+    (["--books-password-file", "p"], "go with --books-url"),
+    (["--books-url", "redis://:pw@127.0.0.1:1/0"], "carries no password"),
+])
+def test_a_launcher_refuses_books_flags_that_do_not_go_together(argv: list[str], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        books_of(build_parser().parse_args(argv))
