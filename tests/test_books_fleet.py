@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from backend.serving.keys import Quota
 from client.connection import Connection
 from client.saves import key_saves
 from client.steer import SteeredSession
-from client.stream import StreamError
+from backend.api.codec import request_arrays, request_parameters
+from client.stream import StreamError, pack_inputs
 from books_harness import requires_redis, running_books
 from factories import tiny_request
 from polling import wait_until
@@ -117,8 +119,13 @@ def playing(url: str, connection: Connection, **options) -> Iterator[SteeredSess
 
 
 def refused(url: str, connection: Connection) -> Refusal | None:
+    """A new world's refusal, or None: it was served its first block, then ended (its seat freed at once)."""
     with SteeredSession(url, connection=connection) as session:
-        return first_block_or_refusal(session)
+        refusal = first_block_or_refusal(session)
+        if refusal is None:
+            session.end()
+            session.next_block(30)
+        return refusal
 
 
 def test_a_key_s_sessions_hold_across_both_groups_whichever_its_next_start_reaches(fleet: Fleet) -> None:
@@ -132,6 +139,36 @@ def test_a_key_s_sessions_hold_across_both_groups_whichever_its_next_start_reach
         second.end()
         second.next_block(30)
         assert refused(group0, alice) is None  # the seat it freed, on the other group
+
+
+FLOOD = 200
+
+
+def test_a_flood_of_refused_starts_costs_a_refusal_each_and_leaks_no_seat(fleet: Fleet) -> None:
+    """alice at her two seats (one world on each group) sends FLOOD starts down one stream to group 0: each is
+    refused USER_SESSION_LIMIT by the books before any work, her seats stay two, and the group serves bob at once."""
+    alice = fleet.connection("alice")
+    group0, group1 = fleet.groups
+    books = fleet.books.connect()
+    wait_until(lambda: books.held("alice") == (0, 0), 10, "alice's earlier sessions' seats released")
+    request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+    answers: queue.Queue = queue.Queue()
+    with playing(group0, alice), playing(group1, alice):
+        with alice.client(group0) as client:
+            client.start_stream(callback=lambda result, error: answers.put(error), headers=alice.headers())
+            began = time.monotonic()
+            for n in range(FLOOD):
+                client.async_stream_infer(c.MODEL_NAME, pack_inputs(request_arrays(request)),
+                                          parameters=request_parameters(request), sequence_id=10_000 + n,
+                                          sequence_start=True, sequence_end=True)
+            errors = [answers.get(timeout=60) for _ in range(FLOOD)]
+            took = time.monotonic() - began
+            client.stop_stream()
+        codes = {Refusal.parse(e.message()).code for e in errors if e is not None}
+        assert None not in errors and codes == {c.USER_SESSION_LIMIT}, codes
+        assert books.held("alice") == (2, 0)
+        assert refused(group0, fleet.connection("bob")) is None
+    print(f"{FLOOD} refused starts answered in {took:.2f} s")
 
 
 def test_another_key_s_resume_is_refused_and_a_shared_snapshot_resumes_on_the_other_group(fleet: Fleet) -> None:
