@@ -353,8 +353,8 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
               "share it, and releasing it is its owner's alone", "ask its owner to share it (saves=share), or use "
               "your own snapshots"),
     ErrorCode(BOOKS_UNAVAILABLE, "the fleet's books (the store that holds every key's quotas across its groups) did "
-              "not answer in time, so no new session is admitted; running sessions go on", "retry after "
-              "retry_after_s", retry_after=True),
+              "not answer in time, so no new session of a key with limits is admitted; running sessions go on",
+              "retry after retry_after_s", retry_after=True),
     ErrorCode(SNAPSHOT_SAVE_FAILED, "writing a snapshot failed after its block ran (snapshot_error; the server log "
               "says why): nothing of it can be resumed", "save again; the session goes on"),
     ErrorCode(MOVED, "the group is draining (an operator's restart or move): the session was saved and ended here; "
