@@ -2,11 +2,13 @@
 
 One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
 its steered sessions, the keys whose session ended (to tell a late step why), the owner's clocks of each
-session's limits, and their saves with the rank's snapshot store (serving/saves). Triton's execute thread hands it
-each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the saves' files
-(`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the open streams'
-cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation callback), and
-wakes for the soonest limit of its steered sessions. Nothing here is shared with another thread: no lock.
+session's limits, their saves with the rank's snapshot store (serving/saves), and their leases in the fleet's
+books where the group shares them (serving/leases: the one reader of the store on this rank). Triton's execute thread
+hands it each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the
+saves' files (`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the
+open streams' cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation
+callback), asks the books about its sessions as often, and wakes for the soonest limit of its steered sessions.
+Nothing here is shared with another thread: no lock.
 """
 from __future__ import annotations
 
