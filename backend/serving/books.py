@@ -142,7 +142,8 @@ def _limit(value: int | None) -> int:
     return -1 if value is None else value
 
 
-def keys_version(text: str) -> str:
+def version_of(text: str) -> str:
+    """The version of the keys' lines: their SHA-256."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -196,7 +197,7 @@ class Books:
     def push_keys(self, ring: KeyRing) -> str:
         """The keys of a checked keys file, for every group: their lines replace the books' whole; their version."""
         lines = {e.name: " ".join([e.name, f"sha256:{e.digest.hex()}", *e.quota.words()]) for e in ring.entries}
-        version = keys_version("\n".join(lines[n] for n in sorted(lines)))
+        version = version_of("\n".join(lines[n] for n in sorted(lines)))
 
         def replace(pipe: object) -> None:
             pipe.delete(KEYS)
