@@ -4,6 +4,7 @@
     python -m client play --prompt "a sunny street" --keys "w*6,wa*2,j*3"   (a steered session)
     python -m client serve --url localhost:8001 --port 8080                  (the browser player)
     python -m client replay out/world.npz                                    (a recording, checked bit for bit)
+    python -m client saves --key-file alice.key                              (your key's snapshots)
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="other commands:\n"
                "  python -m client play ...   a steered session from a key script (play --help)\n"
                "  python -m client serve ...  the browser player (serve --help)\n"
-               "  python -m client replay ... a recorded world, checked bit for bit (replay --help)",
+               "  python -m client replay ... a recorded world, checked bit for bit (replay --help)\n"
+               "  python -m client saves ...  your key's snapshots, and sharing one (saves --help)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_server_args(p)
@@ -163,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         from client.replay import main as replay
 
         return replay(argv[1:])
+    if argv[:1] == ["saves"]:  # the key's snapshots (client/saves.py)
+        from client.saves import main as saves
+
+        return saves(argv[1:])
     args = parse_args(argv)
     try:
         fill_from_server(args)

@@ -23,6 +23,6 @@ if ! .venv/bin/python -m pip install --quiet "torch==$TORCH+cpu"; then
     "(PIP_EXTRA_INDEX_URL) or a folder holding that wheel (PIP_FIND_LINKS)" >&2
   exit 1
 fi
-.venv/bin/python -m pip install --quiet -e '.[server,web,test,mpi]'
+.venv/bin/python -m pip install --quiet -e '.[server,web,test,mpi,books]'
 echo "$WANT" >"$STAMP"
 echo ".venv ready" >&2

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up the venv and run the whole test suite (engine, real tritonserver over gRPC, client, multi-host under
-# mpirun, the browser player, the fleet behind HAProxy). The Debian packages some tests need (openmpi-bin, chromium,
-# iproute2, haproxy) are installed when missing (as root with apt-get), else the run stops naming them; then a test
-# skipped for a missing tool fails (LINGBOT_REQUIRE_TOOLS=1). LINGBOT_REQUIRE_TOOLS=0 bash scripts/test.sh tests/test_x.py lets them skip.
+# mpirun, the browser player, the fleet behind HAProxy on its books in Redis). The Debian packages some tests need
+# (openmpi-bin, chromium, iproute2, haproxy, redis-server) are installed when missing (as root with apt-get), else
+# the run stops naming them; then a test skipped for a missing tool fails (LINGBOT_REQUIRE_TOOLS=1). LINGBOT_REQUIRE_TOOLS=0 bash scripts/test.sh tests/test_x.py lets them skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh || exit 1
@@ -13,6 +13,7 @@ if [ "$LINGBOT_REQUIRE_TOOLS" = 1 ]; then
   [ -x "${CHROMIUM:-/usr/bin/chromium}" ] || missing+=(chromium)
   command -v ip >/dev/null || missing+=(iproute2)
   [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+  command -v redis-server >/dev/null || missing+=(redis-server)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
       echo "installing the Debian packages the tests need: ${missing[*]}..." >&2

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from backend.api.request import ResumeRequest, SessionRequest, StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.serving.bootstrap import owner_side
+from backend.serving.books import BooksAddress
+from backend.serving.keys import ANONYMOUS, Principal
 from backend.serving.settings import ServingSettings
 from backend.serving.line import LineCounts
 from backend.serving.loop import GroupLoop, LoopHooks
@@ -20,17 +22,19 @@ class OneRank:
     def __init__(self, engine: WorldModelEngine, settings: ServingSettings,
                  on_failure: Callable[[BaseException], None] = lambda exc: None,
                  on_ended: Callable[[str], None] | None = None, on_line: Callable[[LineCounts], None] | None = None,
-                 threads: CoreSplit | None = None, cpu: LoopCpu | None = None) -> None:
+                 threads: CoreSplit | None = None, cpu: LoopCpu | None = None, books: BooksAddress | None = None) -> None:
         self.engine, self.settings = engine, settings
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.loop = GroupLoop(engine, settings, None, inbox.put,
                               LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line),
                               threads=threads, cpu=cpu)
-        self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox)
+        self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox, books=books)
 
-    def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder) -> None:
-        """A request as the member hands it over (its sequence's open pause is answered first)."""
-        self.intake.arrive(request.session_key, request, responder)
+    def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder,
+               principal: Principal = ANONYMOUS) -> None:
+        """A request as the member hands it over (its sequence's open pause is answered first), from `principal`'s
+        key."""
+        self.intake.arrive(getattr(request, "session_key", "") or "", request, responder, principal=principal)
 
     @property
     def sessions(self) -> dict:

@@ -185,7 +185,7 @@ def test_every_input_and_declared_range_has_boundary_cases() -> None:
     assert {case.name for case in parameter_cases()} == set(PARAMETER)
 
 
-SNAPSHOT_ID_PARAMETERS = (c.PARAM_RESUME, c.PARAM_RELEASE)
+SNAPSHOT_ID_PARAMETERS = (c.PARAM_RESUME, c.PARAM_RELEASE, c.PARAM_SNAPSHOT)
 
 
 def parameter_cases() -> list[Case]:
@@ -206,11 +206,11 @@ def parameter_cases() -> list[Case]:
                       Case(p.name, "bool", True, True), Case(p.name, "empty", "", True)]
         elif p.choices:
             cases += [Case(p.name, choice, choice, False, choice) for choice in p.choices]
-            for choice in p.choices:
+            for choice in filter(None, p.choices):  # "" among them: none asked for (saves)
                 cases += [Case(p.name, f"{choice} upper", choice.upper(), True),
-                          Case(p.name, f"{choice} short", choice[:-1], True),
+                          Case(p.name, f"{choice} short", choice[:-1], choice[:-1] not in p.choices),
                           Case(p.name, f"{choice} long", choice + "x", True)]
-            cases += [Case(p.name, "empty", "", True), Case(p.name, "number", 1, True)]
+            cases += [Case(p.name, "number", 1, True)] + ([] if "" in p.choices else [Case(p.name, "empty", "", True)])
         else:
             cases += [Case(p.name, "empty", "", False, ""), Case(p.name, "number", 1, True)]
         if p.name in SNAPSHOT_ID_PARAMETERS:  # a snapshot id: 32 lowercase hex digits, nothing else
@@ -237,9 +237,20 @@ def parsed_parameter(name: str, value: object) -> object:
     if name == c.PARAM_FORK_SEED:  # read by a resume only
         params = json.dumps({c.PARAM_RESUME: "a" * 32, name: value})
         return parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, c.SEQUENCE_START).fork_seed
-    if name == c.PARAM_RELEASE:  # rides on a save, of a world that has an older snapshot: a step's
+    if name in (c.PARAM_RELEASE, c.PARAM_SHARE):  # rides on a save (a release: of a world with an older snapshot)
         params = json.dumps({c.PARAM_SAVE: True, name: value})
-        return parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, 0).controls.release
+        return getattr(parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, 0).controls, name)
+    if name == c.PARAM_SAVES:  # a request without inputs of its own ("": none, a start as any)
+        if value == "":
+            return getattr(parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START), "action", "")
+        named = {c.PARAM_SNAPSHOT: "a" * 32} if value in ("share", "unshare") else {}
+        return parse_request({}.get, json.dumps({name: value} | named), STEP_KEY, c.SEQUENCE_START).action
+    if name == c.PARAM_SNAPSHOT:  # the snapshot saves=share names ("": none, a start as any)
+        if value == "":
+            return getattr(parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START),
+                           "snapshot_id", "")
+        params = json.dumps({c.PARAM_SAVES: "share", name: value})
+        return parse_request({}.get, params, STEP_KEY, c.SEQUENCE_START).snapshot_id
     request = parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START)
     return getattr(request, name)
 
@@ -324,8 +335,10 @@ def test_a_request_s_defaults_are_the_contract_s() -> None:
     fields = {cls: {f.name: f.default for f in dataclasses.fields(cls)}
               for cls in (SessionRequest, StepRequest, Controls, ResumeRequest)}
     carried = [(cls, p) for p in c.REQUEST_PARAMETERS for cls in fields if p.name in fields[cls]]
-    # pause makes a StepRequest of its own; resume a ResumeRequest, whose snapshot_id it is (no default)
-    assert {p.name for _, p in carried} >= set(PARAMETER) - {c.PARAM_PAUSE, c.PARAM_RESUME}
+    # pause makes a StepRequest of its own; resume a ResumeRequest, whose snapshot_id it is (no default); saves a
+    # SavesRequest, whose action and snapshot_id they are
+    assert {p.name for _, p in carried} >= set(PARAMETER) - {c.PARAM_PAUSE, c.PARAM_RESUME, c.PARAM_SAVES,
+                                                             c.PARAM_SNAPSHOT}
     assert [(cls.__name__, p.name, fields[cls][p.name]) for cls, p in carried] == \
         [(cls.__name__, p.name, p.default) for cls, p in carried]
 

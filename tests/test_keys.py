@@ -159,7 +159,7 @@ def test_the_tool_prints_the_key_once_and_writes_only_its_hash(tmp_path: Path, c
     assert key.startswith(KEY_PREFIX) and key not in path.read_text()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert KeyRing.parse(path.read_text()).check(key) == Principal(
-        "alice", digest_of(key).hex()[:12], Quota(sessions=2, queue=4, blocks_per_hour=100))
+        "alice", digest_of(key).hex()[:12], Quota(sessions=2, queue=4, blocks_per_hour=100), digest_of(key).hex())
     assert tool.main(["add", "--file", str(path), "--name", "alice"]) == 1  # a name once
     assert "already" in capsys.readouterr().err
     assert tool.main(["add", "--file", str(path), "--name", "bob"]) == 0

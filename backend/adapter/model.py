@@ -10,8 +10,9 @@ import triton_python_backend_utils as pb_utils
 
 from ..api.description import split_description
 from ..api.refusal import Refusal
-from ..api.request import SessionRequest, StepRequest
+from ..api.request import SavesRequest, SessionRequest, StepRequest
 from ..parallel.host_claim import claim_for_this_host
+from ..serving.books import BooksAddress
 from ..serving.bootstrap import GroupMember, Hooks, Place
 from ..serving.settings import split_parameters
 from ..serving.host_signals import HostSignals, StopWatch
@@ -49,7 +50,7 @@ class TritonPythonModel:
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
             on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, on_snapshot=self.metrics.snapshot,
             on_request=self.metrics.key_request,
-        ), description)
+        ), description, BooksAddress.from_environment())
         # The launcher's signals (serving/host_signals): a stop ends every session at once, so Triton's exit need
         # not wait out its timeout for them; a failed group asks the launcher for a reload.
         self.signals = HostSignals.from_environment()
@@ -74,9 +75,9 @@ class TritonPythonModel:
         return None
 
     def _responder(self, sender: pb_utils.InferenceResponseSender, user: str,
-                   parsed: SessionRequest | StepRequest | None) -> TritonResponder:
+                   parsed: SessionRequest | StepRequest | SavesRequest | None) -> TritonResponder:
         """user: the request's key name ("" without keys), for the metrics by key."""
-        if parsed is None:
+        if parsed is None or isinstance(parsed, SavesRequest):
             return TritonResponder(sender, False, self.metrics, user=user)
         steered = isinstance(parsed, StepRequest) or parsed.steered
         used = self.member.settings_used if parsed.return_used else None

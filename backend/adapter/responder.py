@@ -8,7 +8,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..api.codec import BlockUsed, SnapshotNotice, block_outputs, place_outputs, snapshot_outputs
+from ..api.codec import BlockUsed, SnapshotNotice, block_outputs, place_outputs, saves_outputs, snapshot_outputs
 from ..api.provenance import latents_sha256
 from ..api.refusal import Refusal
 from ..engine.blocks import BlockOutput
@@ -95,6 +95,11 @@ class TritonResponder:
     def send_notice(self, notice: SnapshotNotice) -> None:
         tensors = snapshot_outputs(notice)
         self._send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]), 0)
+
+    def send_saves(self, listing: str) -> None:
+        tensors = saves_outputs(listing)
+        self._send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]),
+                   FINAL)
 
     def finish(self) -> None:
         self._send(None, FINAL)

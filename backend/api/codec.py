@@ -11,7 +11,8 @@ import numpy as np
 from . import contract as c
 from .controls import NO_KEYS, parse_keys
 from .errors import InputError, ResponseError
-from .request import Controls, ResumeRequest, SessionRequest, StepRequest, check_request, check_snapshot_id
+from .request import (Controls, ResumeRequest, SavesRequest, SessionRequest, StepRequest, check_request,
+                      check_snapshot_id)
 
 
 def _keys_array(keys: str) -> np.ndarray:
@@ -32,7 +33,8 @@ def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
 def controls_parameters(controls: Controls) -> dict[str, bool | str]:
     """The request parameters a step's camera adds (a world event's recache, a save after its block)."""
     return ({c.PARAM_RECACHE: True} if controls.recache else {}) | ({c.PARAM_SAVE: True} if controls.save else {}) \
-        | ({c.PARAM_RELEASE: controls.release} if controls.release else {})
+        | ({c.PARAM_RELEASE: controls.release} if controls.release else {}) \
+        | ({c.PARAM_SHARE: True} if controls.share else {})
 
 
 def resume_parameters(resume: ResumeRequest) -> dict[str, bool | int | str]:
@@ -78,7 +80,14 @@ def request_parameters(request: SessionRequest) -> dict[str, bool | int | str]:
         params[c.PARAM_EXPECT_SETTINGS] = request.expect_settings
     if request.save:
         params[c.PARAM_SAVE] = True
+    if request.share:
+        params[c.PARAM_SHARE] = True
     return params
+
+
+def saves_parameters(saves: SavesRequest) -> dict[str, str]:
+    """The request parameters of a request about its key's saves (sent without inputs)."""
+    return {c.PARAM_SAVES: saves.action} | ({c.PARAM_SNAPSHOT: saves.snapshot_id} if saves.snapshot_id else {})
 
 
 def _scalar(value: np.ndarray, name: str) -> int:
@@ -134,8 +143,25 @@ def _controls(values: dict[str, np.ndarray]) -> Controls | None:
     return None
 
 
-_PAUSE, _SAVE, _RESUME, _RELEASE = (next(p for p in c.REQUEST_PARAMETERS if p.name == name)
-                                    for name in (c.PARAM_PAUSE, c.PARAM_SAVE, c.PARAM_RESUME, c.PARAM_RELEASE))
+_PAUSE, _SAVE, _RESUME, _RELEASE, _SHARE, _SAVES, _SNAPSHOT = (
+    next(p for p in c.REQUEST_PARAMETERS if p.name == name)
+    for name in (c.PARAM_PAUSE, c.PARAM_SAVE, c.PARAM_RESUME, c.PARAM_RELEASE, c.PARAM_SHARE, c.PARAM_SAVES,
+                 c.PARAM_SNAPSHOT))
+
+
+def _saves(values: dict[str, np.ndarray], params: dict, action: str) -> SavesRequest:
+    """A request about its key's saves: no inputs, and no parameter of a session."""
+    name = f"request parameter '{c.PARAM_SAVES}'"
+    if values:
+        raise InputError(f"{name} asks about the key's snapshots: send it without inputs (got {sorted(values)})")
+    if extra := sorted(set(params) - {c.PARAM_SAVES, c.PARAM_SNAPSHOT}):
+        raise InputError(f"{name} takes no session parameters; got {extra}")
+    snapshot_id = _parameter(params, _SNAPSHOT)
+    if action == "list" and snapshot_id:
+        raise InputError(f"{name}=list lists every snapshot of the key: send it without '{c.PARAM_SNAPSHOT}'")
+    if action != "list" and not snapshot_id:
+        raise InputError(f"{name}={action} needs request parameter '{c.PARAM_SNAPSHOT}' (the snapshot's id)")
+    return SavesRequest(action, check_snapshot_id(snapshot_id, c.PARAM_SNAPSHOT) if snapshot_id else "")
 
 
 def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: bool, whole: bool) -> StepRequest:
@@ -155,7 +181,7 @@ def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: b
 
 def parse_request(
     get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_key: str = "", flags: int = 0
-) -> SessionRequest | ResumeRequest | StepRequest:
+) -> SessionRequest | ResumeRequest | StepRequest | SavesRequest:
     """A whole trajectory, a steered session's first request, or a step, from named input arrays (None when
     absent), the request's parameters and its Triton sequence (correlation id and start/end flags), each input
     checked against the contract (dtype, shape, choices, range, value). How the request fits this server (its
@@ -177,9 +203,19 @@ def parse_request(
         params = json.loads(parameters_json or "{}")
     except json.JSONDecodeError as exc:
         raise InputError(f"request parameters are not valid JSON: {exc}") from exc
+    if not isinstance(params, dict):
+        raise InputError("request parameters must be a JSON object")
+    if action := _parameter(params, _SAVES):
+        return _saves(values, params, action)
+    if _parameter(params, _SNAPSHOT):
+        raise InputError(f"request parameter '{c.PARAM_SNAPSHOT}' names the snapshot of '{c.PARAM_SAVES}'=share or "
+                         "unshare; send it with that")
     start, end = bool(flags & c.SEQUENCE_START), bool(flags & c.SEQUENCE_END)
     whole = c.NUM_FRAMES in values
-    save, release = _parameter(params, _SAVE), _parameter(params, _RELEASE)
+    save, release, share = _parameter(params, _SAVE), _parameter(params, _RELEASE), _parameter(params, _SHARE)
+    if share and not save:
+        raise InputError(f"request parameter '{c.PARAM_SHARE}' rides on a save ('{c.PARAM_SAVE}'); a snapshot saved "
+                         f"already is shared with '{c.PARAM_SAVES}'=share")
     if release and not save:
         raise InputError(f"request parameter '{c.PARAM_RELEASE}' rides on a save ('{c.PARAM_SAVE}'): the older "
                          "snapshot goes once the new one is durable")
@@ -196,7 +232,7 @@ def parse_request(
         raise InputError(f"request parameter '{c.PARAM_SAVE}' saves a steered session's world; a whole trajectory "
                          f"('{c.NUM_FRAMES}' set) is not saved")
     if start and (resume := _parameter(params, _RESUME)):
-        return _resume(values, params, sequence_key, resume, save, release, end, whole)
+        return _resume(values, params, sequence_key, resume, save, release, share, end, whole)
     if sequence_key and not start and not whole:
         # The session's own inputs (image, seed, ...) are ignored on a step: tools such as perf_analyzer
         # repeat every input on every request of a sequence. A prompt on a step is a world event.
@@ -212,6 +248,7 @@ def parse_request(
                 if p.name in (c.PARAM_RETURN_LATENTS, c.PARAM_RETURN_USED, c.PARAM_RECACHE)}
         if controls is not None:
             controls.recache, controls.save, controls.release = step[c.PARAM_RECACHE], save, release
+            controls.share = share
             controls.check()
         elif save:
             raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: send it with the "
@@ -248,6 +285,7 @@ def parse_request(
         expect_settings=settings[c.PARAM_EXPECT_SETTINGS],
         pose_scale=settings[c.PARAM_POSE_SCALE],
         save=save,
+        share=share,
     )
     check_request(request)
     return request
@@ -257,7 +295,7 @@ RESUMED_INPUTS = (c.IMAGE, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # th
 
 
 def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool,
-            release: str, end: bool, whole: bool) -> ResumeRequest:
+            release: str, share: bool, end: bool, whole: bool) -> ResumeRequest:
     """A steered session's start from a snapshot: its id and the next block's camera (with a world event's prompt,
     as a step's: a failover's replay may resume right before one); the rest is the snapshot's."""
     name = f"request parameter '{c.PARAM_RESUME}'"
@@ -278,6 +316,7 @@ def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snap
     if c.PROMPT in values:
         controls.prompt = _text(values[c.PROMPT], c.PROMPT)
     controls.save, controls.release, controls.recache = save, release, chosen[c.PARAM_RECACHE]
+    controls.share = share
     controls.check()
     return ResumeRequest(check_snapshot_id(snapshot_id), controls, sequence_key, chosen[c.PARAM_FORK_SEED],
                          chosen[c.PARAM_RETURN_LATENTS], chosen[c.PARAM_RETURN_USED])
@@ -318,6 +357,24 @@ def snapshot_outputs(notice: SnapshotNotice) -> dict[str, np.ndarray]:
     """The output tensors of a save's outcome (a response without a block)."""
     return _typed({c.SNAPSHOT_ID: [notice.snapshot_id.encode()],
                    c.SNAPSHOT_ERROR: None if notice.error is None else [notice.error.encode("utf-8")]})
+
+
+def saves_outputs(listing: str) -> dict[str, np.ndarray]:
+    """The output tensor of the answer to request parameter saves: the key's snapshots as JSON text."""
+    return _typed({c.SAVES: [listing.encode("utf-8")]})
+
+
+def parse_saves(output: Callable[[str], np.ndarray | None]) -> dict | None:
+    """The key's snapshots of a response to request parameter saves; None for any other response."""
+    if output(c.SAVES) is None:
+        return None
+    try:
+        listing = json.loads(_response_text(output, c.SAVES))
+    except json.JSONDecodeError as exc:
+        raise ResponseError(f"server response's {c.SAVES!r} is not JSON: {exc}") from exc
+    if not isinstance(listing, dict) or not isinstance(listing.get("snapshots"), list):
+        raise ResponseError(f"server response's {c.SAVES!r} is not a listing of snapshots")
+    return listing
 
 
 def _typed(values: dict[str, object]) -> dict[str, np.ndarray]:

@@ -96,6 +96,7 @@ QUEUE_POSITION = "queue_position"
 WAIT_S = "wait_s"
 SNAPSHOT_ID = "snapshot_id"
 SNAPSHOT_ERROR = "snapshot_error"
+SAVES = "saves"
 
 # One response per AR block; the last block's response carries the final flag.
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -128,11 +129,15 @@ OUTPUTS: tuple[TensorSpec, ...] = (
           "without a block): resume or fork the world from it with request parameter resume"),
     _spec(SNAPSHOT_ERROR, np.object_, (1,), "with snapshot_id: the save failed, and why (a refusal's text: [CODE] "
           "sentence); nothing of it can be resumed"),
+    # The answer to request parameter `saves`: the key's own snapshots, in the one final response of that request.
+    _spec(SAVES, np.object_, (1,), "the request's key's snapshots, UTF-8 JSON: {\"key\": its name, \"bytes\": what its "
+          "snapshots and saves under way hold, \"quota_bytes\": its snapshot_bytes or null, \"snapshots\": [{\"id\", "
+          "\"bytes\", \"created_unix_s\", \"shared\"}, ...] oldest first} (request parameter saves)"),
 )
 
 QUEUE_OUTPUTS = (QUEUE_POSITION, WAIT_S)
 SNAPSHOT_OUTPUTS = (SNAPSHOT_ID, SNAPSHOT_ERROR)
-BLOCK_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name not in QUEUE_OUTPUTS + SNAPSHOT_OUTPUTS)
+BLOCK_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name not in QUEUE_OUTPUTS + SNAPSHOT_OUTPUTS + (SAVES,))
 INPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in INPUTS}
 OUTPUT_SPECS: dict[str, TensorSpec] = {s.name: s for s in OUTPUTS}
 WHOLE_TRAJECTORY_INPUTS = (IMAGE, PROMPT, CAMERA_POSES, NUM_FRAMES, SEED, HEIGHT, WIDTH)
@@ -161,9 +166,13 @@ PARAM_SAVE = "save"
 PARAM_RESUME = "resume"
 PARAM_FORK_SEED = "fork_seed"
 PARAM_RELEASE = "release"
+PARAM_SHARE = "share"
+PARAM_SAVES = "saves"
+PARAM_SNAPSHOT = "snapshot"
 NO_FORK = -1  # fork_seed's default: the saved noise goes on
 SNAPSHOT_ID_PATTERN = "[0-9a-f]{32}"  # a snapshot id: 128 random bits, a capability (docs/worlds.md)
 ON_STARVE = ("wait", "hold")  # a steered session whose next step is late: wait for it, or repeat the last motion
+SAVES_ACTIONS = ("", "list", "share", "unshare")  # request parameter saves: none, or what to do with the key's saves
 POSE_SCALES = ("clip", "running")  # a whole trajectory's translation scale: the clip's largest, or the largest so far
 
 # Per-request parameters (Triton request `parameters`); a steered session takes its settings from its first request.
@@ -200,6 +209,13 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_RELEASE, "", "with save: the id of an older snapshot of this world that it no longer needs "
                   "(a periodic save's predecessor): deleted once this save is durable, its bytes freed (nothing is "
                   "deleted when this save fails); empty: none"),
+    ParameterSpec(PARAM_SHARE, False, "with save: any key that holds the snapshot's id may resume and fork it (without "
+                  "it only the key that saved it may; a release is its key's alone); saves=share shares it later"),
+    ParameterSpec(PARAM_SAVES, "", "a request without inputs about its key's own snapshots (a server with keys): "
+                  "'list' answers with them in output saves; 'share' and 'unshare' change the one request parameter "
+                  "snapshot names (its key's own), then answer the same; send it with the start and end flags of a "
+                  "new sequence", choices=SAVES_ACTIONS),
+    ParameterSpec(PARAM_SNAPSHOT, "", "with saves=share or saves=unshare: the snapshot id"),
     ParameterSpec(PARAM_FORK_SEED, NO_FORK, "with resume: draw the noise from this seed from the resumed block "
                   f"on, so the same steps make another world ({NO_FORK}: the saved noise goes on)", minimum=NO_FORK),
 )
@@ -275,6 +291,9 @@ SNAPSHOT_INVALID = "SNAPSHOT_INVALID"
 SNAPSHOT_STORE_FULL = "SNAPSHOT_STORE_FULL"
 SNAPSHOT_SAVE_FAILED = "SNAPSHOT_SAVE_FAILED"
 MOVED = "MOVED"
+BOOKS_UNAVAILABLE = "BOOKS_UNAVAILABLE"
+SNAPSHOT_NOT_YOURS = "SNAPSHOT_NOT_YOURS"
+SNAPSHOT_KEY_FULL = "SNAPSHOT_KEY_FULL"
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the line is full (max_queue sessions wait)",
@@ -326,6 +345,16 @@ ERROR_CODES: tuple[ErrorCode, ...] = (
     ErrorCode(SNAPSHOT_STORE_FULL, "saving this snapshot would exceed the store's size quota (nothing was written)",
               "save again after retry_after_s, when older snapshots have expired; the session goes on meanwhile",
               retry_after=True),
+    ErrorCode(SNAPSHOT_KEY_FULL, "saving this snapshot would pass its key's snapshot_bytes (the keys file): the key's "
+              "own snapshots and saves under way hold too much (nothing was written)", "release or let expire some of "
+              "the key's snapshots (request parameter saves=list lists them), or save again after retry_after_s; the "
+              "session goes on meanwhile", retry_after=True),
+    ErrorCode(SNAPSHOT_NOT_YOURS, "the snapshot was saved by another key: resuming or forking it needs its owner to "
+              "share it, and releasing it is its owner's alone", "ask its owner to share it (saves=share), or use "
+              "your own snapshots"),
+    ErrorCode(BOOKS_UNAVAILABLE, "the fleet's books (the store that holds every key's quotas across its groups) did "
+              "not answer in time, so no new session of a key with limits is admitted; running sessions go on",
+              "retry after retry_after_s", retry_after=True),
     ErrorCode(SNAPSHOT_SAVE_FAILED, "writing a snapshot failed after its block ran (snapshot_error; the server log "
               "says why): nothing of it can be resumed", "save again; the session goes on"),
     ErrorCode(MOVED, "the group is draining (an operator's restart or move): the session was saved and ended here; "

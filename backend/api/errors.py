@@ -21,5 +21,13 @@ class InputError(ValueError):
         return Refusal(self.code, str(self))
 
 
+class Refused(Exception):
+    """A request refused with a refusal of its own (its code, sentence and any retry time): `refusal`."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
 class ResponseError(ValueError):
     """A server response breaks the wire contract (read by clients)."""

@@ -38,6 +38,7 @@ class Controls:
     recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
     save: bool = False  # save the world after this block (request parameter save)
     release: str = ""  # with save: an older snapshot of the world, deleted once this save is durable ("": none)
+    share: bool = False  # with save: any key that holds its id may resume and fork it (request parameter share)
 
     def check(self) -> None:
         """Each input on its own (at parse); the frame count is the server's to check (`check_frames`)."""
@@ -76,6 +77,7 @@ class SessionRequest:
     expect_settings: str = ""  # refuse unless the server's settings_used equal these ("": no check)
     pose_scale: str = POSE_SCALES[0]  # a whole trajectory's translation scale: "clip" or "running" (as steered)
     save: bool = False  # steered: save the world after the first block
+    share: bool = False  # with save: the snapshot is shared (any key that holds its id may resume it)
 
     @property
     def steered(self) -> bool:
@@ -83,7 +85,7 @@ class SessionRequest:
 
     @property
     def first_controls(self) -> Controls:
-        return Controls(poses=self.poses, keys=self.keys, save=self.save)
+        return Controls(poses=self.poses, keys=self.keys, save=self.save, share=self.share)
 
     def camera_intrinsics(self) -> np.ndarray:
         """[fx, fy, cx, cy] of the first frame, in output pixels."""
@@ -120,6 +122,14 @@ class ResumeRequest:
     @property
     def steered(self) -> bool:
         return True
+
+
+@dataclass(frozen=True)
+class SavesRequest:
+    """A request about its key's own snapshots (request parameter saves): list them, or share or unshare one."""
+
+    action: str  # "list", "share" or "unshare"
+    snapshot_id: str = ""  # share and unshare: which
 
 
 def check_snapshot_id(snapshot_id: str, name: str = PARAM_RESUME) -> str:

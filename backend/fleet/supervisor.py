@@ -36,6 +36,7 @@ from ..launch.paths import BUILD_DIR, DEFAULT_BACKENDS_DIR
 from ..launch.server import terminate_with_parent
 from ..launch.wheel import prepare_backends
 from ..parallel.ports import free_port, port_in_use
+from .fleet_books import FleetBooks
 from .balancer import (MAX_REQUEST_BYTES, BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
                        start_haproxy)
 from .one_world import check_one_world, read_parameters
@@ -179,8 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                         help="refuse a stream whose first message is larger (HTTP 413) before any group reads it "
                              "(default %(default)s: the largest first frame a server takes by default, and 1 MiB)")
-    parser.add_argument("--keys-file", type=Path, help="every local group serves these users' keys only (each "
-                        "launcher's --keys-file; SIGHUP to the fleet reloads it in every group)")
+    parser.add_argument("--keys-file", type=Path, help="every local group serves these users' keys only, their quotas "
+                        "counted across the groups in the fleet's books; SIGHUP to the fleet pushes the file again and "
+                        "every group takes it (docs/security.md)")
+    parser.add_argument("--books-url", help="the fleet's books in an existing store (redis:// or rediss:// for TLS; "
+                        "Redis or Valkey, no password in it) instead of a redis-server the fleet runs on loopback; "
+                        "groups on other hosts share them with the same --books-url")
+    parser.add_argument("--books-password-file", type=Path, help="the books' password, in a file readable by its "
+                        "owner only")
+    parser.add_argument("--books-ca", type=Path, help="the PEM CA that signed a rediss:// store's certificate")
     parser.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
                         help="each local launcher's bound on its drain at SIGTERM (a restart, or the fleet's stop), "
                              "before it stops (default %(default)g s: backend/launch/drain.py)")
@@ -201,8 +209,8 @@ def visible_gpus() -> list[str]:
     return [str(d) for d in range(gpu_count())]
 
 
-def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
-    """The launchers of `--groups`, each on free loopback ports."""
+def local_groups(args: argparse.Namespace, books: FleetBooks | None = None) -> list[SupervisedGroup]:
+    """The launchers of `--groups`, each on free loopback ports (on the fleet's `books` where it keeps them)."""
     gpus = visible_gpus() if args.kind in ("gpu", "auto") else []
     on_gpu = args.kind == "gpu" or (args.kind == "auto" and bool(gpus))
     if on_gpu and len(gpus) < args.groups * args.sp:
@@ -225,7 +233,8 @@ def local_groups(args: argparse.Namespace) -> list[SupervisedGroup]:
                    "--repository-out", str(out / "model_repository"), "--log-file", str(out / "tritonserver.log"),
                    "--admin-key-file", str(out / "admin.key"), "--drain-timeout-s", str(args.drain_timeout_s),
                    *(a for p in params for a in ("--param", p)),
-                   *(["--keys-file", str(args.keys_file.resolve())] if args.keys_file else [])]
+                   *(books.launcher_args() if books is not None else
+                     ["--keys-file", str(args.keys_file.resolve())] if args.keys_file else [])]
         env = dict(os.environ)
         if on_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * args.sp:(i + 1) * args.sp])
@@ -310,9 +319,15 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grpc-port {args.grpc_port} is in use on this host: pass a free one")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    groups = local_groups(args)
-    signal.signal(signal.SIGHUP, lambda *_: [g.reload_keys() for g in groups])
+    books = FleetBooks.of(args)
+    groups = local_groups(args, books)
     with contextlib.ExitStack() as stack:
+        if books is not None:  # last down: the groups' leases go with them
+            books.start()
+            stack.callback(books.stop)
+            signal.signal(signal.SIGHUP, lambda *_: books.keys_file and books.push_keys("SIGHUP"))
+        else:
+            signal.signal(signal.SIGHUP, lambda *_: [g.reload_keys() for g in groups])
         stack.callback(stop_groups, groups, launcher_stop_s(args))  # should the balancer never start
         for g in groups:
             g.start()
@@ -342,6 +357,8 @@ def serve(args: argparse.Namespace) -> int:
             now = time.monotonic()
             for g in groups:
                 g.supervise(now)
+            if books is not None:
+                books.supervise()
             if (started := sum(g.starts for g in groups)) != starts:  # a restarted launcher has a new pid
                 starts = started
                 write_manifest(args.out / "fleet.json", args, addresses, groups, haproxy)

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "server's max_session_s)")
     add.add_argument("--blocks-per-hour", type=int, help="blocks computed for its sessions in any hour (default: "
                      "no limit)")
+    add.add_argument("--snapshot-bytes", type=int, help="what its snapshots and saves under way may hold in the "
+                     "store (default: only the store's own quota)")
     return parser
 
 
@@ -75,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "add":
             quota = Quota.parse([f"{k}={v}" for k, v in (("sessions", args.sessions), ("queue", args.queue),
                                                           ("session_s", args.session_s),
-                                                          ("blocks_per_hour", args.blocks_per_hour)) if v is not None],
+                                                          ("blocks_per_hour", args.blocks_per_hour),
+                                                          ("snapshot_bytes", args.snapshot_bytes)) if v is not None],
                                 "the limits")
             print(add(args.file, args.name, quota))
             print(f"key {args.name} added to {args.file}; the key above is shown once: hand it to its user. A running "

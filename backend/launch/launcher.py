@@ -26,9 +26,11 @@ from ..api.errors import ConfigError
 from ..api.settings import from_parameters, to_parameters
 from ..parallel.ports import free_port, port_in_use
 from ..engine.validation import checked_spec
+from ..serving.books import BooksAddress
 from ..serving.settings import ServingSettings, split_parameters
 from ..serving.description import describe
 from .agent import CapacityAgent, GroupProbe
+from .books_keys import KeysFromBooks
 from .drain import DRAIN_TIMEOUT_S, drain
 from .model_repository import DEFAULT_CHECKPOINT, write_model_repository
 from .mpi import SET_BY_MPI, host_parameters
@@ -124,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "signed may connect")
     parser.add_argument("--keys-file", type=Path, help="serve these users' keys only (python -m backend.launch.keys "
                         "makes them); SIGHUP reloads it: removed keys' sessions end, new keys open")
+    parser.add_argument("--books-url", help="the fleet's shared books (redis:// or rediss:// for TLS; Redis or Valkey, "
+                        "no password in it): its keys' quotas count across every group on them, and its keys are the "
+                        "books' (python -m backend.fleet --keys-file pushes them; docs/security.md)")
+    parser.add_argument("--books-password-file", type=Path, help="the books' password, in a file readable by its "
+                        "owner only")
+    parser.add_argument("--books-ca", type=Path, help="the PEM CA that signed a rediss:// store's certificate "
+                        "(default: the system's)")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -242,15 +251,16 @@ def tls_of(args: argparse.Namespace) -> Tls | None:
     return None if args.tls_cert is None else Tls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
-def reload_keys(server: TritonServer) -> None:
-    """SIGHUP: the keys file again; a bad one is refused by line and the keys in force stay."""
+def reload_keys(server: TritonServer, why: str = "SIGHUP") -> None:
+    """SIGHUP (or a new version of the books' keys): the keys file again; a bad one is refused by line and the keys
+    in force stay."""
     try:
         ring = server.reload_keys()
     except (ConfigError, OSError) as exc:
-        print(f"SIGHUP: the keys file was not reloaded, the keys in force stay: {exc}", file=sys.stderr, flush=True)
+        print(f"{why}: the keys file was not reloaded, the keys in force stay: {exc}", file=sys.stderr, flush=True)
         return
     if ring is not None:
-        print(f"SIGHUP: keys reloaded from {server.keys_file}: {len(ring.entries)} key(s)", flush=True)
+        print(f"{why}: keys reloaded from {server.keys_file}: {len(ring.entries)} key(s)", flush=True)
 
 
 def drains_on_sigterm(args: argparse.Namespace) -> bool:
@@ -291,10 +301,33 @@ class Termination:
               f"{left}); stopping", flush=True)
 
 
+def books_of(args: argparse.Namespace) -> BooksAddress | None:
+    """The fleet's books this launcher's group shares (None: its books are in process)."""
+    if args.books_url is None:
+        if args.books_password_file is not None or args.books_ca is not None:
+            raise ValueError("--books-password-file and --books-ca go with --books-url")
+        return None
+    if args.keys_file is not None:
+        raise ValueError("--books-url takes its keys from the books (the fleet's --keys-file pushes them): leave out "
+                         "--keys-file")
+    return BooksAddress(args.books_url, args.books_password_file, args.books_ca)
+
+
 def serve(args: argparse.Namespace) -> int:
     tls = tls_of(args)
+    books = books_of(args)
     repository, kind, secret = render(args)
     backends = prepare_backends(args.backends_out)
+    keys_file, books_keys = args.keys_file, None
+    if books is not None:  # its instances reach the books too (file paths in their environment, never a password)
+        os.environ.update(books.environment())
+        books_keys = KeysFromBooks(books.connect())
+        print(f"waiting for the fleet's keys in the books at {books.url}", flush=True)
+        try:
+            keys_file = books_keys.wait(args.wait_timeout)
+        except BaseException:
+            books_keys.close()
+            raise
     server = TritonServer(
         repository,
         backends_dir=backends,
@@ -309,7 +342,7 @@ def serve(args: argparse.Namespace) -> int:
         heal=True,  # a failed group's model is reloaded (launch/heal.py)
         extra_args=CPU_ONLY_ARGS if kind == "KIND_CPU" else (),
         tls=tls,
-        keys_file=args.keys_file,
+        keys_file=keys_file,
     )
     if args.admin_key_file:
         write_admin_key(args.admin_key_file, server.admin_key)
@@ -317,6 +350,9 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, termination)  # unwind through `with` so the group is drained and stopped
     signal.signal(signal.SIGHUP, lambda *_: reload_keys(server))
     with server, contextlib.ExitStack() as stack:
+        if books_keys is not None:  # a change in the books' keys reaches the instances as the file's SIGHUP would
+            stack.callback(books_keys.close)
+            books_keys.start(lambda: reload_keys(server, "the books' keys changed"))
         agent = None
         if args.agent_port is not None:  # where a balancer reads the group's capacity (the fleet: backend/fleet/)
             agent = CapacityAgent(GroupProbe(server.host, server.http_port, server.metrics_port), args.agent_port,

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..api.codec import (SnapshotNotice, controls_arrays, controls_parameters, request_arrays, request_parameters,
                          resume_parameters)
-from ..api.contract import PARAM_PAUSE, PARAM_RETURN_USED, SEQUENCE_END, SEQUENCE_START
+from ..api.contract import KEY_HEADER, PARAM_PAUSE, PARAM_RETURN_USED, SEQUENCE_END, SEQUENCE_START
 from ..api.errors import InputError
 from ..api.request import Controls, ResumeRequest, SessionRequest
 from ..api.refusal import Refusal
@@ -41,6 +41,7 @@ from ..engine.settings import EngineSettings
 from ..parallel.local import process_context
 from ..parallel.ports import free_port
 from ..parallel.secret import SECRET_VARIABLE
+from ..serving.books import BooksAddress
 from ..serving.settings import ServingSettings
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -97,6 +98,9 @@ class _QueueResponder:
     def send_notice(self, notice: SnapshotNotice) -> None:
         self._send("notice", notice, False)
 
+    def send_saves(self, listing: str) -> None:
+        self._send("saves", json.loads(listing), True)
+
     def finish(self) -> None:
         self._send("finish", None, True)
 
@@ -112,15 +116,18 @@ class _QueueResponder:
 
 
 def _member_main(rank: int, world: int, engine_settings: EngineSettings, serving: ServingSettings, secret: str,
-                 setup: str | None, inbox: mp.Queue, outbox: mp.Queue) -> None:
+                 setup: str | None, keys: str | None, books: BooksAddress | None, inbox: mp.Queue,
+                 outbox: mp.Queue) -> None:
     from ..serving.bootstrap import GroupMember, Hooks, Place
+    from ..serving.keys import Gate, KeyRing
 
     os.environ[SECRET_VARIABLE] = secret
+    gate = Gate(None if keys is None else KeyRing.parse(keys))  # the adapter's door, on the keys of `keys`
     try:
         if setup:
             _resolve(setup)(rank)
         member = GroupMember(engine_settings, serving, Place(rank, world, "cpu", world),
-                             Hooks(on_failure=lambda exc: outbox.put(("failed", rank, repr(exc)))))
+                             Hooks(on_failure=lambda exc: outbox.put(("failed", rank, repr(exc)))), books=books)
     except BaseException:
         outbox.put(("crashed", rank, traceback.format_exc()))
         return
@@ -132,7 +139,11 @@ def _member_main(rank: int, world: int, engine_settings: EngineSettings, serving
         if kind == "request":
             _, call, arrays, parameters, key, flags = message
             responders[call] = _QueueResponder(call, outbox)
-            member.handle(arrays.get, parameters, key, flags, lambda parsed, r=responders[call]: r)
+            who, parameters = gate.admit(parameters)
+            if isinstance(who, Refusal):
+                member.refuse(responders[call], who)
+            else:
+                member.handle(arrays.get, parameters, key, flags, lambda parsed, r=responders[call]: r, who)
         elif kind == "cancel":
             if (responder := responders.get(message[1])) is not None:
                 responder.cancelled = True
@@ -164,7 +175,7 @@ class LocalCall:
         self.done = False
 
     def next(self, timeout_s: float = DEFAULT_TIMEOUT_S, places: bool = False,
-             notices: bool = False) -> LocalBlock | LocalPlace | SnapshotNotice | None:
+             notices: bool = False) -> LocalBlock | LocalPlace | SnapshotNotice | dict | None:
         """The next block (or, with `places` or `notices`, the next place in line or save's outcome too); None when
         the request ended without one. Raises LocalStreamError on an error."""
         deadline = time.monotonic() + timeout_s
@@ -188,6 +199,9 @@ class LocalCall:
                 if notices:
                     return payload
                 continue
+            if kind == "saves":  # the key's snapshots (request parameter saves): the request's one answer
+                self.done = True
+                return payload
             self.done = kind == "finish" or payload.final
             return payload if kind == "block" else None
 
@@ -208,11 +222,13 @@ class LocalSteered:
     """A steered session on one member, one request per block, as a Triton sequence."""
 
     def __init__(self, group: LocalGroup, rank: int, key: str, arrays: dict[str, np.ndarray], parameters: dict,
-                 return_used: bool) -> None:
-        """Its first request: a new world's (request_arrays) or a snapshot's (resume_parameters)."""
+                 return_used: bool, user_key: str | None = None) -> None:
+        """Its first request: a new world's (request_arrays) or a snapshot's (resume_parameters); user_key: the key
+        every request of it carries (a group with keys)."""
         self.group, self.rank, self.key = group, rank, key
         self.return_used = return_used
-        self.call = group.request(rank, arrays, parameters, key, SEQUENCE_START)
+        self.user = {} if user_key is None else {KEY_HEADER: user_key}
+        self.call = group.request(rank, arrays, parameters | self.user, key, SEQUENCE_START)
 
     def next_block(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> LocalBlock | None:
         return self.call.next(timeout_s)
@@ -220,20 +236,23 @@ class LocalSteered:
     def step(self, controls: Controls | None, end: bool = False, **parameters: Any) -> LocalCall:
         """Send the next block's camera (None with end: end without another block); `next_block` reads it."""
         arrays, extra = ({}, {}) if controls is None else (controls_arrays(controls), controls_parameters(controls))
-        self.call = self.group.request(self.rank, arrays, {PARAM_RETURN_USED: self.return_used, **extra, **parameters},
-                                       self.key, SEQUENCE_END if end else 0)
+        self.call = self.group.request(self.rank, arrays, {PARAM_RETURN_USED: self.return_used, **extra, **parameters,
+                                                           **self.user}, self.key, SEQUENCE_END if end else 0)
         return self.call
 
     def pause(self) -> LocalCall:
-        return self.group.request(self.rank, {}, {PARAM_PAUSE: True}, self.key, 0)
+        return self.group.request(self.rank, {}, {PARAM_PAUSE: True, **self.user}, self.key, 0)
 
 
 class LocalGroup:
     """`world` members as local processes forming one serving group (gloo), started and loaded on entry."""
 
     def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, world: int = 1,
-                 setup: str | None = None, start_timeout_s: float = 300.0) -> None:
-        """setup: 'module:function', called with the rank in each member's process before it starts."""
+                 setup: str | None = None, start_timeout_s: float = 300.0, keys: str | None = None,
+                 books: BooksAddress | None = None) -> None:
+        """setup: 'module:function', called with the rank in each member's process before it starts; keys: a keys
+        file's text, whose keys alone open the door (a request carries its key as the parameter `lingbot-key`, as
+        Triton forwards the header); books: the fleet's shared books."""
         self.world = world
         ctx = process_context()
         serving = dataclasses.replace(serving, rendezvous_port=free_port())
@@ -241,8 +260,8 @@ class LocalGroup:
         self._outbox: mp.Queue = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._procs = [ctx.Process(target=_member_main, daemon=True,
-                                   args=(r, world, engine_settings, serving, secret, setup, self._inboxes[r],
-                                         self._outbox)) for r in range(world)]
+                                   args=(r, world, engine_settings, serving, secret, setup, keys, books,
+                                         self._inboxes[r], self._outbox)) for r in range(world)]
         self._calls: dict[int, LocalCall] = {}
         self._control: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._ids = itertools.count()
@@ -279,16 +298,17 @@ class LocalGroup:
                             SEQUENCE_START | SEQUENCE_END)
         return call.blocks(timeout_s)
 
-    def steered(self, request: SessionRequest, rank: int = 0) -> LocalSteered:
+    def steered(self, request: SessionRequest, rank: int = 0, user_key: str | None = None) -> LocalSteered:
+        """user_key: the key its requests carry (a group with keys)."""
         if not request.steered:
             raise InputError("a steered session's first request has no num_frames")
         return LocalSteered(self, rank, self.new_key(), request_arrays(request), request_parameters(request),
-                            request.return_used)
+                            request.return_used, user_key)
 
-    def resumed(self, resume: ResumeRequest, rank: int = 0) -> LocalSteered:
+    def resumed(self, resume: ResumeRequest, rank: int = 0, user_key: str | None = None) -> LocalSteered:
         """A steered session that opens the world of a snapshot (`resume.session_key` is this group's own)."""
         return LocalSteered(self, rank, self.new_key(), controls_arrays(resume.controls), resume_parameters(resume),
-                            resume.return_used)
+                            resume.return_used, user_key)
 
     def new_key(self) -> str:
         return str(next(self._keys))
@@ -337,7 +357,7 @@ class LocalGroup:
                 kind, tag, payload = self._outbox.get()
             except (EOFError, OSError):
                 return
-            if kind in ("block", "place", "notice", "error", "finish"):
+            if kind in ("block", "place", "notice", "saves", "error", "finish"):
                 self._calls[tag].responses.put((kind, payload))
             else:
                 self._control.put((kind, tag, payload))

@@ -11,7 +11,7 @@ from ..api.errors import InputError
 from ..api.request import Controls, ResumeRequest, SessionRequest, StepRequest
 from ..engine.snapshot.restore import SharedState, read_shared
 from ..engine.snapshot.sessions import SnapshotFacts
-from ..engine.snapshot.store import SnapshotStore
+from ..engine.snapshot.store import SnapshotStore, not_yours
 from ..engine.validation import GLOBAL_WINDOW, EngineSpec, request_geometry
 from . import messages
 from .settings import ServingSettings
@@ -58,8 +58,10 @@ class Admission:
         built), its settings must be this server's, its own file is read (its SHA-256 checked) for the saved
         request, which then meets this server's limits like a new one. Returns the session and what was read of
         its snapshot's shared file (its owner opens the session from it: the file is read once here). SnapshotError
-        or InputError, with its code."""
+        or InputError, with its code (SNAPSHOT_NOT_YOURS: another key's, not shared)."""
         snapshot = self._store().open(resume.snapshot_id)
+        if not self._store().ownership(resume.snapshot_id).opens_for(principal.digest):
+            raise not_yours(resume.snapshot_id, "resuming or forking it needs its owner to share it")
         self.facts.check_fits(snapshot)
         saved = read_shared(snapshot)
         if 0 < saved.request.max_blocks <= saved.block_index:

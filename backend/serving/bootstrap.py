@@ -38,12 +38,14 @@ from . import messages
 from .settings import ServingSettings
 from . import mail
 from .admission import Admission
+from .books import BooksAddress
 from .intake import Intake
 from .keys import ANONYMOUS, Principal
 from .loop import GroupLoop, LoopHooks
 from .description import check_description
 from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
+from .leases import Leases
 from .saves import Saves
 from .streams import Responder
 from .threads import CoreSplit, instance_cores
@@ -80,9 +82,10 @@ class GroupMember:
     """One rank, joined and loaded, its group loop running."""
 
     def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, place: Place, hooks: Hooks,
-                 description: ServerDescription | None = None) -> None:
+                 description: ServerDescription | None = None, books: BooksAddress | None = None) -> None:
         """Validate alone (before waiting for peers or reading weights), join the group, load, start the loop.
-        description: what the model config says of this server (api/description), checked against it."""
+        description: what the model config says of this server (api/description), checked against it; books: the
+        fleet's shared books (None: this group keeps its books in process)."""
         rank, world = place.rank, place.world
         grid = RankGrid(engine_settings.tp_degree, engine_settings.sp_degree)
         if grid.world != world:
@@ -141,7 +144,7 @@ class GroupMember:
                     on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
                     on_line=hooks.on_line, on_snapshot=hooks.on_snapshot), doorbell=doorbell, threads=threads,
                 cpu=LoopCpu(hooks.on_loop_block))
-            self.intake = owner_side(rank, world, serving, engine, self.loop.post, intake_inbox, hooks)
+            self.intake = owner_side(rank, world, serving, engine, self.loop.post, intake_inbox, hooks, books)
         except BaseException as exc:
             if groups is not None:
                 with contextlib.suppress(Exception):  # the store may be gone with rank 0
@@ -214,15 +217,17 @@ class GroupMember:
 
 
 def owner_side(rank: int, ranks: int, serving: ServingSettings, engine: WorldModelEngine,
-               to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue, hooks: Hooks | None = None) -> Intake:
+               to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue, hooks: Hooks | None = None,
+               books: BooksAddress | None = None) -> Intake:
     """The intake of a rank of `ranks`, with what its thread alone owns beside the streams: the admission's checks,
-    the rank's snapshot store and the ledger of its saves."""
+    the rank's snapshot store and the ledger of its saves, and its leases in the fleet's books (`books`)."""
     hooks = hooks or Hooks()
     store = snapshot_store(serving)
     facts = engine.snapshot_facts
     saves = Saves(store, facts, ranks, keep_commits=engine.window_frames != GLOBAL_WINDOW, on_outcome=hooks.on_snapshot)
+    leases = Leases(None if books is None else books.connect(), serving.books_lease_s, to_loop)
     return Intake(rank, serving, Admission(serving, engine.spec, facts, store), saves, to_loop, inbox,
-                  on_request=hooks.on_request)
+                  on_request=hooks.on_request, leases=leases)
 
 
 def snapshot_store(serving: ServingSettings) -> SnapshotStore | None:

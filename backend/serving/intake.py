@@ -2,11 +2,13 @@
 
 One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
 its steered sessions, the keys whose session ended (to tell a late step why), the owner's clocks of each
-session's limits, and their saves with the rank's snapshot store (serving/saves). Triton's execute thread hands it
-each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the saves' files
-(`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the open streams'
-cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation callback), and
-wakes for the soonest limit of its steered sessions. Nothing here is shared with another thread: no lock.
+session's limits, their saves with the rank's snapshot store (serving/saves), and their leases in the fleet's
+books where the group shares them (serving/leases: the one reader of the store on this rank). Triton's execute thread
+hands it each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the
+saves' files (`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the
+open streams' cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation
+callback), asks the books about its sessions as often, and wakes for the soonest limit of its steered sessions.
+Nothing here is shared with another thread: no lock.
 """
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ from collections.abc import Callable
 
 from ..api import contract as c
 from ..api.codec import SnapshotNotice
-from ..api.errors import InputError
+from ..api.errors import InputError, Refused
 from ..api.refusal import Refusal
-from ..api.request import ResumeRequest, SessionRequest, StepRequest
+from ..api.request import ResumeRequest, SavesRequest, SessionRequest, StepRequest
 from ..engine.snapshot.manifest import SnapshotError
-from . import mail, messages
+from . import key_saves, mail, messages
 from .admission import Admission
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
+from .leases import Leases
 from .news import FilesWritten, StepEvent
 from .saves import Outcome, Purpose, Saves
 from .sequences import Sequences
@@ -42,14 +45,17 @@ _CLOSE = object()  # the intake's last letter
 class Intake:
     def __init__(self, rank: int, settings: ServingSettings, admission: Admission, saves: Saves,
                  to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
-                 every_s: float = EVERY_S, on_request: Callable[[str], None] = lambda name: None) -> None:
+                 every_s: float = EVERY_S, on_request: Callable[[str], None] = lambda name: None,
+                 leases: Leases | None = None) -> None:
         """saves: the ledger of this rank's saves (with its snapshot store); to_loop: the group loop's `post` (its
         inbox, then the doorbell); inbox: this intake's, made by the caller when the group loop must know it first;
-        on_request: told the key's name of each request its door let in (the metrics by key)."""
+        on_request: told the key's name of each request its door let in (the metrics by key); leases: this rank's
+        part of the fleet's shared books (None: the group's books are in process)."""
         self.rank, self.settings, self.every_s = rank, settings, every_s
         self._on_request = on_request
         self._admission: Admission | None = admission
         self._saves = saves
+        self._leases = leases or Leases(None, 0.0, to_loop)
         self._to_loop = to_loop
         self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
         self._parts: dict[str, OwnerPart] = {}  # the sessions this rank owns that have not ended, by id
@@ -95,6 +101,7 @@ class Intake:
                 now = time.monotonic()
                 if now >= next_watch:
                     self._watch_cancellations()
+                    self._leases.tick()
                     next_watch = now + self.every_s
                 self._watch_limits(now)
             except Exception:  # one client's reply channel failing must not stop the others'
@@ -108,6 +115,7 @@ class Intake:
                 if (part := self._parts.get(sid)) is not None and not self._cancelled(sid, part):
                     sent = part.stream.sent
                     part.stream.send_block(output, frames, decode_ms, final)
+                    self._leases.delivered(sid)
                     self._delivered(sid, part, sent)
             case mail.Placed(sid, place, wait_s):
                 if (part := self._parts.get(sid)) is not None:
@@ -144,6 +152,8 @@ class Intake:
             responder.send_error(letter.refusal)
         elif isinstance(request, StepRequest):
             self._step(request, responder)
+        elif isinstance(request, SavesRequest):
+            key_saves.answer(self._saves.store, request, who, responder)
         elif self._draining:
             responder.send_error(messages.DRAINING)
         else:
@@ -158,11 +168,16 @@ class Intake:
         try:
             shared, saved = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
                              else (self._admission.session(request, sid, self.rank, who), None))
+            shared.seated = self._leases.take(sid, who)  # the key's limits across the fleet, last before any work
             first = shared.steps[0].controls if shared.steps else None
             if first is not None and first.save:  # the first block's save: reserved now, or the start is refused
-                shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry, Purpose.ASKED,
-                                                                  first.release))
-        except (InputError, SnapshotError) as exc:
+                try:
+                    shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry,
+                                                                      Purpose.ASKED, first.release, who, first.share))
+                except (InputError, SnapshotError):
+                    self._leases.ended(sid)
+                    raise
+        except (InputError, SnapshotError, Refused) as exc:
             responder.send_error(exc.refusal)
             return
         # A resumed session's blocks count on from its snapshot's, as the group loop's backpressure counts them.
@@ -196,7 +211,8 @@ class Intake:
         try:
             self._admission.step(step)
             if step.controls is not None and step.controls.save:  # reserved now, or the step is refused whole
-                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.ASKED, step.controls.release)
+                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.ASKED, step.controls.release,
+                                                  part.principal, step.controls.share)
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
@@ -238,6 +254,7 @@ class Intake:
         if part.move_dropped and told.code == c.MOVED:  # nothing to resume: it only ends
             error = told = messages.DRAINING
         del self._parts[sid]
+        self._leases.ended(sid)
         self._sequences.end(part.sequence_key, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
         self._answer_late(part, told)
@@ -257,7 +274,7 @@ class Intake:
             if not part.steered or part.ending is not None:
                 continue
             try:
-                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE)
+                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE, who=part.principal)
             except (InputError, SnapshotError) as exc:  # no store, or no room: it only ends
                 log.warning("rank %d: session %s cannot be saved as the server drains: %s", self.rank, sid,
                             exc.refusal)
@@ -304,6 +321,7 @@ class Intake:
         """The group loop ended: every open stream gets `reason`, and so does every later request. The admission
         (the engine's spec) goes with it."""
         self._closed, self._admission = reason, None
+        self._leases.close()
         for sid, part in self._parts.items():
             self._sequences.end(part.sequence_key, sid, reason)
             part.stream.send_error(reason)

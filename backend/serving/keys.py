@@ -4,7 +4,7 @@ The keys file (given to the launcher, docs/security.md) has one line per key: it
 the key's limits, never the key itself:
 
     # name  hash                 limits (each optional: without one, only the server's own limits bind)
-    alice   sha256:9f86d08...    sessions=2 queue=4 session_s=1200 blocks_per_hour=20000
+    alice   sha256:9f86d08...    sessions=2 queue=4 session_s=1200 blocks_per_hour=20000 snapshot_bytes=200000000000
 
 A key is 32 random bytes (256 bits, `new_key`). A plain SHA-256 is enough for such a key: a slow or salted hash
 defends guessable secrets (passwords) against a stolen file, and no list of guesses reaches 2^256. The check
@@ -40,6 +40,7 @@ class Quota:
     queue: int | None = None  # its sessions waiting for a slot at once
     session_s: float | None = None  # a steered session's length (the server's max_session_s binds too)
     blocks_per_hour: int | None = None  # blocks computed for its sessions in any hour
+    snapshot_bytes: int | None = None  # what its snapshots and saves under way may hold in the store
 
     @classmethod
     def parse(cls, words: list[str], where: str) -> Quota:
@@ -61,17 +62,19 @@ class Quota:
         return cls(**values)
 
     def words(self) -> list[str]:
-        return [f"{f.name}={getattr(self, f.name):g}" for f in fields(self) if getattr(self, f.name) is not None]
+        values = [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+        return [f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}" for name, value in values]
 
 
 @dataclass(frozen=True)
 class Principal:
     """Who a session belongs to, as every rank's scheduler sees it: the key's name, which key of that name (its
-    tag, a prefix of its hash), and its limits at admission."""
+    tag, a prefix of its hash), its limits at admission, and its whole hash (hex), which owns its snapshots."""
 
     name: str
     tag: str
     quota: Quota = Quota()
+    digest: str = ""  # "": no key (a server without a keys file), whose snapshots nobody owns
 
 
 ANONYMOUS = Principal("", "")  # a server without a keys file: one tenant, the server's limits only
@@ -85,7 +88,7 @@ class KeyEntry:
 
     @property
     def principal(self) -> Principal:
-        return Principal(self.name, self.digest.hex()[:TAG_CHARS], self.quota)
+        return Principal(self.name, self.digest.hex()[:TAG_CHARS], self.quota, self.digest.hex())
 
 
 def digest_of(key: str) -> bytes:

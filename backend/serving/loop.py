@@ -182,6 +182,10 @@ class GroupLoop:
                     events.written.append(letter)
                 case mail.Moving(sid, snapshot_id):
                     events.moving.append((sid, snapshot_id))
+                case mail.Seated(sids):
+                    events.seated.extend(sids)
+                case mail.OverQuota(sid, why):
+                    events.over_quota.append((sid, why))
                 case mail.Stop():
                     events.stop = True
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch): report

@@ -95,12 +95,28 @@ class Revoked:
 
 
 @dataclass(frozen=True)
+class Seated:
+    """The fleet's books seated these sessions this rank owns (they waited in their key's line): they may hold a
+    slot."""
+
+    session_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OverQuota:
+    """The session's key used its blocks_per_hour across the fleet (the books' count): it ends."""
+
+    session_id: str
+    why: Refusal
+
+
+@dataclass(frozen=True)
 class Stop:
     """The model is unloading or the server stopping: every session ends and the loop returns."""
 
 
 LoopLetter = (Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | FilesWritten
-              | Moving | Revoked | Stop)
+              | Moving | Revoked | Seated | OverQuota | Stop)
 
 # -- to the intake ----------------------------------------------------------------------------------------------
 

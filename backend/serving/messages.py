@@ -59,6 +59,12 @@ def user_session_limit(name: str, sessions: int | None, queue: int | None) -> Re
                    "end one of them first")
 
 
+BOOKS_RETRY_S = 5.0  # a store that did not answer: the fleet's books are back within a restart, or an operator's fix
+BOOKS_UNAVAILABLE = Refusal(c.BOOKS_UNAVAILABLE, "the fleet's books (where every key's quotas are kept across its "
+                            "groups) did not answer, so no new session of a key with limits is admitted now; running "
+                            "sessions go on", BOOKS_RETRY_S)
+
+
 def quota_exhausted(name: str, blocks_per_hour: int, retry_after_s: float) -> Refusal:
     return Refusal(c.QUOTA_EXHAUSTED, f"key {name} has used its blocks_per_hour={blocks_per_hour}; retry after "
                    "retry_after_s", retry_after_s)

@@ -47,9 +47,12 @@ class RankEvents:
     revoked: list[str] = field(default_factory=list)  # tags of keys this rank's keys file no longer holds
     moving: list[tuple[str, str | None]] = field(default_factory=list)  # (session id, its snapshot): the group drains
     written: list[FilesWritten] = field(default_factory=list)  # this rank's files of snapshots, for their owners
+    seated: list[str] = field(default_factory=list)  # sessions this rank owns that the fleet's books seated now
+    over_quota: list[tuple[str, Refusal]] = field(default_factory=list)  # (session id, why): its key's hour, fleet-wide
     stop: bool = False
     clock_s: float = 0.0  # the rank's wall clock (time.time()) as it collected: not news by itself
 
     def __bool__(self) -> bool:
         return bool(self.submissions or self.steps or self.expired or self.cancelled or self.failed
-                    or self.delivered or self.revoked or self.moving or self.written or self.stop)
+                    or self.delivered or self.revoked or self.moving or self.written or self.seated or self.over_quota
+                    or self.stop)

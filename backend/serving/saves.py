@@ -27,9 +27,10 @@ from ..api.refusal import Refusal
 from ..engine.geometry import VideoGeometry
 from ..engine.snapshot.manifest import SnapshotError
 from ..engine.snapshot.sessions import SnapshotFacts
-from ..engine.snapshot.store import SnapshotStore
+from ..engine.snapshot.store import Ownership, SnapshotStore, not_yours
 from ..api.request import SessionRequest
 from . import messages
+from .keys import ANONYMOUS, Principal
 from .news import FilesWritten
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,27 @@ class Saves:
         self._saves: dict[str, Save] = {}  # reserved and not over, by snapshot id
 
     def reserve(self, session_id: str, request: SessionRequest, geometry: VideoGeometry, purpose: Purpose,
-                release: str = "") -> str:
-        """A new save's id, its bytes reserved: the session's largest snapshot (its window full). Refused at once,
-        nothing written: SnapshotError SNAPSHOT_STORE_FULL (with its retry time), InputError without a store."""
+                release: str = "", who: Principal = ANONYMOUS, share: bool = False) -> str:
+        """A new save's id, its bytes reserved: the session's largest snapshot (its window full), owned by the
+        session's key `who`. Refused at once, nothing written: SnapshotError SNAPSHOT_STORE_FULL or, past the key's
+        snapshot_bytes, SNAPSHOT_KEY_FULL (with its retry time; a drain's move is the operator's, held to the
+        store's quota alone), SNAPSHOT_NOT_YOURS when `release` is another key's, InputError without a store."""
         if self.store is None:
             raise InputError(messages.NO_SNAPSHOT_DIR.sentence)
+        if release and not self._may_release(release, who):
+            raise not_yours(release, "only its owner releases it")
         size = self.facts.snapshot_size(request, geometry, self.facts.most_blocks(request, geometry), self.keep_commits)
-        snapshot_id = self.store.reserve(size.total)
+        quota = who.quota.snapshot_bytes if purpose is Purpose.ASKED else None
+        snapshot_id = self.store.reserve(size.total, Ownership(who.digest, share), quota)
         self._saves[snapshot_id] = Save(snapshot_id, session_id, purpose, geometry.latent_height, release)
         return snapshot_id
+
+    def _may_release(self, snapshot_id: str, who: Principal) -> bool:
+        """Whether `who` owns the snapshot a save releases (one that is gone already releases nothing)."""
+        try:
+            return self.store.ownership(snapshot_id).owned_by(who.digest)
+        except SnapshotError:
+            return True
 
     def pending(self, session_id: str) -> bool:
         """Whether a save of the session is not over yet (its end waits for it: no id before it is durable)."""

@@ -5,6 +5,10 @@ Pure logic on plain data. Every rank keeps its own copy and plans from the same 
 order), so every rank applies the same `Plan` in the same order without a broadcast. The scheduler is the one
 writer of a session's state: a plan carries every session that ended, and why; the group loop only applies it. Its
 one clock is the boundary's time, the latest of the ranks' clocks in the events (a key's blocks per hour).
+
+Its counts are the group's books in process. Where groups share books (serving/books), what the owners learn from
+them arrives as news like any other (a session seated, a key over its hour across the fleet): nothing here reads
+the store.
 """
 from __future__ import annotations
 
@@ -82,6 +86,11 @@ class Scheduler:
         for sid, why in (x for e in events for x in e.expired):
             if (s := self.table.get(sid)) is not None and s.live:
                 self._end(sid, Ending(EndReason.EXPIRED, why), plan)
+        for sid in (sid for e in events for sid in e.seated):  # the fleet's books, as the owner heard them
+            if (s := self.table.get(sid)) is not None:
+                s.seated = True
+        for sid, why in (x for e in events for x in e.over_quota):
+            self._end(sid, Ending(EndReason.QUOTA, why), plan)
         revoked = {tag for e in events for tag in e.revoked}
         for s in [s for s in self.table.values() if s.principal.tag in revoked]:
             self._end(s.id, Ending(EndReason.REVOKED, KEY_REVOKED), plan)
@@ -138,15 +147,16 @@ class Scheduler:
                 self._end(s.id, Ending(EndReason.ENDED), plan)
 
     def _admit(self, plan: Plan) -> None:
-        """Open waiting sessions while slots last, fairly between keys; refuse a key's sessions past its limits
-        (newest first), then keep up to max_queue waiting and reject the rest (newest)."""
+        """Open waiting sessions while slots last, fairly between keys (a session the fleet's books have not seated
+        waits for its seat); refuse a key's sessions past its limits (newest first), then keep up to max_queue
+        waiting and reject the rest (newest)."""
         settings = self.settings
         for s in self._arrived():
             if (refusal := self._over_quota(s)) is not None:
                 self._end(s.id, Ending(EndReason.REJECTED, refusal), plan)
         live = [s for s in self.table.values() if s.admitted]
         slots = settings.max_sessions - len(live)
-        for s in fair_order(self._arrived(), live, self.last_served, slots):
+        for s in fair_order([s for s in self._arrived() if s.seated], live, self.last_served, slots):
             s.admitted = True
             if s.state is State.PENDING:
                 s.state = State.ACTIVE

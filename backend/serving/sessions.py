@@ -94,6 +94,7 @@ class SharedSession:
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
     resume: ResumeFrom | None = None  # opened from a snapshot, where it was saved
+    seated: bool = True  # the fleet's books let it hold a slot (False: it waits in its key's line across the fleet)
 
     @classmethod
     def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int,

@@ -36,10 +36,15 @@ class ServingSettings:
     # snapshot (docs/worlds.md) and a played world keeps 3 (its base, the one before, a save under way: the
     # clients' periodic saves release older ones), so max_sessions' 4 worlds hold ~324 GiB; a save past it is refused
     # at once
+    books_lease_s: float = 15.0  # where groups share the fleet's books: a session's lease there lives this long unless
+    # its owner renews it (every third of it), so a group that dies frees its keys' counts within it (docs/security.md)
     snapshot_ttl_s: float = 86400.0  # how long a snapshot lives after its save: a day, so a player who left may come
     # back the next day; the oldest go first
 
     def __post_init__(self) -> None:
+        if not self.books_lease_s >= 1.0:
+            raise ConfigError(f"books_lease_s={self.books_lease_s} must be at least 1 s (its renewals come every third "
+                              "of it)")
         if not 0 <= self.host_rank < self.host_count:
             raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
 

@@ -29,6 +29,8 @@ class Responder(Protocol):
 
     def send_notice(self, notice: SnapshotNotice) -> None: ...  # a save's outcome: a non-final response, no block
 
+    def send_saves(self, listing: str) -> None: ...  # the key's snapshots (request parameter saves): final
+
     def finish(self) -> None: ...  # close the stream without data (after a cancellation)
 
     def is_cancelled(self) -> bool: ...  # the client went away, or an error response closed the stream

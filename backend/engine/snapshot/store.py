@@ -4,14 +4,20 @@ time to live (docs/worlds.md).
 An id is a capability: 128 random bits as 32 lowercase hex digits, checked against that exact pattern before any
 path is built from it. The root holds:
 
-    <id>/              a published snapshot: manifest.json and its files (the folder's mtime: when it was published)
-    .staging-<id>/     a save being written: .reservation (the bytes it reserved), then every rank's files
+    <id>/              a published snapshot: manifest.json and its files (the folder's mtime: when it was published),
+                       and owner.json where a key saved it (its hash, and whether it is shared)
+    .staging-<id>/     a save being written: .reservation (the bytes it reserved), owner.json, then every rank's files
     .expired-<id>      a snapshot that outlived the time to live (forgotten after another time to live)
     .lock              serialises reservations, publications and sweeps (flock), across processes and groups
 
 A save reserves its bytes first (refused at once when they would pass the quota), its ranks write into its
 staging folder, and its owner publishes it with one rename: a snapshot appears whole or not at all, and a failed
 save leaves only a staging folder, which the next sweep past its time to live removes.
+
+A snapshot belongs to the key that saved it (`Ownership`, docs/security.md): only that key may release it or change
+its sharing, and resume or fork it unless it is shared; a key's snapshots and saves under way count against its own
+`snapshot_bytes` beside the store's quota, both under the store's lock, so every group that shares the folder counts
+alike.
 """
 from __future__ import annotations
 
@@ -27,8 +33,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ...api.contract import (INVALID_INPUT, SNAPSHOT_EXPIRED, SNAPSHOT_ID_PATTERN, SNAPSHOT_PENDING, SNAPSHOT_STORE_FULL,
-                             SNAPSHOT_UNKNOWN)
+from dataclasses import dataclass
+
+from ...api.contract import (INVALID_INPUT, SNAPSHOT_EXPIRED, SNAPSHOT_ID_PATTERN, SNAPSHOT_KEY_FULL, SNAPSHOT_NOT_YOURS,
+                             SNAPSHOT_PENDING, SNAPSHOT_STORE_FULL, SNAPSHOT_UNKNOWN)
 from ...api.refusal import Refusal
 from .files import fsync_folder
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, Snapshot, SnapshotError, invalid
@@ -39,6 +47,40 @@ ID_BYTES = 16  # 128 random bits
 PENDING_RETRY_S = 0.5
 ID_PATTERN = re.compile(SNAPSHOT_ID_PATTERN)
 STAGING, EXPIRED, TRASH, RESERVATION, LOCK = ".staging-", ".expired-", ".trash-", ".reservation", ".lock"
+OWNER = "owner.json"
+MAX_OWNER_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Whose a snapshot is: the hex SHA-256 of the key that saved it ("": saved without a key, nobody's), and whether
+    any key that holds its id may resume and fork it."""
+
+    key: str = ""
+    shared: bool = False
+
+    def opens_for(self, key: str) -> bool:
+        """Whether `key` (a hash; "": no key) may resume or fork it."""
+        return not self.key or self.shared or self.key == key
+
+    def owned_by(self, key: str) -> bool:
+        """Whether `key` may release it or change its sharing."""
+        return not self.key or self.key == key
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One of a key's published snapshots, as its key lists them."""
+
+    snapshot_id: str
+    bytes: int
+    created_unix_s: float
+    shared: bool
+
+
+def not_yours(snapshot_id: str, what: str) -> SnapshotError:
+    return SnapshotError(Refusal(SNAPSHOT_NOT_YOURS, f"snapshot {snapshot_id} belongs to another key, which has not "
+                                 f"shared it: {what}"))
 
 
 def check_id(snapshot_id: str) -> str:
@@ -79,11 +121,12 @@ class SnapshotStore:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def reserve(self, nbytes: int) -> str:
+    def reserve(self, nbytes: int, owner: Ownership = Ownership(), owner_quota: int | None = None) -> str:
         """A new snapshot's id, its `nbytes` reserved and its staging folder made (on the session's owner, when a
-        save is asked for). Refused at once, nothing written: SNAPSHOT_STORE_FULL while the snapshots that live
-        leave too little room (with the time until enough of them expire), INVALID_INPUT when it is larger than
-        the whole quota."""
+        save is asked for), owned by `owner`. Refused at once, nothing written: SNAPSHOT_STORE_FULL while the
+        snapshots that live leave too little room (with the time until enough of them expire), SNAPSHOT_KEY_FULL
+        when the owner's own would pass `owner_quota` (its key's snapshot_bytes; None: none), INVALID_INPUT when
+        it is larger than the whole quota."""
         if nbytes > self.quota_bytes:
             raise SnapshotError(Refusal(INVALID_INPUT, f"this session's snapshot takes {nbytes:,} bytes, more than "
                                         f"the store's whole quota of {self.quota_bytes:,}"))
@@ -94,9 +137,16 @@ class SnapshotStore:
                 raise SnapshotError(Refusal(
                     SNAPSHOT_STORE_FULL, f"the snapshot store holds {used:,} of its {self.quota_bytes:,} bytes; this "
                     f"snapshot takes {nbytes:,}: nothing was saved", self._wait_for(used + nbytes - self.quota_bytes)))
+            if owner_quota is not None and (held := self._usage(owner.key)) + nbytes > owner_quota:
+                raise SnapshotError(Refusal(
+                    SNAPSHOT_KEY_FULL, f"this key's snapshots hold {held:,} of its snapshot_bytes={owner_quota:,}; "
+                    f"this snapshot takes {nbytes:,}: nothing was saved",
+                    self._wait_for(held + nbytes - owner_quota, owner.key)))
             snapshot_id = secrets.token_hex(ID_BYTES)
             staging = self.root / f"{STAGING}{snapshot_id}"
             staging.mkdir()
+            if owner.key:
+                _write_owner(staging, owner)
             _write_durably(staging / RESERVATION, json.dumps({"bytes": nbytes}).encode())
             self._stamp(staging / RESERVATION)
         return snapshot_id
@@ -124,6 +174,34 @@ class SnapshotStore:
             self._stamp(final)
             fsync_folder(self.root)
         return manifest.total_bytes + len(text)
+
+    def ownership(self, snapshot_id: str) -> Ownership:
+        """Whose a published snapshot (or a save under way) is: SnapshotError SNAPSHOT_UNKNOWN when there is none."""
+        folder = self.root / check_id(snapshot_id)
+        if not _is_folder(folder):
+            folder = self.root / f"{STAGING}{snapshot_id}"
+            if not _is_folder(folder):
+                raise SnapshotError(Refusal(SNAPSHOT_UNKNOWN, f"no snapshot {snapshot_id} in this store"))
+        return _read_owner(folder)
+
+    def share(self, snapshot_id: str, key: str, shared: bool) -> None:
+        """Its owner (`key`, a hash) shares a published snapshot with every key that holds its id, or takes it back.
+        SnapshotError: SNAPSHOT_UNKNOWN, SNAPSHOT_NOT_YOURS."""
+        folder = self.root / check_id(snapshot_id)
+        with self._locked():
+            if not _is_folder(folder):
+                raise SnapshotError(Refusal(SNAPSHOT_UNKNOWN, f"no snapshot {snapshot_id} in this store"))
+            if not key or _read_owner(folder).key != key:
+                raise not_yours(snapshot_id, "only its owner shares it")
+            _write_owner(folder, Ownership(key, shared))
+
+    def saves_of(self, key: str) -> tuple[list[Saved], int]:
+        """A key's published snapshots, oldest first, and the bytes it holds (its saves under way too)."""
+        with self._locked():
+            self._sweep()
+            saved = [Saved(p.name, _folder_bytes(p), p.stat().st_mtime, owner.shared) for p in self._published()
+                     if (owner := _read_owner(p)).key == key]
+            return sorted(saved, key=lambda s: s.created_unix_s), self._usage(key)
 
     def release(self, snapshot_id: str) -> bool:
         """Delete a published snapshot its world no longer needs (its holder said so with a newer save): it frees its
@@ -172,10 +250,11 @@ class SnapshotStore:
         with self._locked():
             self._sweep()
 
-    def usage(self) -> int:
-        """Bytes the store holds: its published snapshots and the saves under way (at least their reservations)."""
+    def usage(self, key: str | None = None) -> int:
+        """Bytes the store holds: its published snapshots and the saves under way (at least their reservations); a
+        key's alone with `key` (a hash)."""
         with self._locked():
-            return self._usage()
+            return self._usage(key)
 
     def _sweep(self) -> None:
         now = self.clock()
@@ -194,17 +273,19 @@ class SnapshotStore:
             elif path.name.startswith(EXPIRED) and now - path.stat().st_mtime >= self.ttl_s:
                 path.unlink(missing_ok=True)
 
-    def _usage(self) -> int:
-        used = sum(_folder_bytes(p) for p in self._published())
+    def _usage(self, key: str | None = None) -> int:
+        used = sum(_folder_bytes(p) for p in self._published() if key is None or _read_owner(p).key == key)
         for path in self.root.glob(f"{STAGING}*"):
-            used += max(_folder_bytes(path), _reserved(path))
+            if key is None or _read_owner(path).key == key:
+                used += max(_folder_bytes(path), _reserved(path))
         return used
 
-    def _wait_for(self, needed: int) -> float:
-        """Seconds until the oldest snapshots' expiry frees `needed` bytes (a time to live when only saves under way
-        could free them)."""
+    def _wait_for(self, needed: int, key: str | None = None) -> float:
+        """Seconds until the oldest snapshots' (`key`'s alone, given one) expiry frees `needed` bytes (a time to live
+        when only saves under way could free them)."""
         now, freed = self.clock(), 0
-        for path in sorted(self._published(), key=lambda p: p.stat().st_mtime):
+        published = [p for p in self._published() if key is None or _read_owner(p).key == key]
+        for path in sorted(published, key=lambda p: p.stat().st_mtime):
             freed += _folder_bytes(path)
             if freed >= needed:
                 return max(1.0, path.stat().st_mtime + self.ttl_s - now)
@@ -241,6 +322,25 @@ def _write_durably(path: Path, data: bytes) -> None:
         temporary.unlink(missing_ok=True)
         raise
     fsync_folder(path.parent)
+
+
+def _write_owner(folder: Path, owner: Ownership) -> None:
+    _write_durably(folder / OWNER, json.dumps({"key": owner.key, "shared": owner.shared}).encode())
+
+
+def _read_owner(folder: Path) -> Ownership:
+    """A snapshot folder's owner: nobody's without its file (a snapshot saved without a key); one that cannot be
+    read is its key's alone, shared with nobody (an unreadable file opens nothing)."""
+    try:
+        with open(folder / OWNER, "rb") as f:
+            data = json.loads(f.read(MAX_OWNER_BYTES + 1))
+    except FileNotFoundError:
+        return Ownership()
+    except (OSError, ValueError):
+        return Ownership(key="?")
+    if not isinstance(data, dict) or not isinstance(data.get("key"), str) or not isinstance(data.get("shared"), bool):
+        return Ownership(key="?")
+    return Ownership(data["key"], data["shared"])
 
 
 def _read_small(path: Path) -> bytes:
