@@ -108,3 +108,9 @@ def not_saved(snapshot_id: str) -> Refusal:
 
 NO_SNAPSHOT_DIR = Refusal(c.INVALID_INPUT, "this server keeps no snapshots (its snapshot_dir is not set): request "
                           "parameters 'save' and 'resume' need one")
+
+
+def park_full(max_parked: int) -> Refusal:
+    """A park past max_parked (the owner logs it; its client is told nothing: its world stays on its slot)."""
+    return Refusal(c.CAPACITY_EXHAUSTED, f"max_parked={max_parked} worlds are parked in this group: the world stays on "
+                   "its slot")

@@ -38,10 +38,21 @@ class ServingSettings:
     # at once
     snapshot_ttl_s: float = 86400.0  # how long a snapshot lives after its save: a day, so a player who left may come
     # back the next day; the oldest go first
+    park_after_s: float = 10.0  # a steered world that has asked for no block this long is parked off its slot
+    # (docs/serving.md, "Parking"); 0: never. PLACEHOLDER
+    park_memory_bytes: int = 256 * 2**30  # the park tier's host memory (park_memory_dir): max_parked's 8 worlds of the
+    # 14B model at 480x832 take 8 x 27.7 GB = 221 GB (docs/worlds.md); past it a park goes to the snapshot store
+    park_memory_dir: str = ""  # the folder on a tmpfs (host memory) that holds this group's parked worlds, cleared at
+    # each load; "": parks go to the snapshot store alone (the launcher sets a folder under /dev/shm on one host)
+    max_parked: int = 8  # parked worlds per group (they hold no slot, only their park copy); a park past it is
+    # refused and the world stays on its slot
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_rank < self.host_count:
             raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
+        if self.park_after_s < 0 or self.park_memory_bytes < 0 or self.max_parked < 0:
+            raise ConfigError(f"park_after_s={self.park_after_s:g}, park_memory_bytes={self.park_memory_bytes} and "
+                              f"max_parked={self.max_parked} must not be negative")
 
 
 def split_parameters(params: Mapping[str, str]) -> tuple[EngineSettings, ServingSettings]:

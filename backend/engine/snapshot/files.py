@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,6 +67,25 @@ def write_part(folder: Path, part: Part) -> FileEntry:
         raise
     meta = part.meta | {DIM_ORDERS: {k: o for k, o in orders.items() if o != list(range(len(o)))}}
     return FileEntry(part.name, part.role, part.rank, size, digest, part.heads, part.rows, meta)
+
+
+def copy_file(source: Path, folder: Path, entry: FileEntry) -> FileEntry:
+    """`entry`'s file from folder `source` into `folder` the way `write_part` writes one (a temporary name, fsync,
+    rename, fsync of the folder): the same bytes, so the same entry (its SHA-256 is checked where it is read)."""
+    final = folder / entry.name
+    temporary = folder / f".{entry.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        shutil.copyfile(source / entry.name, temporary, follow_symlinks=False)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+        if temporary.stat().st_size != entry.bytes:
+            raise invalid(f"{entry.name} is not {entry.bytes} bytes where it is copied from")
+        os.replace(temporary, final)
+        fsync_folder(folder)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return entry
 
 
 def fsync_folder(folder: Path) -> None:

@@ -94,6 +94,10 @@ class SnapshotStore:
                 raise SnapshotError(Refusal(
                     SNAPSHOT_STORE_FULL, f"the snapshot store holds {used:,} of its {self.quota_bytes:,} bytes; this "
                     f"snapshot takes {nbytes:,}: nothing was saved", self._wait_for(used + nbytes - self.quota_bytes)))
+            if (room := self._room()) < nbytes:
+                raise SnapshotError(Refusal(
+                    SNAPSHOT_STORE_FULL, f"the filesystem under the snapshot store has room for {max(0, room):,} more "
+                    f"bytes; this snapshot takes {nbytes:,}: nothing was saved", self._wait_for(nbytes - room)))
             snapshot_id = secrets.token_hex(ID_BYTES)
             staging = self.root / f"{STAGING}{snapshot_id}"
             staging.mkdir()
@@ -126,13 +130,15 @@ class SnapshotStore:
         return manifest.total_bytes + len(text)
 
     def release(self, snapshot_id: str) -> bool:
-        """Delete a published snapshot its world no longer needs (its holder said so with a newer save): it frees its
-        bytes at once, and a resume of it is SNAPSHOT_UNKNOWN. Returns whether there was one."""
-        folder = self.root / check_id(snapshot_id)
+        """Delete a published snapshot its world no longer needs (its holder said so with a newer save, or a parked
+        world's copy once it is back): it frees its bytes at once, and a resume of it is SNAPSHOT_UNKNOWN. Returns
+        whether there was one."""
+        folder, trash = self.root / check_id(snapshot_id), self.root / f"{TRASH}{secrets.token_hex(8)}"
         with self._locked():
             if not _is_folder(folder):
                 return False
-            os.rename(folder, self.root / f"{TRASH}{secrets.token_hex(8)}")  # removed by the next sweep
+            os.rename(folder, trash)
+        shutil.rmtree(trash, ignore_errors=True)  # a sweep removes what is left (a fault)
         return True
 
     def abandon(self, snapshot_id: str) -> None:
@@ -199,6 +205,12 @@ class SnapshotStore:
         for path in self.root.glob(f"{STAGING}*"):
             used += max(_folder_bytes(path), _reserved(path))
         return used
+
+    def _room(self) -> int:
+        """Bytes the store's filesystem can still take: its free bytes less what the saves under way reserved and
+        have not written yet."""
+        unwritten = sum(max(0, _reserved(p) - _folder_bytes(p)) for p in self.root.glob(f"{STAGING}*"))
+        return shutil.disk_usage(self.root).free - unwritten
 
     def _wait_for(self, needed: int) -> float:
         """Seconds until the oldest snapshots' expiry frees `needed` bytes (a time to live when only saves under way
