@@ -267,3 +267,44 @@ def test_a_drain_moves_parked_worlds_from_their_copy_without_running_a_block(eng
             assert same(world.latents, twin[1:3])
     finally:
         resumed.stop()
+
+
+# -- other layouts: local process groups (one run each)
+
+@pytest.mark.server  # a group of processes
+@pytest.mark.parametrize("tp, world", [(1, 2), (2, 4)], ids=["sp2", "tp2_x_sp2"])
+def test_a_world_parks_and_comes_back_bit_for_bit_at_sp2_and_tp2_x_sp2(tiny_checkpoint: str, tmp_path: Path, tp: int,
+                                                                        world: int) -> None:
+    """Owned by the last rank, parked twice (once under its pause): every block after each return equals the same
+    steps played on the same group without a pause, bit for bit."""
+    from backend.launch.local_group import LocalGroup
+    from factories import tiny_settings
+
+    config = tiny_settings(tiny_checkpoint, sp_degree=world // tp, tp_degree=tp, decode_frames=False)
+    serving = dataclasses.replace(parking(tmp_path), park_after_s=1.0, collective_timeout_s=60.0)
+    owner = world - 1
+    with LocalGroup(config, serving, world=world) as group:
+        def parked() -> bool:
+            return group.call(0, "sp_workers:parked_sessions") == 1
+
+        twin = group.steered(start_request(""), rank=owner)
+        latents = [twin.next_block().latents]
+        for controls in STEPS[:3]:
+            twin.step(controls)
+            latents.append(twin.next_block().latents)
+        twin.step(None, end=True)
+        assert twin.next_block() is None
+        played = group.steered(start_request(""), rank=owner)
+        again = [played.next_block().latents]
+        played.step(STEPS[0])
+        again.append(played.next_block().latents)
+        wait_until(parked, 30, "the world parked")
+        played.step(STEPS[1])
+        again.append(played.next_block().latents)
+        pause = played.pause()
+        wait_until(parked, 30, "the world parked under its pause")
+        played.step(STEPS[2])
+        again.append(played.next_block().latents)
+        assert pause.next() is None  # answered, empty, by the step
+        played.step(None, end=True)
+    assert len(again) == len(latents) == 4 and all(np.array_equal(a, b) for a, b in zip(again, latents))

@@ -26,14 +26,14 @@ def fair_order(waiting: list[SharedSession], live: list[SharedSession], last_ser
                whole_line: bool = False, parked: Iterable[SharedSession] = ()) -> list[SharedSession]:
     """Who of the waiting sessions (arrival order) gets the `free` slots now (a capped key's wait for its own).
     whole_line: the whole line in the order it gets slots if nothing else arrives, the slots of `live` freeing in
-    their order (the round robin's: the best guess without a clock). `last_served`: each key's last turn. `parked`:
-    worlds off their slot, which count against their key's sessions as `live` ones do."""
+    their order (the round robin's: the best guess without a clock), then the parked ones' caps. `last_served`: each
+    key's last turn. `parked`: worlds off their slot, which count against their key's sessions as `live` ones do."""
     arrival = {s.id: n for n, s in enumerate(waiting)}
     queues: dict[str, deque[SharedSession]] = {}
     for s in waiting:
         queues.setdefault(s.user, deque()).append(s)
     holding = Counter(s.user for s in (*live, *parked))
-    releases = deque(live)
+    releases, parked_ends = deque(live), deque(parked)
     served, turn = dict(last_served), max(last_served.values(), default=0)
     order: list[SharedSession] = []
     while queues:
@@ -52,6 +52,8 @@ def fair_order(waiting: list[SharedSession], live: list[SharedSession], last_ser
         elif whole_line and releases:
             holding[releases.popleft().user] -= 1
             free += 1
+        elif whole_line and parked_ends:  # a parked world ends at last: its key's cap, no slot
+            holding[parked_ends.popleft().user] -= 1
         else:
             break
     return order

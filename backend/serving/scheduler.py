@@ -154,7 +154,7 @@ class Scheduler:
             and not s.has_camera()
         held = sum(x.parking is not None or x.parked is not None for x in self.table.values())
         if not idle or held >= self.settings.max_parked:
-            why = messages.park_full(self.settings.max_parked) if idle else None
+            why = messages.park_full(self.settings.max_parked, self.settings.park_after_s) if idle else None
             plan.refused_parks.append((owner, park.session_id, park.snapshot_id, why))
             return
         s.parking = Parking(park.snapshot_id, park.tier, s.computed)
@@ -259,11 +259,11 @@ class Scheduler:
     def waiting(self) -> list[SharedSession]:
         """The line: sessions waiting for a slot, first first (in the order they get slots if nothing else arrives:
         each one's true place): the parked worlds that asked for a block, then the fair line's."""
-        live = [s for s in self.table.values() if s.admitted]
         returning = [s for s in self.table.values() if s.returning]
-        return returning + fair_order(self._arrived(), live, self.last_served,
-                                      self.settings.max_sessions - len(live) - len(returning), whole_line=True,
-                                      parked=self._parked_worlds())
+        holders = [s for s in self.table.values() if s.admitted] + returning  # the returning take slots first
+        return returning + fair_order(self._arrived(), holders, self.last_served,
+                                      self.settings.max_sessions - len(holders), whole_line=True,
+                                      parked=[s for s in self._parked_worlds() if not s.returning])
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> None:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
