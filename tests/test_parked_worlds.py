@@ -139,8 +139,8 @@ def test_a_parked_world_comes_back_on_its_next_step_bit_for_bit_and_under_a_paus
     caches leave the group and its copy sits in host memory; its next step answers the pause, brings it back and
     makes the blocks of the world that never parked, bit for bit; its copy is released once it is back."""
     events: list[tuple[str, float, float]] = []
-    hooks = Hooks(on_park=lambda event, s: events.append((event, s, 0.0)),
-                  on_unpark=lambda line, s: events.append(("unparked", line, s)))
+    hooks = Hooks(on_park=lambda sid, event, s: events.append((event, s, 0.0)),
+                  on_unpark=lambda sid, line, s: events.append(("unparked", line, s)))
     group = OneRank(engine, parking(tmp_path), hooks=hooks)
     memory = tmp_path / "memory"
     try:
@@ -211,7 +211,8 @@ def test_the_park_tier_fills_memory_then_disk_then_a_world_stays_on_its_slot(eng
     one = facts.snapshot_size(request, geometry, facts.most_blocks(request, geometry), True).total
     events: list[str] = []
     held: list[tuple[int, int]] = []
-    hooks = Hooks(on_park=lambda event, s: events.append(event), on_parked_bytes=lambda m, d: held.append((m, d)))
+    hooks = Hooks(on_park=lambda sid, event, s: events.append(event),
+                  on_parked_bytes=lambda m, d: held.append((m, d)))
     group = OneRank(engine, parking(tmp_path, max_sessions=3, park_memory_bytes=one + 1024,
                                     snapshot_quota_bytes=one + 1024), hooks=hooks)
     try:

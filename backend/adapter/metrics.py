@@ -187,13 +187,13 @@ class ParkMetrics:
         for gauge in self._held.values():  # Triton keeps a family's values across a reload
             gauge.set(0.0)
 
-    def parks(self, event: str, seconds: float) -> None:
+    def parks(self, session_id: str, event: str, seconds: float) -> None:
         """The intake's report of a park (serving/parks.Parks' on_park)."""
         self._events[event].increment(1)
         if event == "parked":
             self._park.observe(seconds)
 
-    def unparked(self, line_s: float, open_s: float) -> None:
+    def unparked(self, session_id: str, line_s: float, open_s: float) -> None:
         """The group loop's report of a world back on its slot (LoopHooks.on_unpark)."""
         self._events["unparked"].increment(1)
         self._unpark.observe(open_s)

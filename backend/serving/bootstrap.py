@@ -74,9 +74,9 @@ class Hooks:
     on_snapshot: Callable[[str], None] | None = None  # see LoopHooks; also the saves' outcomes, on the intake's thread
     on_request: Callable[[str], None] = lambda name: None  # a request a key opened the door for (its name), on the
     # intake's thread
-    on_park: Callable[[str, float], None] | None = None  # see serving/parks.Parks (on the intake's thread)
+    on_park: Callable[[str, str, float], None] | None = None  # see serving/parks.Parks (on the intake's thread)
     on_parked_bytes: Callable[[int, int], None] | None = None  # see serving/parks.Parks (on the intake's thread)
-    on_unpark: Callable[[float, float], None] | None = None  # see LoopHooks
+    on_unpark: Callable[[str, float, float], None] | None = None  # see LoopHooks
     on_loop_block: Report | None = None  # LoopCpu's report
 
 

@@ -67,9 +67,9 @@ class LoopHooks:
     # a snapshot of a session this rank owns: "saved" or "failed" (on the writer's thread), "resumed" (a session
     # opened from one)
     on_snapshot: Callable[[str], None] | None = None
-    # a parked world this rank owns back on a slot: (its line wait from the boundary that saw its step, the open
-    # from its park copy), in seconds
-    on_unpark: Callable[[float, float], None] | None = None
+    # a parked world this rank owns back on a slot: (its session, its line wait from the boundary that saw its step,
+    # the open from its park copy), in seconds
+    on_unpark: Callable[[str, float, float], None] | None = None
 
 
 @dataclasses.dataclass
@@ -365,7 +365,7 @@ class GroupLoop:
                 log.info("rank %d: session %s unparked from %s after %.2f s in line, opened in %.2f s", self.rank,
                          shared.id, shared.resume.park.value, start - here.submitted_s, here.opened_s - start)
                 if self.hooks.on_unpark is not None:
-                    self.hooks.on_unpark(start - here.submitted_s, here.opened_s - start)
+                    self.hooks.on_unpark(shared.id, start - here.submitted_s, here.opened_s - start)
             elif shared.resume is not None and self.hooks.on_snapshot is not None:
                 self.hooks.on_snapshot("resumed")
 

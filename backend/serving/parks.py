@@ -72,11 +72,11 @@ class Park:
 
 class Parks:
     def __init__(self, rank: int, settings: ServingSettings, saves: Saves, memory: SnapshotStore | None,
-                 on_park: Callable[[str, float], None] | None = None,
+                 on_park: Callable[[str, str, float], None] | None = None,
                  on_bytes: Callable[[int, int], None] | None = None) -> None:
         """saves: the rank's save ledger (its store is the disk tier); memory: the park tier's store in host memory
-        (None: none); on_park: told "parked" with the seconds from the decision to the copy's durability, "refused"
-        (the group held max_parked) and "failed" (no room, or the copy could not be written), with 0; on_bytes: the
+        (None: none); on_park: told (the session, "parked", the seconds from the decision to the copy's durability),
+        or "refused" (the group held max_parked) or "failed" (no room, or the copy not written), with 0; on_bytes: the
         bytes this rank's parked worlds hold in memory and on disk, whenever they change (the metrics)."""
         self.rank, self.settings, self.saves = rank, settings, saves
         self.tiers = [(tier, store) for tier, store in ((Tier.MEMORY, memory), (Tier.DISK, saves.store))
@@ -138,7 +138,7 @@ class Parks:
             self._release(outcome.session_id)
             return None
         if self.on_park is not None:
-            self.on_park("parked", time.monotonic() - park.started_s)
+            self.on_park(outcome.session_id, "parked", time.monotonic() - park.started_s)
         self._tell_bytes()
         log.info("rank %d: session %s parked in %s (%d bytes)", self.rank, outcome.session_id, park.tier.value,
                  park.nbytes)
@@ -195,7 +195,7 @@ class Parks:
     def _failed(self, sid: str, event: str) -> None:
         self._retry[sid] = time.monotonic() + self.settings.park_after_s
         if self.on_park is not None:
-            self.on_park(event, 0.0)
+            self.on_park(sid, event, 0.0)
 
     def _tell_bytes(self) -> None:
         if self.on_bytes is None:
