@@ -375,8 +375,10 @@ class GroupLoop:
             # A steered session keeps what its cached blocks were made of, for a world event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
-        session = snapshots.resume(self.engine, snapshot_at(self._root(resume.park), resume.snapshot_id, resume.manifest),
-                                   shared.geometry, shared.id, shared.owner, resume.fork_seed)
+        # A parked world's copy in host memory is the server's own: its files' sizes are checked, not their hashes.
+        snapshot = snapshot_at(self._root(resume.park), resume.snapshot_id, resume.manifest,
+                               check_hashes=resume.park is not Tier.MEMORY)
+        session = snapshots.resume(self.engine, snapshot, shared.geometry, shared.id, shared.owner, resume.fork_seed)
         session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
         return session
 

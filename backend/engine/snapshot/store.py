@@ -59,11 +59,13 @@ def staging_folder(root: Path, snapshot_id: str) -> Path:
     return path
 
 
-def snapshot_at(root: Path, snapshot_id: str, manifest_text: str) -> Snapshot:
+def snapshot_at(root: Path, snapshot_id: str, manifest_text: str, check_hashes: bool = True) -> Snapshot:
     """The snapshot its owner opened, from its manifest's text (`snapshot.manifest.to_text()`, shared with the
     group), without touching the disk: every rank of a resume builds the same one and raises nothing here; a file
-    gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on."""
-    return Snapshot(Path(root) / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id))
+    gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on. check_hashes:
+    Snapshot's."""
+    return Snapshot(Path(root) / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id),
+                    check_hashes)
 
 
 class SnapshotStore:
