@@ -134,19 +134,26 @@ class Group:
     def __init__(self, engine: WorldModelEngine, settings: ServingSettings) -> None:
         self.settings = settings
         self.held: list[tuple[float, int]] = []  # (time, slots held) after each plan that changed them
+        self.most_parked = 0
         self.parks: list[tuple[str, str, float]] = []  # (session, event, seconds)
         self.unparks: list[tuple[str, float, float]] = []  # (session, line s, open s)
-        self.bytes: list[int] = []  # the bytes parked in all, after each change
+        self.copies: dict[str, int] = {}  # each park copy's bytes, by its folder in the park tier
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        hooks = Hooks(on_park=lambda sid, event, s: self.parks.append((sid, event, s)),
-                      on_parked_bytes=lambda memory, disk: self.bytes.append(memory + disk),
-                      on_unpark=lambda sid, line, s: self.unparks.append((sid, line, s)))
+        hooks = Hooks(on_park=self._park, on_unpark=lambda sid, line, s: self.unparks.append((sid, line, s)))
         self.loop = GroupLoop(engine, settings, None, inbox.put, LoopHooks(on_line=self._line,
                                                                             on_unpark=hooks.on_unpark))
         self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox, hooks)
 
     def _line(self, counts: LineCounts) -> None:
         self.held.append((time.perf_counter(), self.settings.max_sessions - counts.free_slots))
+        self.most_parked = max(self.most_parked, counts.parked)
+
+    def _park(self, sid: str, event: str, seconds: float) -> None:
+        """The intake's report; a copy just made is in the tier: the bytes of each copy there are noted."""
+        self.parks.append((sid, event, seconds))
+        if event == "parked":
+            for folder in Path(self.settings.park_memory_dir).glob("[0-9a-f]" * 32):
+                self.copies[folder.name] = sum(f.stat().st_size for f in folder.iterdir())
 
     def ask(self, request: SessionRequest | StepRequest) -> Answer:
         answer = Answer()
@@ -234,14 +241,14 @@ def summary_row(name: str, group: Group, played: list[Played]) -> list[str]:
     blocks = sum(len(p.latents) for p in played)
     parks = [e[2] for e in group.parks if e[1] == "parked"]
     unparks = [u[2] for u in group.unparks]
-    grown = [b - a for a, b in zip([0, *group.bytes], group.bytes) if b > a]  # a park's copy, as each came in
     playing = sum(p.playing_s() - sum(u[1] for u in group.unparks if u[0] == p.session_id) for p in played)
     return [name, str(sum(not p.gave_up for p in played)), str(sum(p.gave_up for p in played)), f"{end - begin:.0f}",
             str(blocks), f"{blocks / (end - begin) * 60:.0f}", f"{group.held_share(begin, end):.0%}",
-            f"{playing / ((end - begin) * group.settings.max_sessions):.0%}", str(len(parks)), str(len(unparks)),
+            f"{playing / ((end - begin) * group.settings.max_sessions):.0%}", str(len(parks)), str(group.most_parked),
+            str(len(unparks)),
             f"{percentile(parks, 50) * 1000:.0f} / {percentile(parks, 99) * 1000:.0f}" if parks else "-",
             f"{percentile(unparks, 50) * 1000:.0f} / {percentile(unparks, 99) * 1000:.0f}" if unparks else "-",
-            f"{statistics.median(grown) / 2**20:.2f}" if grown else "-"]
+            f"{statistics.median(group.copies.values()) / 2**20:.2f}" if group.copies else "-"]
 
 
 def main() -> None:
@@ -268,7 +275,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as memory:
         for park_after_s in args.park_after_s:
             settings = dataclasses.replace(base, park_after_s=park_after_s, park_memory_dir=memory)
-            runs.append((f"park_after_s={park_after_s:g}", *run(engine, settings, scripts, args.give_up_s)))
+            default = " (the default)" if park_after_s == ServingSettings.park_after_s else ""
+            runs.append((f"park_after_s={park_after_s:g}{default}", *run(engine, settings, scripts, args.give_up_s)))
     runs.append(("no parking", *run(engine, dataclasses.replace(base, park_after_s=0.0), scripts, args.give_up_s)))
     twins_group = Group(engine, dataclasses.replace(base, max_sessions=1, park_after_s=0.0))
     twins = [play(twins_group, script, f"t{n}", BLOCK_TIMEOUT_S, paused=False) for n, script in enumerate(scripts)]
@@ -285,7 +293,8 @@ def main() -> None:
         print(format_table(header, player_rows(group, played, scripts, twins)))
     print()
     print(format_table(["run", "played", "gave up", "wall s", "blocks", "blocks / min", "slot time held",
-                        "slot time playing", "parks", "unparks", "park ms p50 / p99", "unpark ms p50 / p99",
+                        "slot time playing", "parks", "most parked", "unparks", "park ms p50 / p99",
+                        "unpark ms p50 / p99",
                         "MiB a world parks"], [summary_row(name, group, played) for name, group, played in runs]))
 
 

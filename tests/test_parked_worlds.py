@@ -6,59 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from backend.api import contract as c
-from backend.api.codec import SnapshotNotice
-from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
-from backend.engine.blocks import BlockOutput
 from backend.engine.rollout import WorldModelEngine
 from backend.serving import mail
 from backend.serving.bootstrap import Hooks
 from backend.serving.settings import ServingSettings
-from factories import tiny_request
 from one_rank import OneRank
 from polling import wait_until
+from test_saved_worlds import Client, World, resume_request, start_request
 
 PARK_S = 0.4  # park_after_s of these tests' groups
 STEPS = [Controls(keys="w"), Controls(keys="wa"), Controls(keys="j"), Controls(keys="w"), Controls(keys="d")]
-
-
-class Client:
-    """One request's replies: its blocks' latents, the places it was told, its end."""
-
-    def __init__(self) -> None:
-        self.latents: list[np.ndarray] = []
-        self.places: list[int] = []
-        self.error: Refusal | None = None
-        self.closed = threading.Event()
-        self.cancelled = False
-
-    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
-        self.latents.append(output.latents[0].numpy().copy())
-        if final:
-            self.closed.set()
-
-    def send_error(self, refusal: Refusal) -> None:
-        self.error = refusal
-        self.closed.set()
-
-    def send_place(self, position: int, wait_s: float) -> None:
-        self.places.append(position)
-
-    def send_notice(self, notice: SnapshotNotice) -> None:
-        pass
-
-    def finish(self) -> None:
-        self.closed.set()
-
-    def is_cancelled(self) -> bool:
-        return self.cancelled
 
 
 class Player:
@@ -96,11 +60,6 @@ class Player:
     @property
     def sid(self) -> str:
         return self.group.intake._sequences.session_of(self.key)
-
-
-def start_request(key: str):
-    return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                               session_key=key)
 
 
 def parking(tmp_path: Path, **overrides) -> ServingSettings:
@@ -260,8 +219,6 @@ def test_a_drain_moves_parked_worlds_from_their_copy_without_running_a_block(eng
         group.stop()
     resumed = OneRank(engine, ServingSettings(max_sessions=2, snapshot_dir=str(tmp_path / "disk"), park_after_s=0.0))
     try:
-        from test_saved_worlds import World, resume_request
-
         for n, snapshot_id in enumerate(moved):
             world = World(resumed, resume_request(snapshot_id, STEPS[0], key=f"r{n}"))
             world.step(STEPS[1])
