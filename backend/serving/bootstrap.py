@@ -44,7 +44,8 @@ from .loop import GroupLoop, LoopHooks
 from .description import check_description
 from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
-from .parks import Parks, clear_park_tier, park_root
+from .parks import Parks
+from .stores import clear_park_tier, park_root
 from .saves import Saves
 from .streams import Responder
 from .threads import CoreSplit, instance_cores

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ from ..engine.snapshot.manifest import SnapshotError
 from . import mail, messages
 from .admission import Admission
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
-from .news import FilesWritten, Park, Parked, StepEvent
+from .news import FilesWritten, Parked, StepEvent
 from .parks import Parks
 from .saves import Outcome, Purpose, Saves
 from .sequences import Sequences
@@ -103,7 +104,8 @@ class Intake:
                     self._watch_cancellations()
                     next_watch = now + self.every_s
                 self._watch_limits(now)
-                self._watch_parks(now)
+                for park in () if self._draining else self._parks.start_due(self._parts, now):
+                    self._to_loop(park)  # the group takes the world off its slot once its copy is durable
             except Exception:  # one client's reply channel failing must not stop the others'
                 log.exception("rank %d: the intake failed to handle %r", self.rank, letter)
 
@@ -313,21 +315,12 @@ class Intake:
                 part.expiry_told = True
                 self._to_loop(mail.Expired(sid, why))
 
-    def _watch_parks(self, now: float) -> None:
-        """The owner's clock parks a steered world that asks for no block (serving/parks); the group takes it off its
-        slot once its copy is durable. None while the group drains."""
-        if self._draining:
-            return
-        for sid, part in self._parts.items():
-            if self._parks.next_due(sid, part) <= now and (park := self._parks.start(sid, part)) is not None:
-                self._to_loop(Park(sid, park.snapshot_id, park.tier))
-
     def _next_deadline(self) -> float:
         """The soonest idle or lifetime limit or park of the open steered sessions (monotonic seconds; inf: none)."""
         limits = (part.deadline(self.settings) for part in self._parts.values()
                   if part.opened and part.steered and not part.expiry_told and part.ending is None)
-        parks = () if self._draining else (self._parks.next_due(sid, part) for sid, part in self._parts.items())
-        return min((*limits, *parks), default=float("inf"))
+        parks = math.inf if self._draining else self._parks.next_due_of(self._parts)
+        return min((*limits, parks), default=math.inf)
 
     def _steered(self, key: str) -> OwnerPart | None:
         """The steered session that takes the steps of Triton sequence `key`."""

@@ -33,7 +33,6 @@ from ..engine.rollout import WorldModelEngine
 from ..engine.session import Session
 from ..engine.snapshot import sessions as snapshots
 from ..engine.snapshot.manifest import SnapshotError
-from ..engine.snapshot.store import snapshot_at
 from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import mail, messages
@@ -43,10 +42,10 @@ from .decode_sender import DecodeSender
 from .line import Clocks, LineCounts, line_waits, retry_after_s
 from .loop_cpu import LoopCpu
 from .news import FilesWritten, Park, Parked, RankEvents
-from .parks import park_root
 from .scheduler import Plan, Scheduler
-from .sessions import EndReason, Ending, ResumeFrom, SharedSession, Tier
+from .sessions import EndReason, Ending, ResumeFrom, SharedSession
 from .snapshot_writer import SnapshotWriter
+from .stores import Folders
 from .threads import CoreSplit, use_threads
 
 log = logging.getLogger(__name__)
@@ -106,9 +105,8 @@ class GroupLoop:
         self.decoder = DecodeSender(engine.vae, self.rank, to_intake, self.post, threads.decode if threads else None)
         # Saved and parked worlds (docs/worlds.md, docs/serving.md "Parking"): this rank writes its parts in the
         # background into the snapshot store (snapshot_dir) or the park tier in host memory.
-        self.snapshot_root = Path(settings.snapshot_dir) if settings.snapshot_dir else None
-        self.park_root = park_root(settings)
-        self.writer = SnapshotWriter(self.rank, self.post) if self.snapshot_root or self.park_root else None
+        self.folders = Folders.of(settings)
+        self.writer = SnapshotWriter(self.rank, self.post) if self.folders.snapshots or self.folders.parks else None
         self.here: dict[str, Here] = {}  # every session this rank holds, until it ends
         self._failed: list[tuple[str, Ending]] = []  # sessions that failed to open here: news for the next boundary
         self._last_counts: LineCounts | None = None
@@ -203,11 +201,11 @@ class GroupLoop:
 
     def _apply(self, plan: Plan) -> None:
         for sid, snapshot_id in plan.moves:  # saved where they stand, then ended (below) with MOVED
-            self._save(sid, snapshot_id, self.snapshot_root)
+            self._save(sid, snapshot_id, self.folders.snapshots)
         for owner, snapshot_id, parked in plan.copies:  # parked worlds moved from their copy, then ended with MOVED
             self._copy(owner, snapshot_id, parked)
         for park in plan.parks:  # idle worlds saved where they stand into their park copy (they keep their slot)
-            self._save(park.session_id, park.snapshot_id, self._root(park.tier))
+            self._save(park.session_id, park.snapshot_id, self.folders.root(park.tier))
         for sid, ending in plan.ended:
             self._end(sid, ending)
         for sid in plan.parked:  # their copy is durable: off their slot
@@ -242,7 +240,7 @@ class GroupLoop:
             if owned or session.decoding.split:
                 self.decoder.block(session.decoding, output, final=sid in finishing, owned=owned)
         for sid, snapshot_id in plan.saves:  # after their block, asked for by its step
-            self._save(sid, snapshot_id, self.snapshot_root)
+            self._save(sid, snapshot_id, self.folders.snapshots)
         for sid, ending in plan.finishing:
             self._end(sid, ending)
 
@@ -262,8 +260,8 @@ class GroupLoop:
     def _copy(self, owner: int, snapshot_id: str, parked: ResumeFrom) -> None:
         """A parked world (of rank `owner`) moved by a drain: this rank's files of its park copy are copied into the
         snapshot in the background (no block runs); the owner publishes it as any save."""
-        copy = snapshot_at(self._root(parked.park), parked.snapshot_id, parked.manifest)
-        self.writer.copy(self.snapshot_root, snapshot_id, owner, copy.folder,
+        copy = self.folders.opened(parked)
+        self.writer.copy(self.folders.snapshots, snapshot_id, owner, copy.folder,
                          [e for e in copy.manifest.files if e.rank == self.rank])
 
     def _park(self, sid: str) -> None:
@@ -274,10 +272,6 @@ class GroupLoop:
         self.engine.close_session(session)
         log.info("rank %d: session %s parked off its slot after block %d; freed %d cache bytes", self.rank, sid,
                  session.block_index, held)
-
-    def _root(self, tier: Tier | None) -> Path:
-        """The store a snapshot is in: the park tier in memory, else the snapshot store."""
-        return self.park_root if tier is Tier.MEMORY else self.snapshot_root
 
     def _hand_on_saves(self, written: list[FilesWritten], plan: Plan) -> None:
         """To this rank's intake, about the saves of the sessions it owns: every rank's files of them (news every
@@ -375,10 +369,8 @@ class GroupLoop:
             # A steered session keeps what its cached blocks were made of, for a world event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
-        # A parked world's copy in host memory is the server's own: its files' sizes are checked, not their hashes.
-        snapshot = snapshot_at(self._root(resume.park), resume.snapshot_id, resume.manifest,
-                               check_hashes=resume.park is not Tier.MEMORY)
-        session = snapshots.resume(self.engine, snapshot, shared.geometry, shared.id, shared.owner, resume.fork_seed)
+        session = snapshots.resume(self.engine, self.folders.opened(resume), shared.geometry, shared.id, shared.owner,
+                                   resume.fork_seed)
         session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
         return session
 

@@ -21,36 +21,20 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..api.errors import InputError
 from ..api.refusal import Refusal
 from ..engine.snapshot.manifest import SnapshotError
 from ..engine.snapshot.store import SnapshotStore
+from . import news
 from .saves import Outcome, Purpose, Saves
 from .sessions import OwnerPart, Tier
 from .settings import ServingSettings
 
 log = logging.getLogger(__name__)
-
-
-def park_root(settings: ServingSettings) -> Path | None:
-    """The group's park tier in host memory: park_memory_dir, where parking is on, on one host (the folder is each
-    host's own; a world's files come from every rank); None: parks go to the snapshot store alone."""
-    on = settings.park_after_s > 0 and settings.park_memory_bytes > 0 and settings.host_count == 1
-    return Path(settings.park_memory_dir) if on and settings.park_memory_dir else None
-
-
-def clear_park_tier(settings: ServingSettings) -> None:
-    """Empty the park tier a load starts with (what a killed group left: its worlds are gone with it); on rank 0,
-    before any rank parks a world."""
-    if (root := park_root(settings)) is not None and root.is_dir():
-        for path in root.iterdir():
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 class Stage(enum.Enum):
@@ -94,7 +78,18 @@ class Parks:
         idle = part.stream.asks_no_block_since()
         return math.inf if idle is None else max(idle + self.settings.park_after_s, self._retry.get(sid, 0.0))
 
-    def start(self, sid: str, part: OwnerPart) -> Park | None:
+    def next_due_of(self, parts: dict[str, OwnerPart]) -> float:
+        """When the first of the owner's sessions parks, as they stand now (monotonic seconds; inf: none)."""
+        return min((self.next_due(sid, part) for sid, part in parts.items()), default=math.inf)
+
+    def start_due(self, parts: dict[str, OwnerPart], now: float) -> list[news.Park]:
+        """The owner's clock parks each steered world that asks for no block (by `now`): its copy reserved, the news
+        that has the group save it where it stands."""
+        due = [(sid, part) for sid, part in parts.items() if self.next_due(sid, part) <= now]
+        return [news.Park(sid, park.snapshot_id, park.tier) for sid, part in due
+                if (park := self._start(sid, part)) is not None]
+
+    def _start(self, sid: str, part: OwnerPart) -> Park | None:
         """The world's copy reserved, in memory first: the park under way (None: no tier has room; logged, and the
         world stays on its slot until it is due again)."""
         refusals: list[Refusal] = []
