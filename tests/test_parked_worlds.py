@@ -161,6 +161,27 @@ def test_a_client_that_vanishes_while_parked_ends_its_world_and_frees_its_copy(e
         group.stop()
 
 
+def test_a_group_that_stops_ends_a_world_parked_on_disk_moved_to_its_copy(engine, twin, tmp_path) -> None:
+    """No memory tier: the world parks in the snapshot store. The group's loop ends (an unload, a failure) while it is
+    parked: its open pause is told MOVED naming the copy, a durable snapshot its client resumes elsewhere."""
+    group = OneRank(engine, parking(tmp_path, park_memory_bytes=0))
+    try:
+        world = Player(group, "d")
+        world.block()
+        pause = world.pause()
+        wait_until(lambda: group.parked() == {world.sid}, 20, "the world parked on disk")
+        (copy,) = folders(tmp_path / "disk")
+    finally:
+        group.stop()
+    assert pause.closed.wait(10) and pause.error.code == c.MOVED and pause.error.snapshot_id == copy
+    resumed = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=str(tmp_path / "disk"), park_after_s=0.0))
+    try:
+        again = World(resumed, resume_request(copy, STEPS[0], key="elsewhere"))
+    finally:
+        resumed.stop()
+    assert same(again.latents, twin[1:2])
+
+
 def test_the_park_tier_fills_memory_then_disk_then_a_world_stays_on_its_slot(engine, twin, tmp_path) -> None:
     """Memory holds one world's copy and the snapshot store one more: of three idle worlds one parks in memory, one
     on disk, and the third stays on its slot (its park fails, logged, counted); each goes on bit for bit."""

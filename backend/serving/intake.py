@@ -3,9 +3,9 @@
 One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
 its steered sessions, the keys whose session ended (to tell a late step why), the owner's clocks of each
 session's limits, their saves with the rank's snapshot store (serving/saves), and their parks with the park tier's
-store in host memory (serving/parks). Triton's execute thread hands it
-each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the saves' files
-(`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the open streams'
+store in host memory (serving/parks). Triton's execute thread hands it each request (`arrive`); the group loop and
+the decode sender hand it what to answer, and the loop the saves' files (`post`); it hands the group loop its news
+(the loop's `post`, which rings the doorbell). It reads the open streams'
 cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation callback), and
 wakes for the soonest limit or park of its steered sessions. Nothing here is shared with another thread: no lock.
 """
