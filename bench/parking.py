@@ -248,7 +248,8 @@ def summary_row(name: str, group: Group, played: list[Played]) -> list[str]:
             str(len(unparks)),
             f"{percentile(parks, 50) * 1000:.0f} / {percentile(parks, 99) * 1000:.0f}" if parks else "-",
             f"{percentile(unparks, 50) * 1000:.0f} / {percentile(unparks, 99) * 1000:.0f}" if unparks else "-",
-            f"{statistics.median(group.copies.values()) / 2**20:.2f}" if group.copies else "-"]
+            f"{min(group.copies.values()) / 2**20:.2f} / {max(group.copies.values()) / 2**20:.2f}" if group.copies
+            else "-"]
 
 
 def main() -> None:
@@ -295,7 +296,7 @@ def main() -> None:
     print(format_table(["run", "played", "gave up", "wall s", "blocks", "blocks / min", "slot time held",
                         "slot time playing", "parks", "most parked", "unparks", "park ms p50 / p99",
                         "unpark ms p50 / p99",
-                        "MiB a world parks"], [summary_row(name, group, played) for name, group, played in runs]))
+                        "MiB a copy min / max"], [summary_row(name, group, played) for name, group, played in runs]))
 
 
 if __name__ == "__main__":

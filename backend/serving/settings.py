@@ -48,8 +48,8 @@ class ServingSettings:
     park_memory_dir: str = ""  # the folder on a tmpfs (host memory) that holds this group's parked worlds, emptied at
     # each load; "": parks go to the snapshot store alone (the launcher sets a folder under /dev/shm on one host)
     max_parked: int = 12  # parked worlds per group (they hold no slot, only their copy): 3 for each of max_sessions'
-    # 4 slots (the CPU bench's 8 players on 2 slots had at most MOST parked at once); a park past it is refused and the
-    # world stays on its slot
+    # 4 slots (the CPU bench's 8 players on 2 slots had up to 7 parked at once at park_after_s 5 s); a park past it is
+    # refused and the world stays on its slot
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_rank < self.host_count:
