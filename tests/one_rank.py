@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from backend.api.request import ResumeRequest, SessionRequest, StepRequest
 from backend.engine.rollout import WorldModelEngine
-from backend.serving.bootstrap import owner_side
+from backend.serving.bootstrap import Hooks, owner_side
 from backend.serving.books import BooksAddress
 from backend.serving.keys import ANONYMOUS, Principal
 from backend.serving.settings import ServingSettings
@@ -22,13 +22,16 @@ class OneRank:
     def __init__(self, engine: WorldModelEngine, settings: ServingSettings,
                  on_failure: Callable[[BaseException], None] = lambda exc: None,
                  on_ended: Callable[[str], None] | None = None, on_line: Callable[[LineCounts], None] | None = None,
-                 threads: CoreSplit | None = None, cpu: LoopCpu | None = None, books: BooksAddress | None = None) -> None:
+                 threads: CoreSplit | None = None, cpu: LoopCpu | None = None, books: BooksAddress | None = None,
+                 hooks: Hooks | None = None) -> None:
+        """hooks: the parks' and unparks' (the others are the arguments')."""
         self.engine, self.settings = engine, settings
+        hooks = hooks or Hooks()
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.loop = GroupLoop(engine, settings, None, inbox.put,
-                              LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line),
-                              threads=threads, cpu=cpu)
-        self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox, books=books)
+                              LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line,
+                                        on_unpark=hooks.on_unpark), threads=threads, cpu=cpu)
+        self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox, hooks, books)
 
     def submit(self, request: SessionRequest | ResumeRequest | StepRequest, responder: Responder,
                principal: Principal = ANONYMOUS) -> None:
@@ -40,6 +43,10 @@ class OneRank:
     def sessions(self) -> dict:
         """The engine sessions this rank holds (read from the test's thread: a snapshot, for polling)."""
         return {sid: here.engine for sid, here in dict(self.loop.here).items() if here.engine is not None}
+
+    def parked(self) -> set[str]:
+        """The sessions parked off their slot (read from the test's thread: a snapshot, for polling)."""
+        return {sid for sid, s in dict(self.loop.scheduler.table).items() if s.parked is not None}
 
     @property
     def scheduler(self):

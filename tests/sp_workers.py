@@ -155,6 +155,11 @@ def planned_blocks(member) -> dict[str, int]:
     return {sid: s.computed for sid, s in list(member.loop.scheduler.table.items())}
 
 
+def parked_sessions(member) -> int:
+    """Worlds parked off their slot, as this member's scheduler copy has them."""
+    return sum(s.parked is not None for s in list(member.loop.scheduler.table.values()))
+
+
 def weight_bytes(member) -> int:
     """The transformer weights this member holds."""
     return member.loop.engine.transformer.weight_bytes()

@@ -22,12 +22,13 @@ from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.bootstrap import owner_side
-from backend.serving.news import FilesWritten
+from backend.serving.news import FilesWritten, Park
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
 from backend.serving.sequences import KEEP_ENDED
 from backend.serving.keys import Principal
+from backend.serving.sessions import Tier
 from factories import tiny_settings, tiny_request
 from polling import wait_until
 from test_one_rank import RecordingResponder
@@ -305,12 +306,12 @@ def test_a_save_on_a_bounded_sessions_last_block_is_told_on_the_pause_its_client
     assert [n.snapshot_id for n in pause.notices] == [snapshot_id] and pause.error is None
 
 
-def files_written(side: Intake, snapshot_id: str) -> FilesWritten:
-    """A rank's report of its files of a snapshot, written small but whole into its staging folder (the store checks
-    their form and sizes when it publishes, not their meaning)."""
+def files_written(side: Intake, snapshot_id: str, root: Path | None = None) -> FilesWritten:
+    """A rank's report of its files of a snapshot, written small but whole into its staging folder (in store `root`,
+    by default the snapshot store; the store checks their form and sizes when it publishes, not their meaning)."""
     from backend.engine.snapshot import files
 
-    folder = staging_folder(Path(side.settings.snapshot_dir), snapshot_id)
+    folder = staging_folder(root or Path(side.settings.snapshot_dir), snapshot_id)
     heads = side._saves.facts.model()["num_heads"]
     parts = [files.Part("shared", 0, {"x": torch.zeros(1)}), files.Part("condition", 0, {"x": torch.zeros(1)}),
              files.Part("kv", 0, {"k.0": torch.zeros(4)}, heads=(0, heads))]
@@ -361,3 +362,39 @@ def test_a_move_whose_save_failed_names_no_snapshot(saving) -> None:
     side.post(FilesWritten(snapshot_id, 0, 0, (), messages.save_failed(snapshot_id)))
     for r in (waiting, late):
         assert r.closed.wait(5) and r.code == "SERVER_STOPPING" and snapshot_id not in r.error
+
+
+def test_a_step_racing_its_worlds_park_keeps_it_on_its_slot_and_its_copy_is_dropped(engine, tmp_path: Path) -> None:
+    """The owner parks an idle world (its copy reserved in memory), and its player's step comes while the copy is
+    being written: the copy, once made, is released and the group is not told to take the world off its slot. A park
+    the group refuses (max_parked) drops its reservation at once, and the owner tries again park_after_s later."""
+    loop = FakeLoop()
+    memory = tmp_path / "memory"
+    settings = ServingSettings(snapshot_dir=str(tmp_path / "disk"), park_memory_dir=str(memory), park_after_s=0.2)
+    side = owner_side(0, 1, settings, engine, loop.post, queue.SimpleQueue())
+    try:
+        sid, first = start(side, loop)
+        side.post(mail.Opened(sid))
+        side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
+        loop.next(mail.Delivered)
+        park = loop.next(Park)  # no block asked for 0.2 s
+        assert park.session_id == sid and park.tier is Tier.MEMORY
+        step = RecordingResponder()
+        side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), step)
+        assert loop.next(mail.Stepped).step.controls == Controls(keys="d")
+        side.post(files_written(side, park.snapshot_id, memory))  # the group made the copy before the step came
+        wait_until(lambda: not held(memory), 5, "the copy released")
+        assert loop.quiet() and not step.closed.is_set()  # no Parked: the world plays on its slot
+        side.post(mail.Decoded(sid, block(1), np.zeros(1), 0.0, False))
+        loop.next(mail.Delivered)
+        again = loop.next(Park)
+        side.post(mail.ParkRefused(again.snapshot_id, messages.park_full(1, 0.2)))
+        wait_until(lambda: not held(memory), 5, "the refused park's reservation dropped")
+        assert loop.next(Park).snapshot_id != again.snapshot_id  # tried again park_after_s later
+    finally:
+        side.close()
+
+
+def held(store: Path) -> list[str]:
+    """What a store's folder holds beside its lock file: snapshots, saves under way."""
+    return [p.name for p in store.iterdir() if p.name != ".lock"]

@@ -17,7 +17,8 @@ from backend.api.errors import ConfigError
 from backend.api.settings import format_value, parameter_fields
 from backend.engine.settings import EngineSettings
 from backend.engine.validation import checked_spec
-from backend.launch.launcher import Termination, build_parser, drains_on_sigterm, main, parse_param, render, tls_of
+from backend.launch.launcher import (Termination, build_parser, default_park_dir, drains_on_sigterm, main, parse_param,
+                                     render, tls_of)
 from backend.launch.generated import rendered
 from backend.launch.model_repository import render_config
 from backend.launch.mpi import own_address
@@ -238,6 +239,17 @@ def test_sigterm_drains_where_the_server_keeps_snapshots_and_is_its_whole_group(
     assert drains() and drains("--param", "snapshot_dir=/srv/worlds")  # the launcher's default store, or one given
     assert not drains("--param", "snapshot_dir=")  # no store: nothing to save a world into, SIGTERM stops at once
     assert not drains("--param", "host_count=2") and not drains("--mpi")  # a host sees its own streams only
+
+
+def test_a_group_on_one_host_parks_in_its_own_folder_in_host_memory_unless_told() -> None:
+    def park_dir(*flags: str) -> Path | None:
+        return default_park_dir(build_parser().parse_args(["--kind", "cpu", *flags]))
+
+    mine, theirs = park_dir("--repository-out", "/srv/g0/repo"), park_dir("--repository-out", "/srv/g1/repo")
+    assert mine.parent == Path("/dev/shm") and mine.name.startswith("lingbot-park-") and mine != theirs
+    assert mine == park_dir("--repository-out", "/srv/g0/repo")  # the same folder across the healer's reloads
+    assert park_dir("--param", "park_memory_dir=/mnt/ram") is None and park_dir("--mpi") is None
+    assert park_dir("--render-only") is None
 
 
 def test_a_second_sigterm_cuts_the_drain_short_and_a_third_leaves_the_stop_alone() -> None:

@@ -37,11 +37,12 @@ KEY = "7"
 
 
 class Client:
-    """One request's replies: its blocks' latents, the saves' outcomes told on it, its end."""
+    """One request's replies: its blocks' latents, the saves' outcomes and places in line told on it, its end."""
 
     def __init__(self) -> None:
         self.latents: list[np.ndarray] = []
         self.notices: list[SnapshotNotice] = []
+        self.places: list[int] = []
         self.error: Refusal | None = None
         self.closed = threading.Event()
 
@@ -55,7 +56,7 @@ class Client:
         self.closed.set()
 
     def send_place(self, position: int, wait_s: float) -> None:
-        pass
+        self.places.append(position)
 
     def send_notice(self, notice: SnapshotNotice) -> None:
         self.notices.append(notice)

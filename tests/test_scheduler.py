@@ -19,10 +19,10 @@ from backend.engine.geometry import VideoGeometry
 from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, LineCounts, \
     line_waits, retry_after_s, slot_waits
 from backend.serving import streams
-from backend.serving.keys import ANONYMOUS
-from backend.serving.news import RankEvents, StepEvent
+from backend.serving.keys import ANONYMOUS, Principal, Quota
+from backend.serving.news import Park, Parked, RankEvents, StepEvent
 from backend.serving.scheduler import Plan, Scheduler
-from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, State, Step
+from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, State, Step, Tier
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
@@ -361,3 +361,81 @@ def test_a_save_whose_session_ended_first_is_dropped_and_told_to_its_owner() -> 
     late = StepEvent("a", Controls(keys="d", save=True), snapshot_id="1" * 32)
     plan = s.plan([RankEvents(), RankEvents(steps=[late], cancelled=["b"])])
     assert sorted(plan.unsaved) == [(1, "a", "1" * 32), (1, "b", "2" * 32)]
+
+
+# -- parked worlds (docs/serving.md, "Parking")
+
+def parked_world(s: Scheduler, sid: str, snapshot_id: str, tier: Tier = Tier.MEMORY, owner: int = 0) -> Plan:
+    """An admitted steered world that ran its first block, parked: its Park and its copy's Parked news."""
+    events = [RankEvents() for _ in range(owner + 1)]
+    events[owner] = RankEvents(parking=[Park(sid, snapshot_id, tier)])
+    assert [p.snapshot_id for p in s.plan(events).parks] == [snapshot_id]
+    events[owner] = RankEvents(parked=[Parked(sid, snapshot_id, "{}")])
+    return s.plan(events)
+
+
+def test_an_idle_world_keeps_its_slot_until_its_copy_is_durable_then_leaves_it_and_returns_at_the_front() -> None:
+    s = Scheduler(ServingSettings(max_sessions=1, max_queue=2))
+    s.plan([RankEvents(submissions=[steered("a")])])
+    s.plan([deliver_all(s)])  # "a" runs its first block
+    plan = s.plan([RankEvents(parking=[Park("a", "1" * 32, Tier.MEMORY)], submissions=[steered("b")])])
+    assert [p.session_id for p in plan.parks] == ["a"] and not plan.opens  # saved where it stands, on its slot
+    assert s.table["a"].admitted and [w.id for w in s.waiting()] == ["b"]
+    plan = s.plan([RankEvents(parked=[Parked("a", "1" * 32, "{}")], submissions=[steered("c")])])
+    assert plan.parked == ["a"] and [o.id for o in plan.opens] == ["b"]  # its slot goes to the line
+    assert s.table["a"].parked == ResumeFrom("1" * 32, "{}", 1, park=Tier.MEMORY) and not s.table["a"].admitted
+    assert LineCounts.of(s, s.settings, []) == LineCounts(1, 1, 0, 1, 0, [], parked=1)  # "c" waits
+    s.plan([deliver_all(s)])  # "b" runs its first block
+    plan = s.plan([step("a")])  # "a" asks for a block: the front of the line, before "c"
+    assert not plan.opens and [w.id for w in s.waiting()] == ["a", "c"]
+    plan = s.plan([RankEvents(parking=[Park("b", "2" * 32, Tier.DISK)])])
+    plan = s.plan([dataclasses.replace(deliver_all(s), parked=[Parked("b", "2" * 32, "{}")])])
+    assert plan.parked == ["b"] and [(o.id, o.resume.park) for o in plan.opens] == [("a", Tier.MEMORY)]
+    assert s.plan([deliver_all(s)]).controls["a"].controls == Controls(keys="d")  # its step's block, then "c"'s turn
+
+
+def test_a_park_is_refused_past_max_parked_with_a_code_and_when_the_world_plays_again_without_one() -> None:
+    s = Scheduler(ServingSettings(max_sessions=3, max_parked=1))
+    s.plan([RankEvents(), RankEvents(submissions=[dataclasses.replace(steered(x), owner=1) for x in "abc"])])
+    s.plan([RankEvents(), deliver_all(s)])
+    parked_world(s, "a", "1" * 32, owner=1)
+    plan = s.plan([RankEvents(), RankEvents(parking=[Park("b", "2" * 32, Tier.MEMORY)])])
+    (refused,) = plan.refused_parks
+    assert refused[:3] == (1, "b", "2" * 32) and refused[3].code == CAPACITY_EXHAUSTED
+    assert "max_parked=1" in refused[3].sentence and s.table["b"].admitted and not plan.parks
+    # A step and a park in one boundary: the world plays; a step after the copy was made: the copy is dropped.
+    plan = s.plan([RankEvents(), RankEvents(steps=[StepEvent("c", Controls(keys="d"))],
+                                            parking=[Park("c", "3" * 32, Tier.MEMORY)])])
+    assert plan.refused_parks == [(1, "c", "3" * 32, None)] and plan.batch == ["c"]
+    s.plan([RankEvents(), RankEvents(cancelled=["a"])])
+    assert s.plan([RankEvents(), RankEvents(parking=[Park("c", "4" * 32, Tier.MEMORY)])]).parks
+    s.plan([RankEvents(), RankEvents(steps=[StepEvent("c", Controls(keys="w"))])])
+    plan = s.plan([RankEvents(), RankEvents(parked=[Parked("c", "4" * 32, "{}")])])
+    assert plan.refused_parks == [(1, "c", "4" * 32, None)] and s.table["c"].admitted and not plan.parked
+
+
+def test_a_parked_world_counts_against_its_keys_sessions_not_against_the_slots() -> None:
+    capped = Principal("alice", "tag-a", Quota(sessions=1))
+    s = Scheduler(ServingSettings(max_sessions=2))
+    s.plan([RankEvents(submissions=[dataclasses.replace(steered("a"), principal=capped)])])
+    s.plan([deliver_all(s)])
+    parked_world(s, "a", "1" * 32)
+    plan = s.plan([RankEvents(submissions=[dataclasses.replace(steered("b"), principal=capped), steered("c")])])
+    assert [o.id for o in plan.opens] == ["c"] and [w.id for w in s.waiting()] == ["b"]  # alice holds her one
+    assert LineCounts.of(s, s.settings, []).free_slots == 1
+
+
+def test_a_parked_world_expires_ends_and_moves_from_its_copy_when_the_group_drains() -> None:
+    s = Scheduler(ServingSettings(max_sessions=3))
+    s.plan([RankEvents(submissions=[steered(x) for x in "abc"])])
+    s.plan([deliver_all(s)])
+    for sid, tier in (("a", Tier.MEMORY), ("b", Tier.DISK), ("c", Tier.MEMORY)):
+        parked_world(s, sid, sid * 32, tier)
+    expired = Refusal(EXPIRED_CODE, "idle")
+    plan = s.plan([RankEvents(expired=[("c", expired)])])
+    assert plan.ended == [("c", Ending(EXPIRED, expired))]
+    moved = "d" * 32
+    plan = s.plan([RankEvents(moving=[("a", moved), ("b", "b" * 32)])])  # a copy in memory; b's own, on disk
+    assert plan.copies == [(0, moved, ResumeFrom("a" * 32, "{}", 1, park=Tier.MEMORY))] and not plan.moves
+    ended = dict(plan.ended)
+    assert ended["a"].error.snapshot_id == moved and ended["b"].error.snapshot_id == "b" * 32 and not s.table

@@ -223,6 +223,9 @@ def test_prometheus_metrics_count_streams(server) -> None:
     assert after["lingbot_world_streams_open"] == 0
     assert delta("lingbot_world_blocks_run_total") == 3
     assert 0.0 < delta("lingbot_world_loop_cpu_seconds_total") < 3.0  # the control plane's, outside run_block
+    for name in ("lingbot_world_parks_total", "lingbot_world_park_seconds_count", "lingbot_world_unpark_seconds_count",
+                 "lingbot_world_parked_bytes"):  # the park tier's, made up front
+        assert name in after
 
 
 def test_backend_stub_starts_with_the_thread_environment(server) -> None:

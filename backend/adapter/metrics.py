@@ -10,7 +10,10 @@ from ..serving.line import LineCounts
 
 LATENCY_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0]
 QUEUE_BUCKETS_S = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0]
-SESSION_STATES = ("pending", "active", "ending")
+# A park's copy: milliseconds on the tiny model, ~20 s at the 14B geometry (27 GiB with its SHA-256s: bench/README).
+PARK_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0]
+SESSION_STATES = ("pending", "active", "ending", "parked")
+PARK_EVENTS = ("parked", "unparked", "refused", "failed")
 
 
 class StreamMetrics:
@@ -159,3 +162,43 @@ class StreamMetrics:
                 self.sessions[state].set(float(getattr(counts, state)))
             self.queue_depth.set(float(counts.waiting))
             self.free_slots.set(float(counts.free_slots))
+
+
+class ParkMetrics:
+    """The park tier's metrics (docs/serving.md, "Parking"), of the worlds this instance owns; all made up front
+    (the intake's thread and the group loop's count into them)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        self._families = [
+            family("lingbot_world_parks_total", "this instance's worlds by event: parked (off their slot), unparked "
+                   "(back on one), refused (past max_parked), failed (no room, or the copy not written)", family.COUNTER),
+            family("lingbot_world_park_seconds", "a park: its decision to its copy durable", family.HISTOGRAM),
+            family("lingbot_world_unpark_seconds", "an unpark: the open from its copy on a slot (its wait in line: "
+                   "lingbot_world_queue_seconds)", family.HISTOGRAM),
+            family("lingbot_world_parked_bytes", "bytes of this instance's parked worlds' copies, by tier: memory, "
+                   "disk", family.GAUGE),
+        ]
+        events, park, unpark, held = self._families
+        self._events = {event: events.Metric(labels={**labels, "event": event}) for event in PARK_EVENTS}
+        self._park = park.Metric(labels=labels, buckets=PARK_BUCKETS_S)
+        self._unpark = unpark.Metric(labels=labels, buckets=PARK_BUCKETS_S)
+        self._held = {tier: held.Metric(labels={**labels, "tier": tier}) for tier in ("memory", "disk")}
+        for gauge in self._held.values():  # Triton keeps a family's values across a reload
+            gauge.set(0.0)
+
+    def parks(self, session_id: str, event: str, seconds: float) -> None:
+        """The intake's report of a park (serving/parks.Parks' on_park)."""
+        self._events[event].increment(1)
+        if event == "parked":
+            self._park.observe(seconds)
+
+    def unparked(self, session_id: str, line_s: float, open_s: float) -> None:
+        """The group loop's report of a world back on its slot (LoopHooks.on_unpark)."""
+        self._events["unparked"].increment(1)
+        self._unpark.observe(open_s)
+
+    def held(self, memory: int, disk: int) -> None:
+        """The bytes this instance's parked worlds hold (serving/parks.Parks' on_bytes)."""
+        self._held["memory"].set(float(memory))
+        self._held["disk"].set(float(disk))

@@ -19,7 +19,7 @@ from ..serving.host_signals import HostSignals, StopWatch
 from ..serving.key_watch import KeyWatch, gate_of
 from ..serving.line import LineCounts
 from ..serving.parent_watch import watch_parent
-from .metrics import StreamMetrics
+from .metrics import ParkMetrics, StreamMetrics
 from .placement import instance_rank
 from .responder import TritonLogHandler, TritonResponder
 
@@ -43,13 +43,15 @@ class TritonPythonModel:
                       world // serving.host_count)
         self.rank, self.host_rank, self._unload_claim = rank, serving.host_rank, None
         self.metrics = StreamMetrics(self.model_name, rank)
+        self.park_metrics = ParkMetrics({"model": self.model_name, "rank": str(rank)})
         self.metrics.line(LineCounts(0, 0, 0, 0, serving.max_sessions))  # Triton keeps a family's values: a reload
         # starts from an empty group
         self.member = GroupMember(engine_settings, serving, place, Hooks(
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
             on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, on_snapshot=self.metrics.snapshot,
-            on_request=self.metrics.key_request,
+            on_request=self.metrics.key_request, on_park=self.park_metrics.parks,
+            on_parked_bytes=self.park_metrics.held, on_unpark=self.park_metrics.unparked,
         ), description, BooksAddress.from_environment())
         # The launcher's signals (serving/host_signals): a stop ends every session at once, so Triton's exit need
         # not wait out its timeout for them; a failed group asks the launcher for a reload.

@@ -13,8 +13,9 @@ from ..api.contract import MODEL_NAME
 from ..api.description import PREFIX
 from ..api.provenance import parse_settings
 
-# A group's own placement: where its ranks meet and how many there are (SP1, SP2 and SP4 give the same bits).
-PER_GROUP = ("sp_degree", "host_rank", "host_count", "rendezvous_host", "rendezvous_port")
+# A group's own placement: where its ranks meet and how many there are (SP1, SP2 and SP4 give the same bits), and
+# where it parks worlds in host memory (each group's own folder).
+PER_GROUP = ("sp_degree", "host_rank", "host_count", "rendezvous_host", "rendezvous_port", "park_memory_dir")
 SETTINGS_USED = PREFIX + "settings_used"
 
 

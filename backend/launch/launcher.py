@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +39,7 @@ from .mpi import SET_BY_MPI, host_parameters
 from .paths import BUILD_DIR, DEFAULT_BACKENDS_DIR, DEFAULT_PERF_ANALYZER_DIR, DEFAULT_REPOSITORY_DIR
 from .perf_analyzer import install_perf_analyzer
 from .wheel import prepare_backends
-from .server import ADMIN_HEADER, CPU_ONLY_ARGS, CPU_START_LINES, TritonServer, Tls
+from .server import ADMIN_HEADER, CPU_ONLY_ARGS, CPU_START_LINES, SHM_DIR, TritonServer, Tls
 
 # The launcher's exit when its group failed and its healer's loads did not take (launch/heal.py): EX_TEMPFAIL, a fresh
 # start is the cure (the fleet restarts it with backoff, as a crash; a lone launcher's supervisor should too).
@@ -190,12 +192,26 @@ def default_snapshot_dir(repository: Path) -> Path:
     return repository.resolve().parent / "snapshots"
 
 
+def default_park_dir(args: argparse.Namespace) -> Path | None:
+    """Where a served group on one host parks worlds in host memory unless `--param park_memory_dir=...` says: its own
+    folder on the host's tmpfs, named after its model repository (a fleet's groups each have their own), the same
+    across the healer's reloads, removed when the launcher stops (docs/serving.md, "Parking"). None: the launcher
+    sets none (render only, several hosts, a folder given, no /dev/shm)."""
+    parameters = dict(args.param)
+    if args.render_only or args.mpi or "park_memory_dir" in parameters or not SHM_DIR.is_dir():
+        return None
+    digest = hashlib.sha256(str(args.repository_out.resolve()).encode()).hexdigest()[:12]
+    return SHM_DIR / f"lingbot-park-{digest}"
+
+
 def render(args: argparse.Namespace) -> tuple[Path, str, str | None]:
     """The model repository, the instance kind, and the group secret MPI shared (None: this server makes one)."""
     kind, device_ids = resolve_placement(args.kind, args.sp)
     parameters = dict(args.param)
     if not args.render_only:  # saving works out of the box on one host: a folder beside the model repository
         parameters.setdefault("snapshot_dir", str(default_snapshot_dir(args.repository_out)))
+    if (park := default_park_dir(args)) is not None:
+        parameters["park_memory_dir"] = str(park)
     secret = None
     if args.mpi:
         shared = {"sp": str(args.sp), "kind": kind, **parameters}
@@ -349,6 +365,18 @@ def serve(args: argparse.Namespace) -> int:
     termination = Termination()
     signal.signal(signal.SIGTERM, termination)  # unwind through `with` so the group is drained and stopped
     signal.signal(signal.SIGHUP, lambda *_: reload_keys(server))
+    park = default_park_dir(args)
+    try:
+        return run(args, server, termination, kind, books_keys)
+    finally:  # the parked worlds' copies in host memory (the server has stopped: none is written any more)
+        if park is not None:
+            shutil.rmtree(park, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, server: TritonServer, termination: Termination, kind: str,
+        books_keys: KeysFromBooks | None) -> int:
+    """The server until it stops (a SIGTERM drains the group first, where it keeps snapshots): the launcher's exit
+    code. books_keys: the keys this group takes from the fleet's books (None: its own keys file)."""
     with server, contextlib.ExitStack() as stack:
         if books_keys is not None:  # a change in the books' keys reaches the instances as the file's SIGHUP would
             stack.callback(books_keys.close)

@@ -46,6 +46,8 @@ from .description import check_description
 from .line import LineCounts
 from .loop_cpu import LoopCpu, Report
 from .leases import Leases
+from .parks import Parks
+from .stores import clear_park_tier, park_root
 from .saves import Saves
 from .streams import Responder
 from .threads import CoreSplit, instance_cores
@@ -75,6 +77,9 @@ class Hooks:
     on_snapshot: Callable[[str], None] | None = None  # see LoopHooks; also the saves' outcomes, on the intake's thread
     on_request: Callable[[str], None] = lambda name: None  # a request a key opened the door for (its name), on the
     # intake's thread
+    on_park: Callable[[str, str, float], None] | None = None  # see serving/parks.Parks (on the intake's thread)
+    on_parked_bytes: Callable[[int, int], None] | None = None  # see serving/parks.Parks (on the intake's thread)
+    on_unpark: Callable[[str, float, float], None] | None = None  # see LoopHooks
     on_loop_block: Report | None = None  # LoopCpu's report
 
 
@@ -135,6 +140,8 @@ class GroupMember:
             # The loop and its decode thread hold the engine from here on (the loop lets it go when it ends).
             engine = WorldModelEngine(spec, group, mesh=mesh, decode_group=groups.decode)
             self.settings_used = engine.settings_used  # sent with a session's first block on return_used
+            if rank == 0:  # what a killed load left in the park tier, before any rank parks a world
+                clear_park_tier(serving)
             groups.all_arrived("loaded")  # every rank has loaded before the loop starts
             doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret,
                                      serving.collective_timeout_s) if world > 1 else None
@@ -142,7 +149,8 @@ class GroupMember:
             self.loop = GroupLoop(
                 engine, serving, groups.control, intake_inbox.put, LoopHooks(
                     on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
-                    on_line=hooks.on_line, on_snapshot=hooks.on_snapshot), doorbell=doorbell, threads=threads,
+                    on_line=hooks.on_line, on_snapshot=hooks.on_snapshot, on_unpark=hooks.on_unpark),
+                doorbell=doorbell, threads=threads,
                 cpu=LoopCpu(hooks.on_loop_block))
             self.intake = owner_side(rank, world, serving, engine, self.loop.post, intake_inbox, hooks, books)
         except BaseException as exc:
@@ -220,14 +228,19 @@ def owner_side(rank: int, ranks: int, serving: ServingSettings, engine: WorldMod
                to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue, hooks: Hooks | None = None,
                books: BooksAddress | None = None) -> Intake:
     """The intake of a rank of `ranks`, with what its thread alone owns beside the streams: the admission's checks,
-    the rank's snapshot store and the ledger of its saves, and its leases in the fleet's books (`books`)."""
+    the rank's snapshot store and the ledger of its saves, the park tier's store in host memory and the ledger of its
+    parked worlds, and its leases in the fleet's books (`books`)."""
     hooks = hooks or Hooks()
     store = snapshot_store(serving)
     facts = engine.snapshot_facts
     saves = Saves(store, facts, ranks, keep_commits=engine.window_frames != GLOBAL_WINDOW, on_outcome=hooks.on_snapshot)
     leases = Leases(None if books is None else books.connect(), serving.books_lease_s, to_loop)
+    root = park_root(serving)
+    # No parked world outlives its session: the tier's copies live max_session_s at most.
+    memory = None if root is None else SnapshotStore(root, serving.park_memory_bytes, serving.max_session_s)
+    parks = Parks(rank, serving, saves, memory, hooks.on_park, hooks.on_parked_bytes)
     return Intake(rank, serving, Admission(serving, engine.spec, facts, store), saves, to_loop, inbox,
-                  on_request=hooks.on_request, leases=leases)
+                  on_request=hooks.on_request, leases=leases, parks=parks)
 
 
 def snapshot_store(serving: ServingSettings) -> SnapshotStore | None:

@@ -18,7 +18,6 @@ from ..engine.snapshot.files import Part
 from ..model.tiny_vae import StreamingTinyDecoder
 from ..model.vae import StreamingVae
 from . import mail
-from .snapshot_writer import SnapshotWriter
 from .threads import use_threads
 
 log = logging.getLogger(__name__)
@@ -70,12 +69,12 @@ class DecodeSender:
 
         self._queue.put(decode)
 
-    def snapshot(self, decoding: Decoding, snapshot_id: str, parts: list[Part], writer: SnapshotWriter) -> None:
+    def snapshot(self, decoding: Decoding, parts: list[Part], write: Callable[[list[Part]], None]) -> None:
         """After the blocks handed over so far are decoded: the session's decoder state joins this rank's parts of
-        a snapshot, which the writer writes."""
+        a snapshot, which `write` hands to the writer."""
         def capture() -> None:
             decoder_part = snapshots.decode_part(self.vae, self.rank, decoding)
-            writer.write(snapshot_id, decoding.owner, parts if decoder_part is None else [*parts, decoder_part])
+            write(parts if decoder_part is None else [*parts, decoder_part])
 
         self._queue.put(capture)
 

@@ -2,18 +2,20 @@
 
 One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
 its steered sessions, the keys whose session ended (to tell a late step why), the owner's clocks of each
-session's limits, their saves with the rank's snapshot store (serving/saves), and their leases in the fleet's
-books where the group shares them (serving/leases: the one reader of the store on this rank). Triton's execute thread
-hands it each request (`arrive`); the group loop and the decode sender hand it what to answer, and the loop the
-saves' files (`post`); it hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the
-open streams' cancelled flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation
-callback), asks the books about its sessions as often, and wakes for the soonest limit of its steered sessions.
-Nothing here is shared with another thread: no lock.
+session's limits, their saves with the rank's snapshot store (serving/saves), their parks with the park tier's
+store in host memory (serving/parks), and their leases in the fleet's books where the group shares them
+(serving/leases: the one reader of the store on this rank). Triton's execute thread hands it each request
+(`arrive`); the group loop and the decode sender hand it what to answer, and the loop the saves' files (`post`); it
+hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the open streams' cancelled
+flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation callback), asks the books
+about its sessions as often, and wakes for the soonest limit or park of its steered sessions. Nothing here is shared
+with another thread: no lock.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -29,7 +31,8 @@ from . import key_saves, mail, messages
 from .admission import Admission
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
 from .leases import Leases
-from .news import FilesWritten, StepEvent
+from .news import FilesWritten, Parked, StepEvent
+from .parks import Parks
 from .saves import Outcome, Purpose, Saves
 from .sequences import Sequences
 from .sessions import OwnerPart, Step
@@ -39,6 +42,7 @@ from .streams import Responder, SteeredStream, WholeStream
 log = logging.getLogger(__name__)
 
 EVERY_S = 0.5  # how often the open streams' cancelled flags are read
+PLACE_RENEW_S = 1.0  # how often a parked world waiting for its slot back is told its place (clients' stall floor: 2 s)
 _CLOSE = object()  # the intake's last letter
 
 
@@ -46,16 +50,18 @@ class Intake:
     def __init__(self, rank: int, settings: ServingSettings, admission: Admission, saves: Saves,
                  to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
                  every_s: float = EVERY_S, on_request: Callable[[str], None] = lambda name: None,
-                 leases: Leases | None = None) -> None:
+                 leases: Leases | None = None, parks: Parks | None = None) -> None:
         """saves: the ledger of this rank's saves (with its snapshot store); to_loop: the group loop's `post` (its
         inbox, then the doorbell); inbox: this intake's, made by the caller when the group loop must know it first;
         on_request: told the key's name of each request its door let in (the metrics by key); leases: this rank's
-        part of the fleet's shared books (None: the group's books are in process)."""
+        part of the fleet's shared books (None: the group's books are in process); parks: the ledger of this rank's
+        parked worlds (None: one over `saves` alone, with no tier in memory)."""
         self.rank, self.settings, self.every_s = rank, settings, every_s
         self._on_request = on_request
         self._admission: Admission | None = admission
         self._saves = saves
         self._leases = leases or Leases(None, 0.0, to_loop)
+        self._parks = parks or Parks(rank, settings, saves, None)
         self._to_loop = to_loop
         self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
         self._parts: dict[str, OwnerPart] = {}  # the sessions this rank owns that have not ended, by id
@@ -104,6 +110,8 @@ class Intake:
                     self._leases.tick()
                     next_watch = now + self.every_s
                 self._watch_limits(now)
+                for park in () if self._draining else self._parks.start_due(self._parts, now):
+                    self._to_loop(park)  # the group takes the world off its slot once its copy is durable
             except Exception:  # one client's reply channel failing must not stop the others'
                 log.exception("rank %d: the intake failed to handle %r", self.rank, letter)
 
@@ -120,9 +128,11 @@ class Intake:
             case mail.Placed(sid, place, wait_s):
                 if (part := self._parts.get(sid)) is not None:
                     part.stream.send_place(place, wait_s)
+                    part.place = (place, wait_s, time.monotonic()) if place else None
             case mail.Opened(sid):
                 if (part := self._parts.get(sid)) is not None:
                     part.opened = True
+                    self._parks.back(sid)  # a parked world is on its slot again: its copy goes
             case mail.Ended(sid, error, told):
                 if (part := self._parts.get(sid)) is not None:
                     part.ending = (error, told)
@@ -131,6 +141,8 @@ class Intake:
                 self._told(self._saves.written(letter))
             case mail.Unsaved(snapshot_id):
                 self._told(self._saves.unsaved(snapshot_id))
+            case mail.ParkRefused(snapshot_id, why):
+                self._told(self._parks.refused(snapshot_id, why))
             case mail.Drain():
                 self._drain()
             case mail.Closed(reason):
@@ -216,6 +228,8 @@ class Intake:
         except (InputError, SnapshotError) as exc:
             responder.send_error(exc.refusal)
             return
+        if step.controls is not None:  # it plays: a park under way is dropped, a parked world comes back
+            self._parks.asked(sid)
         if step.end:  # no step may follow: the sequence's next request is told so
             self._sequences.end(part.sequence_key, sid, messages.ENDED_BY_FLAG)
         sent = stream.sent
@@ -236,7 +250,10 @@ class Intake:
         session the group drained ends MOVED only once its snapshot is durable (else it only ends)."""
         if outcome is None or (part := self._parts.get(outcome.session_id)) is None:
             return
-        if outcome.purpose is Purpose.ASKED:  # a move's id comes with MOVED
+        if outcome.purpose is Purpose.PARK:  # never told: the group takes the world off its slot, or it stays
+            if (manifest := self._parks.saved(outcome, part.ending is not None)) is not None:
+                self._to_loop(Parked(outcome.session_id, outcome.snapshot_id, manifest))
+        elif outcome.purpose is Purpose.ASKED:  # a move's id comes with MOVED
             error = None if outcome.error is None else outcome.error.message
             part.stream.send_notice(SnapshotNotice(outcome.snapshot_id, error))
         elif outcome.error is not None:
@@ -255,6 +272,7 @@ class Intake:
             error = told = messages.DRAINING
         del self._parts[sid]
         self._leases.ended(sid)
+        self._parks.forget(sid)  # a parked world's copy goes with it (unless MOVED names it)
         self._sequences.end(part.sequence_key, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
         self._answer_late(part, told)
@@ -273,18 +291,26 @@ class Intake:
         for sid, part in self._parts.items():
             if not part.steered or part.ending is not None:
                 continue
-            try:
-                snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE, who=part.principal)
-            except (InputError, SnapshotError) as exc:  # no store, or no room: it only ends
-                log.warning("rank %d: session %s cannot be saved as the server drains: %s", self.rank, sid,
-                            exc.refusal)
-                snapshot_id = None
+            if (snapshot_id := self._parks.moved_from(sid)) is None:  # else a parked world's copy on disk
+                try:
+                    snapshot_id = self._saves.reserve(sid, part.request, part.geometry, Purpose.MOVE,
+                                                      who=part.principal)
+                except (InputError, SnapshotError) as exc:  # no store, or no room: it only ends
+                    log.warning("rank %d: session %s cannot be saved as the server drains: %s", self.rank, sid,
+                                exc.refusal)
             self._to_loop(mail.Moving(sid, snapshot_id))
 
     def _watch_cancellations(self) -> None:
+        """Every `every_s`: the clients that went away; and a parked world that waits for its slot back is told its
+        place again every PLACE_RENEW_S (its client's stall bound counts from its last response)."""
+        now = time.monotonic()
         for sid, part in self._parts.items():
             if part.ending is None:
                 self._cancelled(sid, part)
+            if part.place is not None and now - part.place[2] >= PLACE_RENEW_S and self._parks.of(sid) is not None:
+                place, wait_s, _ = part.place
+                part.stream.send_place(place, wait_s)
+                part.place = (place, wait_s, now)
 
     def _cancelled(self, sid: str, part: OwnerPart) -> bool:
         """Whether the session's client went away (read before each block it would be sent, and every
@@ -307,10 +333,11 @@ class Intake:
                 self._to_loop(mail.Expired(sid, why))
 
     def _next_deadline(self) -> float:
-        """The soonest idle or lifetime limit of the open steered sessions (monotonic seconds; inf: none)."""
-        return min((part.deadline(self.settings) for part in self._parts.values()
-                    if part.opened and part.steered and not part.expiry_told and part.ending is None),
-                   default=float("inf"))
+        """The soonest idle or lifetime limit or park of the open steered sessions (monotonic seconds; inf: none)."""
+        limits = (part.deadline(self.settings) for part in self._parts.values()
+                  if part.opened and part.steered and not part.expiry_told and part.ending is None)
+        parks = math.inf if self._draining else self._parks.next_due_of(self._parts)
+        return min((*limits, parks), default=math.inf)
 
     def _steered(self, key: str) -> OwnerPart | None:
         """The steered session that takes the steps of Triton sequence `key`."""
@@ -323,7 +350,10 @@ class Intake:
         self._closed, self._admission = reason, None
         self._leases.close()
         for sid, part in self._parts.items():
-            self._sequences.end(part.sequence_key, sid, reason)
-            part.stream.send_error(reason)
-            self._answer_late(part, reason)
+            # A parked world whose copy is on disk goes on from it elsewhere: the copy is a durable snapshot.
+            told = reason if (copy := self._parks.moved_from(sid)) is None else messages.moved(copy)
+            self._sequences.end(part.sequence_key, sid, told)
+            part.stream.send_error(told)
+            self._answer_late(part, told)
+            self._parks.forget(sid)
         self._parts.clear()

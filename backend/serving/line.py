@@ -83,16 +83,18 @@ class LineCounts:
     """The group's sessions by state (the same on every rank), for the metrics port."""
 
     pending: int
-    active: int
+    active: int  # on their slot (a parked one counts as parked)
     ending: int
     waiting: int  # the line's length (a session whose client ended it before its slot waits too)
     free_slots: int
     waited_s: list[float] = field(default_factory=list)  # this rank's sessions that left the line since the last
+    parked: int = 0  # worlds parked off their slot (docs/serving.md, "Parking")
 
     @classmethod
     def of(cls, scheduler: Scheduler, settings: ServingSettings, waited_s: list[float]) -> LineCounts:
-        states = [s.state for s in scheduler.table.values()]
+        states = [s.state for s in scheduler.table.values() if s.parked is None]
+        parked = sum(s.parked is not None for s in scheduler.table.values())
         holding = sum(s.admitted for s in scheduler.table.values())
         return cls(sum(s is State.PENDING for s in states), sum(s is State.ACTIVE for s in states),
                    sum(s is State.ENDING for s in states), len(scheduler.waiting()),
-                   max(0, settings.max_sessions - holding), waited_s)
+                   max(0, settings.max_sessions - holding), waited_s, parked)

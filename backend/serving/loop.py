@@ -34,7 +34,6 @@ from ..engine.session import Session
 from ..engine.snapshot import sessions as snapshots
 from ..engine.snapshot.manifest import SnapshotError
 from ..engine.snapshot.restore import SharedState
-from ..engine.snapshot.store import snapshot_at
 from ..engine.validation import GLOBAL_WINDOW
 from ..parallel.doorbell import Doorbell, LocalDoorbell
 from . import mail, messages
@@ -43,10 +42,11 @@ from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
 from .line import Clocks, LineCounts, line_waits, retry_after_s
 from .loop_cpu import LoopCpu
-from .news import FilesWritten, RankEvents
+from .news import FilesWritten, Park, Parked, RankEvents
 from .scheduler import Plan, Scheduler
-from .sessions import EndReason, Ending, SharedSession
+from .sessions import EndReason, Ending, ResumeFrom, SharedSession
 from .snapshot_writer import SnapshotWriter
+from .stores import Folders
 from .threads import CoreSplit, use_threads
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class LoopHooks:
     # a snapshot of a session this rank owns: "saved" or "failed" (on the writer's thread), "resumed" (a session
     # opened from one)
     on_snapshot: Callable[[str], None] | None = None
+    # a parked world this rank owns back on a slot: (its session, its line wait from the boundary that saw its step,
+    # the open from its park copy), in seconds
+    on_unpark: Callable[[str, float, float], None] | None = None
 
 
 @dataclasses.dataclass
@@ -76,7 +79,7 @@ class Here:
     owned: bool  # this rank answers its client (its intake holds its stream)
     engine: Session | None = None  # its engine session (caches, noise, camera), from its opening on
     opened_s: float | None = None  # when it was opened here: a wait estimate's clock, never a plan's
-    submitted_s: float = 0.0  # owned: when it reached the loop (its wait in line, for the metrics)
+    submitted_s: float = 0.0  # owned: when it reached the loop, or its step a parked world's (its wait in line)
     delivered: int = 0  # owned: blocks its client received, as the intake last said
     told: int = 0  # owned: the place in line its client was last told (0: its slot)
     saved: SharedState | None = None  # owned and resumed: what admission read of its snapshot's shared file, until
@@ -103,9 +106,10 @@ class GroupLoop:
         self._to_intake = to_intake
         self._inbox: queue.SimpleQueue[mail.LoopLetter] = queue.SimpleQueue()
         self.decoder = DecodeSender(engine.vae, self.rank, to_intake, self.post, threads.decode if threads else None)
-        # Saved worlds (docs/worlds.md): this rank writes its parts in the background; where snapshot_dir is set.
-        self.snapshot_root = Path(settings.snapshot_dir) if settings.snapshot_dir else None
-        self.writer = SnapshotWriter(self.snapshot_root, self.rank, self.post) if self.snapshot_root else None
+        # Saved and parked worlds (docs/worlds.md, docs/serving.md "Parking"): this rank writes its parts in the
+        # background into the snapshot store (snapshot_dir) or the park tier in host memory.
+        self.folders = Folders.of(settings)
+        self.writer = SnapshotWriter(self.rank, self.post) if self.folders.snapshots or self.folders.parks else None
         self.here: dict[str, Here] = {}  # every session this rank holds, until it ends
         self._failed: list[tuple[str, Ending]] = []  # sessions that failed to open here: news for the next boundary
         self._last_counts: LineCounts | None = None
@@ -165,6 +169,8 @@ class GroupLoop:
                     self.here[shared.id] = Here(owned=True, submitted_s=now, saved=saved)
                 case mail.Stepped(step):
                     events.steps.append(step)
+                    if (s := self.scheduler.table.get(step.session_id)) is not None and s.parked is not None:
+                        self.here[step.session_id].submitted_s = now  # a parked world's wait for a slot begins
                 case mail.Cancelled(sid):
                     events.cancelled.append(sid)
                 case mail.Expired(sid, why):
@@ -186,6 +192,10 @@ class GroupLoop:
                     events.seated.extend(sids)
                 case mail.OverQuota(sid, why):
                     events.over_quota.append((sid, why))
+                case Park():
+                    events.parking.append(letter)
+                case Parked():
+                    events.parked.append(letter)
                 case mail.Stop():
                     events.stop = True
         # Delivery counts matter only to a session held back by its client (see Scheduler._next_batch): report
@@ -198,9 +208,15 @@ class GroupLoop:
 
     def _apply(self, plan: Plan) -> None:
         for sid, snapshot_id in plan.moves:  # saved where they stand, then ended (below) with MOVED
-            self._save(sid, snapshot_id)
+            self._save(sid, snapshot_id, self.folders.snapshots)
+        for owner, snapshot_id, parked in plan.copies:  # parked worlds moved from their copy, then ended with MOVED
+            self._copy(owner, snapshot_id, parked)
+        for park in plan.parks:  # idle worlds saved where they stand into their park copy (they keep their slot)
+            self._save(park.session_id, park.snapshot_id, self.folders.root(park.tier))
         for sid, ending in plan.ended:
             self._end(sid, ending)
+        for sid in plan.parked:  # their copy is durable: off their slot
+            self._park(sid)
         if plan.opens:
             self._open_all(plan.opens)
         for sid, prompt in plan.recaches:  # a boundary of its own (the scheduler plans no batch beside it)
@@ -231,30 +247,51 @@ class GroupLoop:
             if owned or session.decoding.split:
                 self.decoder.block(session.decoding, output, final=sid in finishing, owned=owned)
         for sid, snapshot_id in plan.saves:  # after their block, asked for by its step
-            self._save(sid, snapshot_id)
+            self._save(sid, snapshot_id, self.folders.snapshots)
         for sid, ending in plan.finishing:
             self._end(sid, ending)
 
-    def _save(self, sid: str, snapshot_id: str) -> None:
-        """A session's snapshot at this block boundary: this rank copies its parts out now (the group's pause) and
-        writes them in the background, its decoder's after the decode of its last block; the owner's intake
-        publishes the snapshot once every rank's files are in (serving/saves)."""
+    def _save(self, sid: str, snapshot_id: str, root: Path) -> None:
+        """A session's snapshot at this block boundary, into the store at `root`: this rank copies its parts out now
+        (the group's pause) and writes them in the background, its decoder's after the decode of its last block; the
+        owner's intake publishes the snapshot once every rank's files are in (serving/saves)."""
         session = self.here[sid].engine
         start = time.perf_counter()
         parts = snapshots.session_parts(self.engine, session)
         log.info("rank %d: session %s saved at block %d into snapshot %s (pause %.1f ms)", self.rank, sid,
                  session.block_index, snapshot_id, (time.perf_counter() - start) * 1000.0)
-        self.decoder.snapshot(session.decoding, snapshot_id, parts, self.writer)
+        owner, writer = session.owner, self.writer
+        self.decoder.snapshot(session.decoding, parts, lambda all_parts: writer.write(root, snapshot_id, owner,
+                                                                                      all_parts))
+
+    def _copy(self, owner: int, snapshot_id: str, parked: ResumeFrom) -> None:
+        """A parked world (of rank `owner`) moved by a drain: this rank's files of its park copy are copied into the
+        snapshot in the background (no block runs); the owner publishes it as any save."""
+        copy = self.folders.opened(parked)
+        self.writer.copy(self.folders.snapshots, snapshot_id, owner, copy.folder,
+                         [e for e in copy.manifest.files if e.rank == self.rank])
+
+    def _park(self, sid: str) -> None:
+        """A world whose park copy is durable leaves its slot: its caches are freed here (its record stays)."""
+        here = self.here[sid]
+        session, here.engine, here.opened_s = here.engine, None, None
+        held = session.cache_bytes()
+        self.engine.close_session(session)
+        log.info("rank %d: session %s parked off its slot after block %d; freed %d cache bytes", self.rank, sid,
+                 session.block_index, held)
 
     def _hand_on_saves(self, written: list[FilesWritten], plan: Plan) -> None:
         """To this rank's intake, about the saves of the sessions it owns: every rank's files of them (news every
-        rank sees), and the saves whose block never runs."""
+        rank sees), the saves whose block never runs, and the parks the group would not take."""
         for report in written:
             if report.owner == self.rank:
                 self._to_intake(report)
         for owner, _, snapshot_id in plan.unsaved:
             if owner == self.rank:
                 self._to_intake(mail.Unsaved(snapshot_id))
+        for owner, _, snapshot_id, why in plan.refused_parks:
+            if owner == self.rank:
+                self._to_intake(mail.ParkRefused(snapshot_id, why))
 
     def _tell_line(self, plan: Plan) -> None:
         """After a plan: each session this rank owns whose place in line changed is told its new place (0: it has
@@ -305,10 +342,12 @@ class GroupLoop:
             self.hooks.on_prompts(1, engine.prompts.hits - hits)
 
     def _open_all(self, opens: list[SharedSession]) -> None:
-        """Open the plan's sessions here; one that fails is news for the next boundary, where every rank's
-        scheduler ends it (it joins no batch before: a session runs from the boundary after its opening)."""
+        """Open the plan's sessions here (a parked world from its park copy); one that fails is news for the next
+        boundary, where every rank's scheduler ends it (it joins no batch before: a session runs from the boundary
+        after its opening)."""
         for shared in opens:
             here = self.here.setdefault(shared.id, Here(owned=False))
+            start = time.monotonic()
             try:
                 here.engine = self._open(shared, here.saved)
                 here.opened_s = time.monotonic()
@@ -321,10 +360,16 @@ class GroupLoop:
                 log.warning("rank %d: opening session %s failed", self.rank, shared.id, exc_info=True)
                 self._failed.append((shared.id, Ending(EndReason.REJECTED, messages.open_failed(exc))))
                 continue
-            if here.owned:
-                self._to_intake(mail.Opened(shared.id))
-                if shared.resume is not None and self.hooks.on_snapshot is not None:
-                    self.hooks.on_snapshot("resumed")
+            if not here.owned:
+                continue
+            self._to_intake(mail.Opened(shared.id))
+            if shared.resume is not None and shared.resume.park is not None:
+                log.info("rank %d: session %s unparked from %s after %.2f s in line, opened in %.2f s", self.rank,
+                         shared.id, shared.resume.park.value, start - here.submitted_s, here.opened_s - start)
+                if self.hooks.on_unpark is not None:
+                    self.hooks.on_unpark(shared.id, start - here.submitted_s, here.opened_s - start)
+            elif shared.resume is not None and self.hooks.on_snapshot is not None:
+                self.hooks.on_snapshot("resumed")
 
     def _open(self, shared: SharedSession, saved: SharedState | None) -> Session:
         """A new session, or one resumed from its snapshot (a collective either way; `saved`: its shared file as its
@@ -333,8 +378,8 @@ class GroupLoop:
             # A steered session keeps what its cached blocks were made of, for a world event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
-        session = snapshots.resume(self.engine, snapshot_at(self.snapshot_root, resume.snapshot_id, resume.manifest),
-                                             shared.geometry, shared.id, shared.owner, resume.fork_seed, saved)
+        session = snapshots.resume(self.engine, self.folders.opened(resume), shared.geometry, shared.id, shared.owner,
+                                   resume.fork_seed, saved)
         session.request = shared.request  # the snapshot's, with this connection's own (its sequence, outputs)
         return session
 

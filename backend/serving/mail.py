@@ -1,10 +1,11 @@
 """What a rank's threads send each other. Each receiver has one queue (its inbox) and is the only reader of it;
 a sender puts a letter in and, when the receiver is the group loop, rings the doorbell.
 
-To the group loop (serving/loop): news of this rank's clients from the intake, the decode sender's failures and
-the snapshot writer's files (news/FilesWritten).
+To the group loop (serving/loop): news of this rank's clients from the intake (its parks too: news/Park,
+news/Parked), the decode sender's failures and the snapshot writer's files (news/FilesWritten).
 To the intake (serving/intake): what to answer, from the group loop and the decode sender, and the saves of the
-sessions it owns (their files written on every rank: news/FilesWritten, handed on by the loop; or never run).
+sessions it owns (their files written on every rank: news/FilesWritten, handed on by the loop; or never run; a park
+the group refused).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..api.request import ResumeRequest, SessionRequest, StepRequest
 from ..engine.blocks import BlockOutput
 from ..engine.snapshot.restore import SharedState
 from .keys import ANONYMOUS, Principal
-from .news import FilesWritten, StepEvent
+from .news import FilesWritten, Park, Parked, StepEvent
 from .sessions import SharedSession
 from .streams import Responder
 
@@ -116,7 +117,7 @@ class Stop:
 
 
 LoopLetter = (Submitted | Stepped | Cancelled | Expired | Delivered | DecodeFailed | SharedDecodeFailed | FilesWritten
-              | Moving | Revoked | Seated | OverQuota | Stop)
+              | Moving | Revoked | Seated | OverQuota | Park | Parked | Stop)
 
 # -- to the intake ----------------------------------------------------------------------------------------------
 
@@ -178,6 +179,15 @@ class Unsaved:
 
 
 @dataclass(frozen=True)
+class ParkRefused:
+    """The group would not park a world this rank owns (why: past max_parked; None: it asked for a block again, or
+    ended): its owner drops the park's copy, and the world stays on its slot."""
+
+    snapshot_id: str
+    why: Refusal | None
+
+
+@dataclass(frozen=True)
 class Drain:
     """The server drains (an operator's restart or move): refuse new sessions, save and move every open one."""
 
@@ -189,4 +199,4 @@ class Closed:
     reason: Refusal
 
 
-IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | FilesWritten | Unsaved | Drain | Closed
+IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | FilesWritten | Unsaved | ParkRefused | Drain | Closed

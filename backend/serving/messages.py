@@ -114,3 +114,10 @@ def not_saved(snapshot_id: str) -> Refusal:
 
 NO_SNAPSHOT_DIR = Refusal(c.INVALID_INPUT, "this server keeps no snapshots (its snapshot_dir is not set): request "
                           "parameters 'save' and 'resume' need one")
+
+
+def park_full(max_parked: int, park_after_s: float) -> Refusal:
+    """A park past max_parked (the owner logs it and tries again park_after_s later; its client is told nothing: its
+    world stays on its slot)."""
+    return Refusal(c.CAPACITY_EXHAUSTED, f"max_parked={max_parked} worlds are parked in this group: the world stays on "
+                   "its slot", park_after_s)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..api.refusal import Refusal
 from ..api.request import Controls
 from ..engine.snapshot.manifest import FileEntry
-from .sessions import Ending, SharedSession
+from .sessions import Ending, SharedSession, Tier
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,25 @@ class FilesWritten:
     error: Refusal | None = None
 
 
+@dataclass(frozen=True)
+class Park:
+    """The owner parks an idle steered world (docs/serving.md, "Parking"): it is saved where it stands into
+    `snapshot_id`, reserved in `tier`."""
+
+    session_id: str
+    snapshot_id: str
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A park's copy is durable (published; `manifest`: its text): the world leaves its slot."""
+
+    session_id: str
+    snapshot_id: str
+    manifest: str
+
+
 @dataclass
 class RankEvents:
     """What one rank tells the others at a block boundary."""
@@ -49,10 +68,13 @@ class RankEvents:
     written: list[FilesWritten] = field(default_factory=list)  # this rank's files of snapshots, for their owners
     seated: list[str] = field(default_factory=list)  # sessions this rank owns that the fleet's books seated now
     over_quota: list[tuple[str, Refusal]] = field(default_factory=list)  # (session id, why): its key's hour, fleet-wide
+    parking: list[Park] = field(default_factory=list)  # idle worlds this rank owns, to be parked
+    parked: list[Parked] = field(default_factory=list)  # parks of this rank's worlds whose copy is durable
     stop: bool = False
     clock_s: float = 0.0  # the rank's wall clock (time.time()) as it collected: not news by itself
 
     def __bool__(self) -> bool:
         return bool(self.submissions or self.steps or self.expired or self.cancelled or self.failed
                     or self.delivered or self.revoked or self.moving or self.written or self.seated or self.over_quota
+                    or self.parking or self.parked
                     or self.stop)

@@ -4,7 +4,8 @@ intake thread, which also owns the rank's one SnapshotStore (docs/worlds.md; a s
 A save moves one way:
 
     reserved   the owner's admission reserved its bytes in the store (a step that asks for it, a start's first block,
-               or a drain's move of the session): its id is known on this rank alone
+               a drain's move of the session, or a park's copy, in the park tier's store or this one): its id is
+               known on this rank alone
     written    every rank's files are in: each rank copied its parts at the block boundary after its block, its
                decode thread added the decoder's, its writer wrote them and reported as news (FilesWritten), which the
                owner's group loop hands on here
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 class Purpose(enum.Enum):
     ASKED = "asked"  # its client asked for it (request parameter save): told in a notice
     MOVE = "move"  # a drain's: the session ends MOVED naming it
+    PARK = "park"  # a parked world's copy (serving/parks): never named to its client unless a drain moves it
 
 
 @dataclass
@@ -47,18 +49,21 @@ class Save:
     session_id: str
     purpose: Purpose
     latent_rows: int  # the session's, for the manifest
+    store: SnapshotStore  # where it is reserved (a park's may be the park tier's, in host memory)
     release: str = ""  # an older snapshot of the world to delete once this one is published ("": none)
     reports: dict[int, FilesWritten] = field(default_factory=dict)  # every rank's files, by rank
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A save that is over: published (error None) or dropped."""
+    """A save that is over: published (error None: its manifest's text and bytes) or dropped."""
 
     session_id: str
     snapshot_id: str
     purpose: Purpose
     error: Refusal | None = None
+    manifest: str = ""
+    nbytes: int = 0
 
 
 class Saves:
@@ -73,19 +78,22 @@ class Saves:
         self._saves: dict[str, Save] = {}  # reserved and not over, by snapshot id
 
     def reserve(self, session_id: str, request: SessionRequest, geometry: VideoGeometry, purpose: Purpose,
-                release: str = "", who: Principal = ANONYMOUS, share: bool = False) -> str:
-        """A new save's id, its bytes reserved: the session's largest snapshot (its window full), owned by the
-        session's key `who`. Refused at once, nothing written: SnapshotError SNAPSHOT_STORE_FULL or, past the key's
-        snapshot_bytes, SNAPSHOT_KEY_FULL (with its retry time; a drain's move is the operator's, held to the
-        store's quota alone), SNAPSHOT_NOT_YOURS when `release` is another key's, InputError without a store."""
-        if self.store is None:
+                release: str = "", who: Principal = ANONYMOUS, share: bool = False,
+                store: SnapshotStore | None = None) -> str:
+        """A new save's id, its bytes reserved in `store` (None: the rank's snapshot store): the session's largest
+        snapshot (its window full), owned by the session's key `who`. Refused at once, nothing written: SnapshotError
+        SNAPSHOT_STORE_FULL or, past the key's snapshot_bytes, SNAPSHOT_KEY_FULL (with its retry time; a drain's move
+        is the operator's, held to the store's quota alone), SNAPSHOT_NOT_YOURS when `release` is another key's,
+        InputError without a store."""
+        store = store or self.store
+        if store is None:
             raise InputError(messages.NO_SNAPSHOT_DIR.sentence)
         if release and not self._may_release(release, who):
             raise not_yours(release, "only its owner releases it")
         size = self.facts.snapshot_size(request, geometry, self.facts.most_blocks(request, geometry), self.keep_commits)
         quota = who.quota.snapshot_bytes if purpose is Purpose.ASKED else None
-        snapshot_id = self.store.reserve(size.total, Ownership(who.digest, share), quota)
-        self._saves[snapshot_id] = Save(snapshot_id, session_id, purpose, geometry.latent_height, release)
+        snapshot_id = store.reserve(size.total, Ownership(who.digest, share), quota)
+        self._saves[snapshot_id] = Save(snapshot_id, session_id, purpose, geometry.latent_height, store, release)
         return snapshot_id
 
     def _may_release(self, snapshot_id: str, who: Principal) -> bool:
@@ -111,27 +119,30 @@ class Saves:
         if failed is not None:
             return self._over(save, failed)
         files = [f for r in sorted(save.reports.values(), key=lambda r: r.rank) for f in r.files]
+        manifest = self.facts.manifest(save.snapshot_id, save.latent_rows, files)
         try:
-            nbytes = self.store.publish(save.snapshot_id, self.facts.manifest(save.snapshot_id, save.latent_rows, files))
+            nbytes = save.store.publish(save.snapshot_id, manifest)
         except (SnapshotError, OSError) as exc:
             log.error("publishing snapshot %s failed: %r", save.snapshot_id, exc)
             return self._over(save, messages.save_failed(save.snapshot_id))
-        log.info("snapshot %s of session %s published: %d bytes", save.snapshot_id, save.session_id, nbytes)
-        if save.release and self.store.release(save.release):
+        log.info("snapshot %s of session %s published (%s): %d bytes", save.snapshot_id, save.session_id,
+                 save.purpose.value, nbytes)
+        if save.release and save.store.release(save.release):
             log.info("snapshot %s released by a newer save of its world", save.release)
-        return self._over(save, None)
+        return self._over(save, None, manifest.to_text(), nbytes)
 
     def unsaved(self, snapshot_id: str) -> Outcome | None:
         """A save whose block never runs (its session ended first): dropped."""
         save = self._saves.get(snapshot_id)
         if save is None:
             return None
-        return self._over(save, messages.not_saved(snapshot_id) if save.purpose is Purpose.ASKED else messages.DRAINING)
+        return self._over(save, messages.DRAINING if save.purpose is Purpose.MOVE else messages.not_saved(snapshot_id))
 
-    def _over(self, save: Save, error: Refusal | None) -> Outcome:
+    def _over(self, save: Save, error: Refusal | None, manifest: str = "", nbytes: int = 0) -> Outcome:
         del self._saves[save.snapshot_id]
         if error is not None:
-            self.store.abandon(save.snapshot_id)
-        if self.on_outcome is not None and error is not messages.DRAINING:  # a move never made is no save
+            save.store.abandon(save.snapshot_id)
+        # A move never made is no save; a park's copy counts as a park (serving/parks).
+        if self.on_outcome is not None and error is not messages.DRAINING and save.purpose is not Purpose.PARK:
             self.on_outcome("saved" if error is None else "failed")
-        return Outcome(save.session_id, save.snapshot_id, save.purpose, error)
+        return Outcome(save.session_id, save.snapshot_id, save.purpose, error, manifest, nbytes)

@@ -1,5 +1,6 @@
 """The group's decisions at a block boundary: slots (fair between keys), limits and each key's quotas, steering,
-fair round-robin batches of sessions, and every change of a session's state.
+fair round-robin batches of sessions, parked worlds (off their slot, back at the front of the line), and every change
+of a session's state.
 
 Pure logic on plain data. Every rank keeps its own copy and plans from the same events (every rank's, in rank
 order), so every rank applies the same `Plan` in the same order without a broadcast. The scheduler is the one
@@ -21,14 +22,15 @@ from ..engine.blocks import BlockControls
 from . import messages
 from .fair import HourlyUsage, fair_order
 from .keys import KEY_REVOKED
-from .news import RankEvents, StepEvent
-from .sessions import EndReason, Ending, SharedSession, State, Step
+from .news import Park, Parked, RankEvents, StepEvent
+from .sessions import EndReason, Ending, Parking, ResumeFrom, SharedSession, State, Step
 from .settings import ServingSettings
 
 
 @dataclass
 class Plan:
-    """What every rank does next, in this order: end, open, run one batch, end the batch's finished sessions."""
+    """What every rank does next, in this order: save (moves, parks), end, leave slots (parked), open, run one batch,
+    end the batch's finished sessions."""
 
     ended: list[tuple[str, Ending]] = field(default_factory=list)  # sessions that ended before the batch
     opens: list[SharedSession] = field(default_factory=list)
@@ -44,6 +46,16 @@ class Plan:
     # (owner rank, session id, snapshot id): a save that never runs, its session having ended first (its queued
     # steps', a step that came after the end, or a move of a session without a slot): its owner drops it
     unsaved: list[tuple[int, str, str]] = field(default_factory=list)
+    # (session id, snapshot id, tier): an idle world saved where it stands into its park copy (it keeps its slot)
+    parks: list[Park] = field(default_factory=list)
+    # sessions whose park copy is durable: they leave their slot (every rank frees their caches)
+    parked: list[str] = field(default_factory=list)
+    # (owner rank, snapshot id, its park copy): a parked world moved by a drain: each rank copies its files of the
+    # park copy into the snapshot, no block run (its ending, MOVED, is in `ended`)
+    copies: list[tuple[int, str, ResumeFrom]] = field(default_factory=list)
+    # (owner rank, session id, snapshot id, why): a park the group would not take, the world staying on its slot
+    # (why: past max_parked; None: it is not idle, or ended): its owner drops the copy
+    refused_parks: list[tuple[int, str, str, Refusal | None]] = field(default_factory=list)
     stop: bool = False
 
     @property
@@ -80,11 +92,14 @@ class Scheduler:
             self._end(sid, ending, plan)
         for sid in (sid for e in events for sid in e.cancelled):
             self._end(sid, Ending(EndReason.CANCELLED), plan)
+        for rank, e in enumerate(events):  # before the steps: a step after a durable park brings the world back
+            for parked in e.parked:
+                self._parked(parked, rank, plan)
         for rank, e in enumerate(events):  # a step comes from its session's owner
             for step in e.steps:
                 self._step(step, rank, plan)
         for sid, why in (x for e in events for x in e.expired):
-            if (s := self.table.get(sid)) is not None and s.live:
+            if (s := self.table.get(sid)) is not None and (s.live or s.parked is not None):
                 self._end(sid, Ending(EndReason.EXPIRED, why), plan)
         for sid in (sid for e in events for sid in e.seated):  # the fleet's books, as the owner heard them
             if (s := self.table.get(sid)) is not None:
@@ -94,6 +109,9 @@ class Scheduler:
         revoked = {tag for e in events for tag in e.revoked}
         for s in [s for s in self.table.values() if s.principal.tag in revoked]:
             self._end(s.id, Ending(EndReason.REVOKED, KEY_REVOKED), plan)
+        for rank, e in enumerate(events):  # after the steps: a world that asked for a block again is not parked
+            for park in e.parking:
+                self._park(park, rank, plan)
         for sid, snapshot_id in (x for e in events for x in e.moving):
             self._move(sid, snapshot_id, plan)
         self._next_batch([sid for sid in opened_before if sid in self.table], plan)
@@ -120,17 +138,58 @@ class Scheduler:
 
     def _move(self, sid: str, snapshot_id: str | None, plan: Plan) -> None:
         """The group drains: a session with a slot is saved where it stands and ends MOVED, carrying its snapshot's
-        id; one still in line (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued steps are
-        its client's to send again where it resumes."""
+        id; a parked one moves from its park copy (copied into the snapshot, no block run; a copy on disk is itself
+        the snapshot); one still in line (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued
+        steps are its client's to send again where it resumes."""
         if (s := self.table.get(sid)) is None:
             return
-        if s.admitted and snapshot_id is not None:
-            plan.moves.append((sid, snapshot_id))
+        if (s.admitted or s.parked is not None) and snapshot_id is not None:
+            if s.admitted:
+                plan.moves.append((sid, snapshot_id))
+            elif snapshot_id != s.parked.snapshot_id:
+                plan.copies.append((s.owner, snapshot_id, s.parked))
             self._end(sid, Ending(EndReason.MOVED, messages.moved(snapshot_id)), plan)
             return
         if snapshot_id is not None:  # nothing to save: its owner drops the snapshot it reserved
             plan.unsaved.append((s.owner, sid, snapshot_id))
         self._end(sid, Ending(EndReason.ABORTED, messages.DRAINING), plan)
+
+    def _park(self, park: Park, owner: int, plan: Plan) -> None:
+        """An idle steered world is saved where it stands into its park copy; it keeps its slot until the copy is
+        durable. Refused (its owner drops the copy, the world stays on its slot) when it is not idle (a step asks
+        for a block, it ends, or it parks already) or the group holds max_parked worlds."""
+        s = self.table.get(park.session_id)
+        idle = s is not None and s.live and s.steered and s.state is State.ACTIVE and s.parking is None \
+            and not s.has_camera()
+        held = sum(x.parking is not None or x.parked is not None for x in self.table.values())
+        if not idle or held >= self.settings.max_parked:
+            why = messages.park_full(self.settings.max_parked, self.settings.park_after_s) if idle else None
+            plan.refused_parks.append((owner, park.session_id, park.snapshot_id, why))
+            return
+        s.parking = Parking(park.snapshot_id, park.tier, s.computed)
+        plan.parks.append(park)
+
+    def _parked(self, parked: Parked, owner: int, plan: Plan) -> None:
+        """A park's copy is durable: the world leaves its slot (counted against its key's sessions still), unless it
+        asked for a block since its copy was made (its owner then drops the copy). One that ended meanwhile: its
+        owner drops the copy as it ends."""
+        s = self.table.get(parked.session_id)
+        if s is None or s.parking is None or s.parking.snapshot_id != parked.snapshot_id:
+            return
+        parking, s.parking = s.parking, None
+        if not s.live or s.computed != parking.block or s.has_camera():
+            plan.refused_parks.append((owner, s.id, parked.snapshot_id, None))
+            return
+        s.admitted = False
+        s.parked = ResumeFrom(parked.snapshot_id, parked.manifest, parking.block, park=parking.tier)
+        plan.parked.append(s.id)
+
+    def _unpark(self, s: SharedSession, plan: Plan) -> None:
+        """A parked world that asked for a block gets a slot: every rank opens it from its park copy."""
+        s.resume, s.parked = s.parked, None
+        s.admitted = True
+        self.table.move_to_end(s.id)  # joins the round robin at its back
+        plan.opens.append(s)
 
     def _step(self, step: StepEvent, owner: int, plan: Plan) -> None:
         s = self.table.get(step.session_id)
@@ -141,6 +200,8 @@ class Scheduler:
         if step.controls is not None:
             s.steps.append(Step(step.controls, step.snapshot_id))
             s.requests += 1
+            if s.parked is not None:  # the parked worlds come back in the order they ask
+                self.table.move_to_end(s.id)
         if step.end:
             s.state = State.ENDING
             if not s.steps:
@@ -156,7 +217,13 @@ class Scheduler:
                 self._end(s.id, Ending(EndReason.REJECTED, refusal), plan)
         live = [s for s in self.table.values() if s.admitted]
         slots = settings.max_sessions - len(live)
-        for s in fair_order([s for s in self._arrived() if s.seated], live, self.last_served, slots):
+        returning = [s for s in self.table.values() if s.returning]
+        for s in returning[:max(0, slots)]:  # the front of the line
+            self._unpark(s, plan)
+        slots -= len(returning)
+        live = [s for s in self.table.values() if s.admitted]
+        for s in fair_order([s for s in self._arrived() if s.seated], live, self.last_served, slots,
+                            parked=self._parked_worlds()):
             s.admitted = True
             if s.state is State.PENDING:
                 s.state = State.ACTIVE
@@ -194,15 +261,20 @@ class Scheduler:
         self.usage.forget([n for n in self.usage.entries if n not in names], self.now)
 
     def _arrived(self) -> list[SharedSession]:
-        """The sessions waiting for a slot, in arrival order."""
-        return [s for s in self.table.values() if not s.admitted]
+        """The new sessions waiting for a slot, in arrival order."""
+        return [s for s in self.table.values() if not s.admitted and s.parked is None]
+
+    def _parked_worlds(self) -> list[SharedSession]:
+        return [s for s in self.table.values() if s.parked is not None]
 
     def waiting(self) -> list[SharedSession]:
-        """The line: sessions waiting for a slot, first first (in the order the fair line gives them slots if
-        nothing else arrives: each one's true place)."""
-        live = [s for s in self.table.values() if s.admitted]
-        return fair_order(self._arrived(), live, self.last_served, self.settings.max_sessions - len(live),
-                          whole_line=True)
+        """The line: sessions waiting for a slot, first first (in the order they get slots if nothing else arrives:
+        each one's true place): the parked worlds that asked for a block, then the fair line's."""
+        returning = [s for s in self.table.values() if s.returning]
+        holders = [s for s in self.table.values() if s.admitted] + returning  # the returning take slots first
+        return returning + fair_order(self._arrived(), holders, self.last_served,
+                                      self.settings.max_sessions - len(holders), whole_line=True,
+                                      parked=[s for s in self._parked_worlds() if not s.returning])
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> None:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.

@@ -64,6 +64,13 @@ class Step:
     snapshot_id: str | None = None
 
 
+class Tier(enum.Enum):
+    """Where a parked world's copy lives (docs/serving.md, "Parking")."""
+
+    MEMORY = "memory"  # the park tier's folder on a tmpfs (park_memory_dir): host memory
+    DISK = "disk"  # the snapshot store (snapshot_dir)
+
+
 @dataclass(frozen=True)
 class ResumeFrom:
     """Where a resumed session opens: its snapshot (the manifest's text travels, so no rank but the owner reads the
@@ -73,6 +80,17 @@ class ResumeFrom:
     manifest: str
     block_index: int
     fork_seed: int | None = None  # None: the saved noise goes on
+    park: Tier | None = None  # a parked world's own copy, in this tier (None: a client's snapshot, in the store)
+
+
+@dataclass(frozen=True)
+class Parking:
+    """A park under way: the world is saved where it stands into `snapshot_id` (in `tier`) after its `block`-th
+    block; it keeps its slot until the copy is durable."""
+
+    snapshot_id: str
+    tier: Tier
+    block: int
 
 
 @dataclass
@@ -95,6 +113,8 @@ class SharedSession:
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
     resume: ResumeFrom | None = None  # opened from a snapshot, where it was saved
     seated: bool = True  # the fleet's books let it hold a slot (False: it waits in its key's line across the fleet)
+    parking: Parking | None = None  # a park under way (it keeps its slot until its copy is durable)
+    parked: ResumeFrom | None = None  # parked: off its slot (not admitted), its world in its park copy
 
     @classmethod
     def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int,
@@ -134,8 +154,13 @@ class SharedSession:
 
     @property
     def live(self) -> bool:
-        """Holds a slot and has blocks left."""
+        """Holds a slot and has blocks left (a parked session holds none)."""
         return self.admitted and self.state is not State.DONE
+
+    @property
+    def returning(self) -> bool:
+        """Parked, and a step asks for its next block: it wants its slot back (the front of the line)."""
+        return self.parked is not None and self.has_camera()
 
     def lags(self, max_blocks_ahead: int) -> bool:
         """Whether its client is too far behind for another block (backpressure)."""
@@ -172,6 +197,7 @@ class OwnerPart:
     late: list[Responder] = field(default_factory=list)  # steps of its sequence after its end, told `told` once its
     # saves are told (a snapshot is named only once durable: serving/saves); a pause then waits on its stream
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
+    place: tuple[int, float, float] | None = None  # its place in line as last told, its wait, when (monotonic s)
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit
 

@@ -40,6 +40,18 @@ class ServingSettings:
     # its owner renews it (every third of it), so a group that dies frees its keys' counts within it (docs/security.md)
     snapshot_ttl_s: float = 86400.0  # how long a snapshot lives after its save: a day, so a player who left may come
     # back the next day; the oldest go first
+    park_after_s: float = 5.0  # a steered world that has asked for no block this long is parked off its slot
+    # (docs/serving.md, "Parking"); 0: never. A world parks once it has waited as long as its return would cost (rent
+    # or buy): an unpark from host memory at the 14B geometry is 1.2 s at SP4, 4.7 s at SP1 (estimated: bench/README
+    # section 21); on the CPU bench 5 s lets 8 players share 2 slots, 10 s turns 3 away
+    park_memory_bytes: int = 336 * 2**30  # the park tier's host memory (park_memory_dir): max_parked's 12 worlds of
+    # the 14B model at 480x832 reserve 27,699 MiB each (a full window: docs/worlds.md), 325 GiB; past it a park goes
+    # to the snapshot store
+    park_memory_dir: str = ""  # the folder on a tmpfs (host memory) that holds this group's parked worlds, emptied at
+    # each load; "": parks go to the snapshot store alone (the launcher sets a folder under /dev/shm on one host)
+    max_parked: int = 12  # parked worlds per group (they hold no slot, only their copy): 3 for each of max_sessions'
+    # 4 slots (the CPU bench's 8 players on 2 slots had up to 7 parked at once at park_after_s 5 s); a park past it is
+    # refused and the world stays on its slot
 
     def __post_init__(self) -> None:
         if not self.books_lease_s >= 1.0:
@@ -47,6 +59,9 @@ class ServingSettings:
                               "of it)")
         if not 0 <= self.host_rank < self.host_count:
             raise ConfigError(f"host_rank={self.host_rank} must be in [0, host_count={self.host_count})")
+        if self.park_after_s < 0 or self.park_memory_bytes < 0 or self.max_parked < 0:
+            raise ConfigError(f"park_after_s={self.park_after_s:g}, park_memory_bytes={self.park_memory_bytes} and "
+                              f"max_parked={self.max_parked} must not be negative")
 
 
 def split_parameters(params: Mapping[str, str]) -> tuple[EngineSettings, ServingSettings]:

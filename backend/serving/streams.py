@@ -92,17 +92,24 @@ class SteeredStream(CountedStream):
         self._pause: Responder | None = None  # the open pause
         self._notices: deque[SnapshotNotice] = deque()  # saves' outcomes told when the client next has a request open
         self._answered_s = time.monotonic()  # when its last waiting request was answered
+        self._served_s = self._answered_s  # when its last block was sent
 
     def waits_on_client_since(self) -> float | None:
         """Since when every request is answered, so the server waits on the client; None while one waits (the
         server's own time: its block runs, or waits behind other sessions' blocks) or a pause is open."""
         return None if self._waiting or self._pause is not None else self._answered_s
 
+    def asks_no_block_since(self) -> float | None:
+        """Since when no request of the session asks for a block (its last block's sending; a pause asks for none);
+        None while one waits for its block or its end."""
+        return None if self._waiting or self._closing else self._served_s
+
     def _deliver(self, responder: Responder, output: BlockOutput, frames: np.ndarray, decode_ms: float,
                  final: bool) -> None:
         super()._deliver(responder, output, frames, decode_ms, final)
+        self._served_s = time.monotonic()
         if not self._waiting:
-            self._answered_s = time.monotonic()
+            self._answered_s = self._served_s
 
     def add(self, responder: Responder) -> None:
         """A step's request: answered by the next block (at once if one is ready)."""

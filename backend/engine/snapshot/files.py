@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -68,6 +69,25 @@ def write_part(folder: Path, part: Part) -> FileEntry:
     return FileEntry(part.name, part.role, part.rank, size, digest, part.heads, part.rows, meta)
 
 
+def copy_file(source: Path, folder: Path, entry: FileEntry) -> FileEntry:
+    """`entry`'s file from folder `source` into `folder` the way `write_part` writes one (a temporary name, fsync,
+    rename, fsync of the folder): the same bytes, so the same entry (its SHA-256 is checked where it is read)."""
+    final = folder / entry.name
+    temporary = folder / f".{entry.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        shutil.copyfile(source / entry.name, temporary, follow_symlinks=False)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+        if temporary.stat().st_size != entry.bytes:
+            raise invalid(f"{entry.name} is not {entry.bytes} bytes where it is copied from")
+        os.replace(temporary, final)
+        fsync_folder(folder)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return entry
+
+
 def fsync_folder(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -76,14 +96,16 @@ def fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def verify(folder: Path, entry: FileEntry) -> Path:
-    """The path of `entry`'s file once it is a plain file (not a link) of its size and SHA-256; SnapshotError
-    (SNAPSHOT_INVALID) otherwise."""
+def verify(folder: Path, entry: FileEntry, check_hash: bool = True) -> Path:
+    """The path of `entry`'s file once it is a plain file (not a link) of its size and SHA-256 (its size alone
+    without `check_hash`); SnapshotError (SNAPSHOT_INVALID) otherwise."""
     path = folder / entry.name
     try:
         info = os.lstat(path)
         if not stat.S_ISREG(info.st_mode) or info.st_size != entry.bytes:
             raise invalid(f"{entry.name} is not a file of {entry.bytes} bytes (truncated or replaced)")
+        if not check_hash:
+            return path
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(descriptor, "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -95,9 +117,9 @@ def verify(folder: Path, entry: FileEntry) -> Path:
 
 
 @contextlib.contextmanager
-def reading(folder: Path, entry: FileEntry) -> Iterator[Any]:
+def reading(folder: Path, entry: FileEntry, check_hash: bool = True) -> Iterator[Any]:
     """The verified file's tensors (safetensors `safe_open`: `get_slice(name)[...]` reads only that part)."""
-    with safe_open(str(verify(folder, entry)), framework="pt", device="cpu") as f:
+    with safe_open(str(verify(folder, entry, check_hash)), framework="pt", device="cpu") as f:
         yield f
 
 

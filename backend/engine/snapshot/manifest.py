@@ -158,6 +158,9 @@ class Snapshot:
 
     folder: Path
     manifest: Manifest
+    # Each file's SHA-256 is checked before it is read; False: its size alone (a parked world's copy in the server's
+    # own host memory, where a pass over every byte would be most of its unpark: docs/serving.md, "Parking").
+    check_hashes: bool = True
 
 
 MODEL_KEYS = {"num_layers", "num_heads", "head_dim", "z_dim"}

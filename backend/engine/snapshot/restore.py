@@ -68,7 +68,7 @@ def read_request(snapshot: Snapshot) -> SessionRequest:
 
 def read_shared(snapshot: Snapshot) -> SharedState:
     entry = snapshot.manifest.entry(SHARED)
-    with faults_as_invalid(entry.name), reading(snapshot.folder, entry) as f:
+    with faults_as_invalid(entry.name), reading(snapshot.folder, entry, snapshot.check_hashes) as f:
         names, meta = set(f.keys()), entry.meta
         arrays = {name: f.get_tensor(name).numpy() if name in names else None for name in REQUEST_ARRAYS}
         request = _request(meta["request"], arrays)
@@ -100,7 +100,7 @@ def read_kv(snapshot: Snapshot, heads: tuple[int, int], num_layers: int, head_di
             low, high = max(first, entry.heads[0]), min(end, entry.heads[1])
             if low >= high:
                 continue
-            with reading(snapshot.folder, entry) as f:
+            with reading(snapshot.folder, entry, snapshot.check_hashes) as f:
                 for i, name in enumerate(f"{kind}.{layer}" for layer in range(num_layers) for kind in "kv"):
                     piece = f.get_slice(name)[:, low - entry.heads[0] : high - entry.heads[0]]
                     if piece.shape != (length, high - low, head_dim) or piece.dtype != dtype:
@@ -113,7 +113,7 @@ def read_kv(snapshot: Snapshot, heads: tuple[int, int], num_layers: int, head_di
 
 def read_condition(snapshot: Snapshot) -> ConditionState:
     entry = snapshot.manifest.entry(CONDITION)
-    with faults_as_invalid(entry.name), reading(snapshot.folder, entry) as f:
+    with faults_as_invalid(entry.name), reading(snapshot.folder, entry, snapshot.check_hashes) as f:
         names, meta = set(f.keys()), entry.meta
 
         def tensor(name: str) -> torch.Tensor | None:
@@ -154,7 +154,7 @@ def _vae_band(snapshot: Snapshot, entries: list[FileEntry], rows: tuple[int, int
     pieces: dict[int, list[torch.Tensor]] = {i: [] for i, slot in enumerate(slots) if slot == TENSOR}
     for entry in overlapping:
         band = entry.rows[1] - entry.rows[0]
-        with reading(snapshot.folder, entry) as f:
+        with reading(snapshot.folder, entry, snapshot.check_hashes) as f:
             for i, found in pieces.items():
                 part = f.get_slice(f"cache.{i}")
                 shape = part.get_shape()
@@ -171,7 +171,7 @@ def _vae_band(snapshot: Snapshot, entries: list[FileEntry], rows: tuple[int, int
 
 def _tiny_memory(snapshot: Snapshot, entries: list[FileEntry]) -> dict[int, torch.Tensor]:
     (entry,) = entries  # the owner decodes whole frames
-    with reading(snapshot.folder, entry) as f:
+    with reading(snapshot.folder, entry, snapshot.check_hashes) as f:
         return {int(name.split(".")[1]): laid_out(f.get_tensor(name), entry, name) for name in f.keys()}
 
 

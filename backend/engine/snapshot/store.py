@@ -101,11 +101,13 @@ def staging_folder(root: Path, snapshot_id: str) -> Path:
     return path
 
 
-def snapshot_at(root: Path, snapshot_id: str, manifest_text: str) -> Snapshot:
+def snapshot_at(root: Path, snapshot_id: str, manifest_text: str, check_hashes: bool = True) -> Snapshot:
     """The snapshot its owner opened, from its manifest's text (`snapshot.manifest.to_text()`, shared with the
     group), without touching the disk: every rank of a resume builds the same one and raises nothing here; a file
-    gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on."""
-    return Snapshot(Path(root) / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id))
+    gone since the owner opened it is each reader's SNAPSHOT_INVALID, which the group agrees on. check_hashes:
+    Snapshot's."""
+    return Snapshot(Path(root) / check_id(snapshot_id), Manifest.parse(manifest_text.encode(), snapshot_id),
+                    check_hashes)
 
 
 class SnapshotStore:
@@ -142,6 +144,10 @@ class SnapshotStore:
                     SNAPSHOT_KEY_FULL, f"this key's snapshots hold {held:,} of its snapshot_bytes={owner_quota:,}; "
                     f"this snapshot takes {nbytes:,}: nothing was saved",
                     self._wait_for(held + nbytes - owner_quota, owner.key)))
+            if (room := self._room()) < nbytes:
+                raise SnapshotError(Refusal(
+                    SNAPSHOT_STORE_FULL, f"the filesystem under the snapshot store has room for {max(0, room):,} more "
+                    f"bytes; this snapshot takes {nbytes:,}: nothing was saved", self._wait_for(nbytes - room)))
             snapshot_id = secrets.token_hex(ID_BYTES)
             staging = self.root / f"{STAGING}{snapshot_id}"
             staging.mkdir()
@@ -204,13 +210,15 @@ class SnapshotStore:
             return sorted(saved, key=lambda s: s.created_unix_s), self._usage(key)
 
     def release(self, snapshot_id: str) -> bool:
-        """Delete a published snapshot its world no longer needs (its holder said so with a newer save): it frees its
-        bytes at once, and a resume of it is SNAPSHOT_UNKNOWN. Returns whether there was one."""
-        folder = self.root / check_id(snapshot_id)
+        """Delete a published snapshot its world no longer needs (its holder said so with a newer save, or a parked
+        world's copy once it is back): it frees its bytes at once, and a resume of it is SNAPSHOT_UNKNOWN. Returns
+        whether there was one."""
+        folder, trash = self.root / check_id(snapshot_id), self.root / f"{TRASH}{secrets.token_hex(8)}"
         with self._locked():
             if not _is_folder(folder):
                 return False
-            os.rename(folder, self.root / f"{TRASH}{secrets.token_hex(8)}")  # removed by the next sweep
+            os.rename(folder, trash)
+        shutil.rmtree(trash, ignore_errors=True)  # a sweep removes what is left (a fault)
         return True
 
     def abandon(self, snapshot_id: str) -> None:
@@ -279,6 +287,12 @@ class SnapshotStore:
             if key is None or _read_owner(path).key == key:
                 used += max(_folder_bytes(path), _reserved(path))
         return used
+
+    def _room(self) -> int:
+        """Bytes the store's filesystem can still take: its free bytes less what the saves under way reserved and
+        have not written yet."""
+        unwritten = sum(max(0, _reserved(p) - _folder_bytes(p)) for p in self.root.glob(f"{STAGING}*"))
+        return shutil.disk_usage(self.root).free - unwritten
 
     def _wait_for(self, needed: int, key: str | None = None) -> float:
         """Seconds until the oldest snapshots' (`key`'s alone, given one) expiry frees `needed` bytes (a time to live
