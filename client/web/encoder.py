@@ -2,7 +2,7 @@
 RTCRtpSender sends a packet as it is (it only packetizes it), so one encoder serves any number of senders.
 
 Its settings follow aiortc's own encoders (Baseline H.264 at level 3.1, zero latency; VP8 in real time), with a
-keyframe every KEYFRAME_EVERY frames and on demand, at a target bitrate clamped to MIN_BITRATE..MAX_BITRATE. As in
+keyframe every KEYFRAME_EVERY frames and on demand only (a keyframe costs every viewer its bits), at a target bitrate clamped to MIN_BITRATE..MAX_BITRATE. As in
 aiortc, a target that moves by more than a tenth reopens the encoder, whose next frame is then a keyframe.
 """
 from __future__ import annotations
@@ -56,7 +56,8 @@ class VideoEncoder:
         rate = {"maxrate": str(bitrate), "bufsize": str(bitrate)}  # at most a second's bits in flight
         if self.mime == H264:
             codec.profile = "Baseline"
-            codec.options = rate | {"level": "31", "preset": "veryfast", "tune": "zerolatency"}
+            codec.options = rate | {"level": "31", "preset": "veryfast", "tune": "zerolatency",
+                                    "x264-params": "scenecut=0"}  # keyframes when asked or due, not on a cut
         else:
             codec.qmin, codec.qmax = 2, 56
             codec.options = rate | {"deadline": "realtime", "cpu-used": "-6", "lag-in-frames": "0",

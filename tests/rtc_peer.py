@@ -1,0 +1,80 @@
+"""An aiortc peer standing in for a browser page (the player's or a watcher's): it offers to receive the world's
+video with a data channel, decodes what comes and keeps what the bridge says on the channel. Host candidates on
+loopback (`loopback_media`), as the bridge's."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+
+import aioice.ice
+import aiohttp
+from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from polling import until
+
+BOUND_S = 30.0
+
+
+@contextlib.contextmanager
+def loopback_media() -> Iterator[None]:
+    """This process's aiortc peers (the bridge's too, in process) gather host candidates on 127.0.0.1 only."""
+    before = aioice.ice.get_host_addresses
+    aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: ["127.0.0.1"]
+    try:
+        yield
+    finally:
+        aioice.ice.get_host_addresses = before
+
+
+class Peer:
+    def __init__(self, label: str = "controls", codecs: tuple[str, ...] | None = None) -> None:
+        """codecs: the video codecs offered (None: aiortc's, H.264 and VP8)."""
+        self.pc = RTCPeerConnection()
+        transceiver = self.pc.addTransceiver("video", direction="recvonly")
+        if codecs is not None:
+            transceiver.setCodecPreferences([c for c in RTCRtpSender.getCapabilities("video").codecs
+                                             if c.mimeType in (*codecs, "video/rtx")])
+        self.channel = self.pc.createDataChannel(label)
+        self.messages: list[dict] = []
+        self.frames: list[int] = []  # the pts of each frame decoded
+        self.track_ended = asyncio.Event()
+        self.channel.on("message", lambda text: self.messages.append(json.loads(text)))
+        self.pc.on("track", lambda track: asyncio.ensure_future(self._pull(track)))
+
+    async def _pull(self, track) -> None:
+        try:
+            while True:
+                self.frames.append((await track.recv()).pts)
+        except MediaStreamError:
+            self.track_ended.set()
+
+    async def offer(self) -> str:
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        return self.pc.localDescription.sdp
+
+    async def accept(self, answer: str) -> None:
+        await self.pc.setRemoteDescription(RTCSessionDescription(answer, "answer"))
+
+    async def connected(self) -> None:
+        """Until the connection is up and the channel open."""
+        await until(lambda: self.pc.connectionState == "connected" and self.channel.readyState == "open", BOUND_S,
+                    "the peer connection and its channel")
+
+    async def watch(self, session: aiohttp.ClientSession, base: str, link: str,
+                    origin: str | None = "same") -> tuple[int, dict]:
+        """Offer to watch `link` (/watch/ID) on the bridge at `base`: the HTTP status and the JSON answer; connected
+        when the answer is one."""
+        headers = {"Content-Type": "application/sdp"} | ({} if origin is None else
+                                                           {"Origin": base if origin == "same" else origin})
+        async with session.post(f"{base}{link}/offer", data=await self.offer(), headers=headers) as response:
+            body = await response.json()
+        if response.status == 200:
+            await self.accept(body["sdp"])
+            await self.connected()
+        return response.status, body
+
+    async def close(self) -> None:
+        await self.pc.close()
