@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 import aioice.ice
 import aiohttp
@@ -16,6 +18,7 @@ from aiortc.mediastreams import MediaStreamError
 from polling import until
 
 BOUND_S = 30.0
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -78,3 +81,32 @@ class Peer:
 
     async def close(self) -> None:
         await self.pc.close()
+
+
+class LoopThread:
+    """An event loop on a thread of its own, for aiortc peers beside a synchronous test (Playwright's): `run` a
+    coroutine on it and wait for its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> LoopThread:
+        self._thread.start()
+        return self
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = BOUND_S * 2) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.run(_cancel_the_rest())  # aiortc's tasks of closed peers (consent checks, DTLS), before the loop goes
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(BOUND_S)
+        self.loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

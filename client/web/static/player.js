@@ -1,6 +1,6 @@
-// The browser player: one websocket per session, which first sets up the video: over WebRTC (rtc.js: the world's
-// video in the <video> element, the page's keys, events, saves and stop on a data channel), or, when WebRTC fails,
-// as JPEG messages on the websocket (the page says so). Each block arrives as a JSON header on the websocket; JPEG
+// The browser player: one websocket per session, which starts the world and sets up its video: over WebRTC (rtc.js:
+// the world's video in the <video> element, the page's keys, events, saves and stop on a data channel), or, until it
+// connects and when it fails, as JPEG messages on the websocket (the page says which). Each block arrives as a JSON header on the websocket; JPEG
 // frames play on the canvas at 16 fps from a queue. The keys held now are sent whenever they change. The JPEG queue
 // holds at most one block's frames and SLACK_FRAMES more: when blocks come faster than they play, the oldest queued
 // frames are skipped (counted in the status), so what is on screen stays within about a block of the newest frame
@@ -24,7 +24,7 @@ let queue = [];        // decoding or decoded frames, oldest first: {bitmap, ski
 let maxQueued = 0;     // the newest block's frames + SLACK_FRAMES
 let stats = null;
 let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
-let startMessage = null;  // the session's start message, sent once its video is set up
+let startMessage = null;  // the session's start message, sent when the bridge opened the session
 const resumeId = new URLSearchParams(location.search).get("resume");  // a saved world to start from
 
 function show(state, extra = "") {
@@ -153,8 +153,8 @@ function onMessage(event) {
   if (msg.type === "session") {
     $("download").href = msg.video;
     $("download-recording").href = msg.recording;
-    const socket = ws;
-    openVideo(socket, msg.webrtc).then(() => { if (socket === ws) socket.send(JSON.stringify(startMessage())); });
+    ws.send(JSON.stringify(startMessage()));  // the world starts while its video connects (JPEG until it does)
+    openVideo(ws, msg.webrtc);
   } else if (msg.type === "answer") {
     if (answered) answered.resolve(msg);
     answered = null;

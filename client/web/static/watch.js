@@ -5,6 +5,7 @@
 const $ = (id) => document.getElementById(id);
 const link = location.pathname.split("/").filter(Boolean).pop();
 let pc = null;
+let channel = null;  // its data channel: the bridge's word to this page
 
 function show(state, extra = "") {
   $("status").dataset.state = state;
@@ -37,6 +38,7 @@ async function watch() {
     if (!ice.ok) { end(config.code, config.message); return; }
     const made = await connectVideo(config.ice_servers, "watch", exchange, $("video"));
     pc = made.pc;
+    channel = made.channel;
     $("status").dataset.codec = made.codec;
     made.channel.addEventListener("message", (e) => { const msg = JSON.parse(e.data); end(msg.code, msg.message); });
     made.channel.addEventListener("close", () => { if ($("status").dataset.state === "watching") show("ended"); });
