@@ -1,6 +1,10 @@
 """A stand-in for a steered session on Triton (client/steer.SteeredSession) that plays frames made beforehand: the
 bridge's video measured without the model's work in the way (bench.delivery), and the tests of the bridge's video.
 
+    python -m bench.replay_world --height 480 --width 832 --block-s 0.75 --url unused:1 --port 8080 ...
+
+runs `python -m client serve` (the other arguments are its own) on such sessions: a clip of the panned test scene.
+
 Each request is answered `block_s` after the answer before it (or after it was sent, if later): a start with 9
 frames, each step with the next 12 of the clip (from its start again at its end), the camera moved by the step's
 keys; an end without a step is answered with no block. Thread-safe as SteeredSession: the bridge steps from the
@@ -8,6 +12,7 @@ event loop and waits for blocks on its page's thread.
 """
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections import deque
@@ -113,3 +118,20 @@ class ReplaySession:
         with self._ready:
             self._closed = True
             self._ready.notify_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="python -m client serve on replayed worlds (the clip made once)")
+    parser.add_argument("--height", type=int, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--block-s", type=float, required=True, help="a block's time (0.75: 12 frames at 16 fps)")
+    parser.add_argument("--clip-frames", type=int, default=96)
+    args, serve_args = parser.parse_known_args(argv)
+    from client.web import bridge, serve
+
+    bridge.SteeredSession = ReplaySession.factory(panned_scene(args.height, args.width, args.clip_frames), args.block_s)
+    return serve.main(serve_args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

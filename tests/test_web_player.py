@@ -1,6 +1,6 @@
 """The browser player end to end: real headless Chromium, the bridge (`python -m client serve`), real tritonserver.
 The page plays over WebRTC (H.264: Debian's Chromium offers it) unless a test breaks it; watchers are Chromium watch
-pages, and the twenty of one world aiortc peers in this process (tests/rtc_peer)."""
+pages, and the twenty of one world aiortc peers in this process (bench/rtc_peers)."""
 from __future__ import annotations
 
 import asyncio
@@ -455,7 +455,7 @@ def test_twenty_watchers_see_the_world_and_the_player_s_pace_holds(player_url, b
     cores on decoding video, the player's server's cores): each watcher decodes frames; one more is refused with
     WATCHERS_FULL; the player's block interval with them is its interval without, within noise."""
     from bench.action_latency import TRACE_JS
-    from rtc_peer import LoopThread, Peer, loopback_media
+    from bench.rtc_peers import LoopThread, Peer, loopback_media
 
     page = browser.new_page()
     page.add_init_script(TRACE_JS)  # stamps each block header with the page's clock

@@ -1,5 +1,5 @@
 """The bridge's video over WebRTC without a server: the app in this process on a replayed world (bench/replay_world:
-frames made once, a block every BLOCK_S), aiortc peers for the pages and the watchers (tests/rtc_peer), and the
+frames made once, a block every BLOCK_S), aiortc peers for the pages and the watchers (bench/rtc_peers), and the
 parts alone (the broadcast, the encoder, an offer's checks, the receivers' feedback, the ICE settings)."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from client.web.encoder import H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8,
 from client.web.rate import Rate
 from client.web.rtc import MAX_SDP_BYTES, IceServers, bind_media, follow_feedback, media_addresses, read_offer
 from polling import until
-from rtc_peer import Peer, loopback_media
+from bench.rtc_peers import Peer, loopback_media
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
-"""An aiortc peer standing in for a browser page (the player's or a watcher's): it offers to receive the world's
-video with a data channel, decodes what comes and keeps what the bridge says on the channel. Host candidates on
-loopback (`loopback_media`), as the bridge's."""
+"""aiortc peers standing in for browser pages (the player's or a watcher's), for the tests of the bridge's video and
+bench.delivery's watchers: each offers to receive the world's video with a data channel, decodes what comes and
+keeps what the bridge says on the channel. Host candidates on loopback (`loopback_media`), as the bridge's."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +14,6 @@ import aioice.ice
 import aiohttp
 from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
-
-from polling import until
 
 BOUND_S = 30.0
 T = TypeVar("T")
@@ -62,9 +60,17 @@ class Peer:
         await self.pc.setRemoteDescription(RTCSessionDescription(answer, "answer"))
 
     async def connected(self) -> None:
-        """Until the connection is up and the channel open."""
-        await until(lambda: self.pc.connectionState == "connected" and self.channel.readyState == "open", BOUND_S,
-                    "the peer connection and its channel")
+        """Until the connection is up and the channel open (TimeoutError after BOUND_S)."""
+        up = asyncio.Event()
+
+        def check() -> None:
+            if self.pc.connectionState == "connected" and self.channel.readyState == "open":
+                up.set()
+
+        self.pc.on("connectionstatechange", check)
+        self.channel.on("open", check)
+        check()
+        await asyncio.wait_for(up.wait(), BOUND_S)
 
     async def watch(self, session: aiohttp.ClientSession, base: str, link: str,
                     origin: str | None = "same") -> tuple[int, dict]:
