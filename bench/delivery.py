@@ -23,7 +23,6 @@ import contextlib
 import os
 import platform
 import random
-import statistics
 import subprocess
 import tempfile
 import time
@@ -155,7 +154,7 @@ async def _closed(peers: list[Peer]) -> None:
     await asyncio.gather(*(peer.close() for peer in peers))
 
 
-def block_interval(page, count: int) -> Callable[[], float]:
+def block_interval(page) -> Callable[[], float]:
     """The median interval between the block headers the page got in the last window (TRACE_JS's stamps)."""
     first = len(page.evaluate("() => window.__latency.blocks"))
 
@@ -170,7 +169,7 @@ def watched(browser, url: str, blocks: int, watchers: int, size: int, out: Path)
     rows = []
     with bridge(url, 1, out / "bridge_watchers.log") as (base, pid), loopback_media(), LoopThread() as loop:
         page = start_page(browser, base, (size, size), True, TRACE_JS, COUNT_JS)
-        interval = block_interval(page, blocks)
+        interval = block_interval(page)
         alone = window(page, pid, blocks, "shown")
         rows.append(["alone", f"{interval():.3f}", f"{100 * alone.cpu_s / alone.wall_s:.1f}",
                      f"{alone.frames_shown / alone.wall_s:.1f}", "-"])
@@ -183,7 +182,7 @@ def watched(browser, url: str, blocks: int, watchers: int, size: int, out: Path)
                 raise SystemExit(f"error: watchers refused: {statuses}")
             poll(lambda: all(len(p.frames) >= 12 for p in peers), "12 frames at every watcher")
             decoded = [len(p.frames) for p in peers]
-            interval = block_interval(page, blocks)
+            interval = block_interval(page)
             many = window(page, pid, blocks, "shown")
             rate = [(len(p.frames) - d) / many.wall_s for p, d in zip(peers, decoded)]
             rows.append([f"with {watchers} watchers", f"{interval():.3f}", f"{100 * many.cpu_s / many.wall_s:.1f}",

@@ -41,7 +41,8 @@ CODES: tuple[BridgeCode, ...] = (
                "fix the message"),
     BridgeCode(ORIGIN_REFUSED, 403, False, "a watcher's offer from a page of another origin (`--allow-origin`)",
                "open the watch link on this bridge's own page"),
-    BridgeCode(SDP_TOO_LARGE, 413, False, "an offer over the bridge's size limit (docs/player.md); nothing of it was parsed",
+    BridgeCode(SDP_TOO_LARGE, 413, False, "an offer longer than `MAX_SDP_BYTES` (client/web/rtc.py); nothing of it "
+               "was parsed",
                "send a smaller offer"),
     BridgeCode(OFFER_INVALID, 400, False, "an offer that is not SDP, or asks for no video the bridge sends "
                "(H.264 or VP8)", "fix the offer; the page plays JPEG over its websocket"),

@@ -2,8 +2,9 @@
 RTCRtpSender sends a packet as it is (it only packetizes it), so one encoder serves any number of senders.
 
 Its settings follow aiortc's own encoders (Baseline H.264 at level 3.1, zero latency; VP8 in real time), with a
-keyframe every KEYFRAME_EVERY frames and on demand only (a keyframe costs every viewer its bits), at a target bitrate clamped to MIN_BITRATE..MAX_BITRATE. As in
-aiortc, a target that moves by more than a tenth reopens the encoder, whose next frame is then a keyframe.
+keyframe every KEYFRAME_EVERY frames and when asked only (a keyframe costs every viewer its bits), at a target
+bitrate clamped to MIN_BITRATE..MAX_BITRATE. As in aiortc, a target that moves by more than a tenth reopens the
+encoder, whose next frame is then a keyframe.
 """
 from __future__ import annotations
 
