@@ -236,7 +236,8 @@ def test_a_watcher_cannot_steer(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
 
 
 def test_watch_offers_are_refused_with_a_code_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A guessed link, another origin, an offer too long (told by its length, or by its bytes), one that is not SDP,
+    """A guessed link, another origin, an offer too long (told by its length, or by its bytes; one at the limit in
+    pieces is answered), one that is not SDP,
     watchers past the world's limit and the bridge's, an offer past the link's rate: each refused with its code and
     status; the world and its page play on and the bridge serves a new page."""
     async def attack() -> None:
@@ -247,8 +248,9 @@ def test_watch_offers_are_refused_with_a_code_before_any_work(monkeypatch: pytes
             link = await watch_link(page)
 
             async def post(path: str, body: bytes, origin: str = ORIGIN, chunked: bool = False) -> tuple[int, dict]:
-                async def chunks():
-                    yield body
+                async def chunks():  # no Content-Length: the body as it comes, in pieces
+                    for at in range(0, len(body), 4096):
+                        yield body[at:at + 4096]
 
                 async with http.post(f"{base}{path}/offer", data=chunks() if chunked else body,
                                      headers={"Origin": origin, "Content-Type": "application/sdp"}) as response:
@@ -264,6 +266,10 @@ def test_watch_offers_are_refused_with_a_code_before_any_work(monkeypatch: pytes
                 (404, "WATCH_UNKNOWN"), (403, "ORIGIN_REFUSED"), (413, "SDP_TOO_LARGE"), (413, "SDP_TOO_LARGE"),
                 (400, "OFFER_INVALID")]
             assert all(body["message"] for _, body in refused)
+            offer = (await (taker := Peer("watch")).offer()).encode()
+            padded = offer + b"a=x-pad:" + b"p" * (MAX_SDP_BYTES - len(offer) - len(b"a=x-pad:\r\n")) + b"\r\n"
+            assert (await post(link, padded, chunked=True))[0] == 200  # at the limit, in pieces: answered
+            await taker.close()
             # A new link (its own 4 offers a minute): two watchers (the world's limit), two more refused as too many
             # for the world, a fifth as one offer too many for the minute. A second world's first watcher makes the
             # bridge's 3, its second is refused as one too many in all.

@@ -191,9 +191,13 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     finally:  # the page went: its place is free, its Triton session cancelled, its video ended and its files dropped
         # aiohttp cancels this handler when the page's connection goes, so nothing below may hang on an await.
         sessions.pop(sid, None)
+
+        async def leave() -> None:
+            await page.close()
+            await asyncio.to_thread(page.player.close)
+
         try:
-            await asyncio.shield(page.close())
-            await asyncio.shield(asyncio.to_thread(page.player.close))
+            await asyncio.shield(leave())
         finally:
             path.unlink(missing_ok=True)
             recording_path(path).unlink(missing_ok=True)
@@ -222,7 +226,9 @@ async def watch_offer(request: web.Request) -> web.Response:
             raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
         watching = request.app[WATCHING]
         link = watching.check(request.match_info["wid"])
-        body = await request.content.read(MAX_SDP_BYTES + 1)
+        body = b""
+        while len(body) <= MAX_SDP_BYTES and (chunk := await request.content.read(MAX_SDP_BYTES + 1 - len(body))):
+            body += chunk
         if len(body) > MAX_SDP_BYTES:
             raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
         return web.json_response(await watching.add(link, body.decode("utf-8", "replace")))
