@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -91,11 +92,17 @@ class Peer:
 
 class LoopThread:
     """An event loop on a thread of its own, for aiortc peers beside a synchronous test (Playwright's): `run` a
-    coroutine on it and wait for its result."""
+    coroutine on it and wait for its result. `nice`: the thread's niceness, which the threads it starts (aiortc's
+    decoders) inherit."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 0) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.nice = nice
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # Linux: a thread's own
+        self.loop.run_forever()
 
     def __enter__(self) -> LoopThread:
         self._thread.start()

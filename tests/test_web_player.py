@@ -62,6 +62,15 @@ def browser():
         context.close()
 
 
+@pytest.fixture
+def new_page(browser):
+    """browser.new_page, each page closed after the test, passed or failed (its session then frees its slot)."""
+    opened = []
+    yield lambda: opened.append(browser.new_page()) or opened[-1]
+    for page in opened:
+        page.close()
+
+
 def status(page, name: str) -> str:
     return page.get_attribute("#status", f"data-{name}")
 
@@ -283,46 +292,48 @@ def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_ord
     slot play or compute their first block, the 4 in line show their places 1-4, and the 3 beyond are refused at
     once with the capacity code and a retry time. Stopping the players hands the slots down the line in order."""
     pages = [browser.new_page() for _ in range(10)]
-    for page in pages:
-        page.goto(player_url)
-        page.fill("#prompt", "a castle on a hill")
-        page.fill("#width", str(TINY_SIZE))
-        page.fill("#height", str(TINY_SIZE))
-    for page in pages:
-        page.click("#start")
-    started = time.monotonic()
-
-    def where() -> tuple[list, list, list]:
-        states = [(page, status(page, "state")) for page in pages]
-        playing = [p for p, s in states if s in ("playing", "starting") and status(p, "place") in (None, "0")]
-        waiting = sorted((int(status(p, "place")), p) for p, s in states if s == "waiting")
-        refused = [p for p, s in states if s == "failed" and status(p, "code") == "CAPACITY_EXHAUSTED"]
-        return playing, [p for _, p in waiting], refused
-
     try:
-        wait_until(lambda: [len(x) for x in where()] == [3, 4, 3], 2.0, "3 pages playing, 4 in line, 3 refused")
-    except AssertionError:
-        raise AssertionError([(status(p, "state"), status(p, "place"), status(p, "code"), p.inner_text("#error"))
-                              for p in pages]) from None
-    elapsed = time.monotonic() - started
-    playing, line, refused = where()
-    assert [status(p, "place") for p in line] == ["1", "2", "3", "4"], elapsed
-    for page in refused:
-        retry = re.search(r"server busy: 4 sessions already wait for a slot .* \(retry in (\d+) s\)",
-                          page.inner_text("#error"))
-        assert retry and 1 <= int(retry.group(1)) <= 60, page.inner_text("#error")
-    for page in playing:  # the slots go to the line, first come first served
-        page.click("#stop")
-    wait_until(lambda: all(status(p, "state") == "ended" for p in playing), BLOCK_S, "the stopped pages to end")
-    wait_until(lambda: all(status(p, "state") == "playing" for p in line[:3]) and status(line[3], "place") == "1",
-               BLOCK_S, "the first 3 in line to play and the 4th to move up to place 1")
-    for page in line[:3]:
-        page.click("#stop")
-    wait_until(lambda: status(line[3], "state") == "playing", BLOCK_S, "the last in line to play")
-    line[3].click("#stop")
-    wait_until(lambda: status(line[3], "state") == "ended", BLOCK_S, "the last page to end")
-    for page in pages:
-        page.close()
+        for page in pages:
+            page.goto(player_url)
+            page.fill("#prompt", "a castle on a hill")
+            page.fill("#width", str(TINY_SIZE))
+            page.fill("#height", str(TINY_SIZE))
+        for page in pages:
+            page.click("#start")
+        started = time.monotonic()
+
+        def where() -> tuple[list, list, list]:
+            states = [(page, status(page, "state")) for page in pages]
+            playing = [p for p, s in states if s in ("playing", "starting") and status(p, "place") in (None, "0")]
+            waiting = sorted((int(status(p, "place")), p) for p, s in states if s == "waiting")
+            refused = [p for p, s in states if s == "failed" and status(p, "code") == "CAPACITY_EXHAUSTED"]
+            return playing, [p for _, p in waiting], refused
+
+        try:
+            wait_until(lambda: [len(x) for x in where()] == [3, 4, 3], 2.0, "3 pages playing, 4 in line, 3 refused")
+        except AssertionError:
+            raise AssertionError([(status(p, "state"), status(p, "place"), status(p, "code"), p.inner_text("#error"))
+                                  for p in pages]) from None
+        elapsed = time.monotonic() - started
+        playing, line, refused = where()
+        assert [status(p, "place") for p in line] == ["1", "2", "3", "4"], elapsed
+        for page in refused:
+            retry = re.search(r"server busy: 4 sessions already wait for a slot .* \(retry in (\d+) s\)",
+                              page.inner_text("#error"))
+            assert retry and 1 <= int(retry.group(1)) <= 60, page.inner_text("#error")
+        for page in playing:  # the slots go to the line, first come first served
+            page.click("#stop")
+        wait_until(lambda: all(status(p, "state") == "ended" for p in playing), BLOCK_S, "the stopped pages to end")
+        wait_until(lambda: all(status(p, "state") == "playing" for p in line[:3]) and status(line[3], "place") == "1",
+                   BLOCK_S, "the first 3 in line to play and the 4th to move up to place 1")
+        for page in line[:3]:
+            page.click("#stop")
+        wait_until(lambda: status(line[3], "state") == "playing", BLOCK_S, "the last in line to play")
+        line[3].click("#stop")
+        wait_until(lambda: status(line[3], "state") == "ended", BLOCK_S, "the last page to end")
+    finally:  # a failure here must not leave 10 sessions holding the shared server's slots and line
+        for page in pages:
+            page.close()
 
 
 @pytest.mark.timeout(60)
@@ -383,8 +394,8 @@ def break_dtls(ws) -> None:
     server.on_message(to_page)
 
 
-def test_a_failed_webrtc_falls_back_to_jpeg_and_says_so(player_url, browser) -> None:
-    page = browser.new_page()
+def test_a_failed_webrtc_falls_back_to_jpeg_and_says_so(player_url, new_page) -> None:
+    page = new_page()
     page.route_web_socket(re.compile(r"/ws(\?|$)"), break_dtls)
     page.goto(player_url)
     page.fill("#prompt", "a castle on a hill")
@@ -399,19 +410,18 @@ def test_a_failed_webrtc_falls_back_to_jpeg_and_says_so(player_url, browser) -> 
     assert page.is_hidden("#video") and page.is_visible("#screen")
     page.click("#stop")
     wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
-    page.close()
 
 
 def watch_state(watcher) -> str:
     return watcher.get_attribute("#status", "data-state")
 
 
-def test_a_watcher_sees_the_world_cannot_steer_and_a_revoked_link_ends_its_stream(player_url, browser, bridge_log,
+def test_a_watcher_sees_the_world_cannot_steer_and_a_revoked_link_ends_its_stream(player_url, new_page, bridge_log,
                                                                                   first_frame: Path) -> None:
     """The page's watch link opens the world in another page, read-only, over WebRTC: its frames decode and its
     video changes. A crafted message on its data channel is refused (WATCH_READ_ONLY), logged, and ends it. A second
     watcher plays until the player revokes the link (WATCH_REVOKED); the revoked link then serves no one."""
-    page = browser.new_page()
+    page = new_page()
     start(page, player_url, first_frame)
     wait_until(lambda: blocks(page) >= 1, BLOCK_S * 2, "the first block")
     page.click("#watch")
@@ -420,7 +430,7 @@ def test_a_watcher_sees_the_world_cannot_steer_and_a_revoked_link_ends_its_strea
     assert re.fullmatch(r"/watch/[0-9a-f]{32}", link) and page.inner_text("#watch-link").endswith(link)
     watch_url = player_url.rstrip("/") + link
 
-    crafty = browser.new_page()
+    crafty = new_page()
     crafty.goto(watch_url)
     wait_until(lambda: watch_state(crafty) == "watching" and decoded(crafty) > 8, 30, "the watcher's frames")
     plays_changing_frames(lambda: video_pixels(crafty))
@@ -430,34 +440,32 @@ def test_a_watcher_sees_the_world_cannot_steer_and_a_revoked_link_ends_its_strea
     assert "sent a message on its data channel: refused (WATCH_READ_ONLY)" in bridge_log.read_text()
     assert "s" not in status(page, "keys")
 
-    watcher = browser.new_page()
+    watcher = new_page()
     watcher.goto(watch_url)
     wait_until(lambda: decoded(watcher) > 8, 30, "the second watcher's frames")
     page.click("#revoke")
     wait_until(lambda: watch_state(watcher) == "refused", 10, "the revoked watcher's stream to end")
     assert watcher.get_attribute("#status", "data-code") == "WATCH_REVOKED"
     assert page.inner_text("#revoked") == "link revoked (1 watcher(s) ended)"
-    late = browser.new_page()
+    late = new_page()
     late.goto(watch_url)
     wait_until(lambda: watch_state(late) == "refused", 10, "the revoked link refused")
     assert late.get_attribute("#status", "data-code") == "WATCH_UNKNOWN"
     page.click("#stop")
     wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
-    for p in (page, crafty, watcher, late):
-        p.close()
 
 
 WATCHERS = 20  # the bridge's default --max-watchers-per-world
 
 
-def test_twenty_watchers_see_the_world_and_the_player_s_pace_holds(player_url, browser, first_frame: Path) -> None:
+def test_twenty_watchers_see_the_world_and_the_player_s_pace_holds(player_url, new_page, first_frame: Path) -> None:
     """The player in Chromium, its 20 watchers aiortc peers in this process (20 Chromium pages would spend the two
     cores on decoding video, the player's server's cores): each watcher decodes frames; one more is refused with
     WATCHERS_FULL; the player's block interval with them is its interval without, within noise."""
     from bench.action_latency import TRACE_JS
     from bench.rtc_peers import LoopThread, Peer, loopback_media
 
-    page = browser.new_page()
+    page = new_page()
     page.add_init_script(TRACE_JS)  # stamps each block header with the page's clock
     start(page, player_url, first_frame)
     wait_until(lambda: blocks(page) >= 2, BLOCK_S * 2, "the first blocks")
@@ -500,5 +508,4 @@ def test_twenty_watchers_see_the_world_and_the_player_s_pace_holds(player_url, b
     assert watched <= alone * 1.5 + 0.05, (alone, watched)
     page.click("#stop")
     wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
-    page.close()
 
