@@ -1,8 +1,8 @@
 """One page session on its websocket: its world (a Player), the world's video for WebRTC viewers (a Broadcast), the
 page's own peer connection while it plays over WebRTC, and the world's watch link.
 
-Page -> bridge on the websocket: the messages of `schema` ("offer" first when the page plays over WebRTC; "jpeg"
-when its WebRTC failed); on the data channel the page opens (label "controls"): keys, event, save and stop
+Page -> bridge on the websocket: the messages of `schema` ("offer" after its start when the page plays over
+WebRTC; "jpeg" when its WebRTC failed); on the data channel the page opens (label "controls"): keys, event, save and stop
 (CHANNEL_MESSAGES), the same JSON. Bridge -> page: what Player sends, and {"type": "answer", sdp, codec},
 {"type": "watch", id, path} (id null and "revoked": the watchers told, after a revoke); on the data channel
 {"type": "on_air", block, pts} when a block's first frame goes out on the video (pts: its RTP timestamp less the

@@ -9,6 +9,7 @@ for a wildcard host), one UDP port each per peer connection, chosen by the syste
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -74,6 +75,9 @@ async def answer(offer: Offer, viewer: Viewer, configuration: RTCConfiguration) 
     try:
         await pc.setRemoteDescription(RTCSessionDescription(offer.sdp, "offer"))
         await pc.setLocalDescription(await pc.createAnswer())
+    except asyncio.CancelledError:  # the page went meanwhile
+        asyncio.ensure_future(pc.close())
+        raise
     except Exception as exc:  # the offer passed the parser but not aiortc's checks (ICE or DTLS fields missing, ...)
         await pc.close()
         raise Refused(OFFER_INVALID, f"the offer could not be answered: {exc}") from None
