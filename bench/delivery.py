@@ -12,10 +12,10 @@
 2. Action-to-frame latency on both paths: bench.action_latency's page and webrtc paths at lookahead 1, 128x128,
    on an SP1 tiny random-weights tritonserver (started here, unless --url).
 3. One player and `--watchers` watchers on that server (the player's page over WebRTC in Chromium; the watchers
-   aiortc peers in this process, each decoding): the player's block interval at its page and the bridge's CPU,
-   first alone, then with the watchers, in one session; and this process's CPU (the watchers' receiving and
-   decoding, on the same cores as the server, the bridge and Chromium here, at nice 10: they stand for other
-   machines and take what the others leave).
+   aiortc peers in this process): the player's block interval at its page and the bridge's CPU, first alone, then
+   with the watchers, in one session. The watchers stand for other machines: they receive every frame whole but do
+   not decode it (`bench.rtc_peers.undecoded`; the tests' watchers decode), and run at nice 10, taking the cores
+   the server, the bridge and Chromium leave; this process's CPU is shown beside.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from bench.action_latency import CHROMIUM_ARGS, NO_WEBRTC_JS, TRACE_JS, bridge, poll, run_page, table
 from bench.common import TINY, add_checkpoint_args, ensure_checkpoint, format_table
-from bench.rtc_peers import LoopThread, Peer, loopback_media
+from bench.rtc_peers import LoopThread, Peer, loopback_media, undecoded
 
 SIZES = ((128, 128), (480, 832))
 BLOCK_S = 0.75  # 12 frames at 16 fps: a server that keeps up with playback, no faster
@@ -170,14 +170,15 @@ def block_interval(page) -> Callable[[], float]:
 
 def watched(browser, url: str, blocks: int, watchers: int, size: int, out: Path) -> list[list[str]]:
     rows = []
-    with bridge(url, 1, out / "bridge_watchers.log") as (base, pid), loopback_media(), \
+    with bridge(url, 1, out / "bridge_watchers.log") as (base, pid), loopback_media(), undecoded(), \
             LoopThread(nice=WATCHERS_NICE) as loop:
         page = start_page(browser, base, (size, size), True, TRACE_JS, COUNT_JS)
         interval, own = block_interval(page), cpu_s(os.getpid())
         alone = window(page, pid, blocks, "shown")
         own = cpu_s(os.getpid()) - own
-        rows.append(["alone", f"{interval():.3f}", f"{100 * alone.cpu_s / alone.wall_s:.1f}",
-                     f"{alone.frames_shown / alone.wall_s:.1f}", "-", f"{100 * own / alone.wall_s:.0f}"])
+        rows.append(["alone", f"{interval():.3f}", f"{alone.rtc_bytes * 8 / alone.wall_s / 1e6:.2f}",
+                     f"{100 * alone.cpu_s / alone.wall_s:.1f}", f"{alone.frames_shown / alone.wall_s:.1f}", "-",
+                     f"{100 * own / alone.wall_s:.0f}"])
         page.click("#watch")
         poll(lambda: page.is_visible("#watch-link"), "the watch link")
         peers = loop.run(_made(watchers))
@@ -186,14 +187,14 @@ def watched(browser, url: str, blocks: int, watchers: int, size: int, out: Path)
             if statuses != [200] * watchers:
                 raise SystemExit(f"error: watchers refused: {statuses}")
             poll(lambda: all(len(p.frames) >= 12 for p in peers), "12 frames at every watcher")
-            decoded = [len(p.frames) for p in peers]
+            received = [len(p.frames) for p in peers]
             interval, own = block_interval(page), cpu_s(os.getpid())
             many = window(page, pid, blocks, "shown")
             own = cpu_s(os.getpid()) - own
-            rate = [(len(p.frames) - d) / many.wall_s for p, d in zip(peers, decoded)]
-            rows.append([f"with {watchers} watchers", f"{interval():.3f}", f"{100 * many.cpu_s / many.wall_s:.1f}",
-                         f"{many.frames_shown / many.wall_s:.1f}", f"{min(rate):.1f}-{max(rate):.1f}",
-                         f"{100 * own / many.wall_s:.0f}"])
+            rate = [(len(p.frames) - r) / many.wall_s for p, r in zip(peers, received)]
+            rows.append([f"with {watchers} watchers", f"{interval():.3f}", f"{many.rtc_bytes * 8 / many.wall_s / 1e6:.2f}",
+                         f"{100 * many.cpu_s / many.wall_s:.1f}", f"{many.frames_shown / many.wall_s:.1f}",
+                         f"{min(rate):.1f}-{max(rate):.1f}", f"{100 * own / many.wall_s:.0f}"])
         finally:
             loop.run(_closed(peers))
         page.click("#stop")
@@ -251,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
           f"server at {url}):")
     print(table(latency))
     print(f"\nOne player (WebRTC, {args.size}x{args.size}) and {args.watchers} watchers, {args.blocks} blocks each:")
-    print(format_table(["player", "block interval p50 (s)", "bridge CPU %", "player frames shown/s",
-                        "each watcher's frames decoded/s", "this process's CPU % (the watchers)"], watchers, left=1))
+    print(format_table(["player", "block interval p50 (s)", "player's video Mbit/s", "bridge CPU %",
+                        "player frames shown/s",
+                        "each watcher's frames received/s", "this process's CPU % (the watchers)"], watchers, left=1))
     return 0
 
 

@@ -9,11 +9,14 @@ import json
 import os
 import threading
 from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aioice.ice
 import aiohttp
+import aiortc.rtcrtpreceiver
 from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription
+from aiortc.jitterbuffer import JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 BOUND_S = 30.0
@@ -31,6 +34,31 @@ def loopback_media() -> Iterator[None]:
         aioice.ice.get_host_addresses = before
 
 
+@dataclass(frozen=True)
+class ReceivedFrame:
+    """A video frame received whole, not decoded (`undecoded`)."""
+
+    pts: int
+
+
+class _Undecoded:
+    def decode(self, encoded: JitterFrame) -> list[ReceivedFrame]:
+        return [ReceivedFrame(encoded.timestamp)]
+
+
+@contextlib.contextmanager
+def undecoded() -> Iterator[None]:
+    """This process's aiortc receivers hand on each video frame they receive whole without decoding it: peers that
+    stand for other machines, whose decoding is their own (aiortc's receiver takes its decoder from this one
+    function)."""
+    before = aiortc.rtcrtpreceiver.get_decoder
+    aiortc.rtcrtpreceiver.get_decoder = lambda codec: _Undecoded()
+    try:
+        yield
+    finally:
+        aiortc.rtcrtpreceiver.get_decoder = before
+
+
 class Peer:
     def __init__(self, label: str = "controls", codecs: tuple[str, ...] | None = None) -> None:
         """codecs: the video codecs offered (None: aiortc's, H.264 and VP8)."""
@@ -41,7 +69,7 @@ class Peer:
                                              if c.mimeType in (*codecs, "video/rtx")])
         self.channel = self.pc.createDataChannel(label)
         self.messages: list[dict] = []
-        self.frames: list[int] = []  # the pts of each frame decoded
+        self.frames: list[int] = []  # the pts of each frame decoded (received, `undecoded`)
         self.track_ended = asyncio.Event()
         self.channel.on("message", lambda text: self.messages.append(json.loads(text)))
         self.pc.on("track", lambda track: asyncio.ensure_future(self._pull(track)))
