@@ -29,7 +29,8 @@ from client.web.broadcast import SLACK_FRAMES, Broadcast, Viewer
 from client.web.codes import Refused
 from client.web.encoder import H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8, VideoEncoder
 from client.web.rate import Rate
-from client.web.rtc import MAX_SDP_BYTES, IceServers, bind_media, follow_feedback, media_addresses, read_offer
+from client.web.rtc import (MAX_SDP_BYTES, IceServers, bind_media, follow_feedback, media_addresses, read_offer,
+                           without_mdns_candidates)
 from polling import until
 from bench.rtc_peers import Peer, loopback_media
 
@@ -436,6 +437,18 @@ def test_an_offer_is_checked_before_any_peer_connection() -> None:
         with pytest.raises(Refused) as refused:
             read_offer(sdp)
         assert refused.value.code == code, sdp[:80] if isinstance(sdp, str) else sdp
+
+
+def test_a_page_s_mdns_candidates_are_left_out_and_then_its_end_of_candidates() -> None:
+    """The bridge resolves no NAME.local (a multicast socket on every interface, a second's wait): it takes the
+    page's address from its checks, and waits for them (no end of candidates) when it dropped any."""
+    mdns = "a=candidate:1 1 udp 2113937151 0f3c-4a.local 50000 typ host generation 0\r\n"
+    address = "a=candidate:2 1 udp 2113937151 192.0.2.9 50001 typ host generation 0\r\n"
+    end = "a=end-of-candidates\r\n"
+    assert without_mdns_candidates("v=0\r\n" + mdns + address + end) == "v=0\r\n" + address
+    assert without_mdns_candidates("v=0\r\n" + address + end) == "v=0\r\n" + address + end
+    taken = read_offer(offer_of().replace(end, mdns + end, 1)).sdp  # an offer with a page's mDNS candidate
+    assert ".local" not in taken and "a=end-of-candidates" not in taken and "a=candidate:" in taken
 
 
 def test_a_turn_credential_is_coturn_s_and_expires() -> None:

@@ -2,7 +2,8 @@
 routed to the world's one encoder, the ICE servers, and the addresses the media's UDP ports listen on.
 
 A page offers (it is the offerer; the bridge never offers): one video to receive, and a data channel or none. The
-bridge answers with H.264 when the offer has a profile it sends, else VP8. ICE: host candidates only unless
+bridge answers with H.264 when the offer has a profile it sends, else VP8. It resolves no mDNS candidate (see
+`without_mdns_candidates`). ICE: host candidates only unless
 `--ice-server` names STUN or TURN servers; the host candidates are on the addresses `bind_media` was given (the
 bridge's --host by default: loopback for the default 127.0.0.1; every interface but loopback, aioice's own choice,
 for a wildcard host), one UDP port each per peer connection, chosen by the system.
@@ -62,7 +63,19 @@ def read_offer(sdp: object) -> Offer:
     codec = next((mime for mime in SENT_CODECS if mime in offered), None)
     if codec is None:
         raise Refused(OFFER_INVALID, "the offer takes neither H.264 (packetization-mode 1, Baseline) nor VP8")
-    return Offer(sdp, codec)
+    return Offer(without_mdns_candidates(sdp), codec)
+
+
+def without_mdns_candidates(sdp: str) -> str:
+    """The offer without its mDNS host candidates (NAME.local, as browsers hide their addresses) and, if it had
+    any, without its end of candidates. aioice would resolve each name by multicast (a socket on port 5353 of every
+    interface, and up to a second's wait before the answer); the bridge learns the page's address from the page's
+    own connectivity checks instead (peer-reflexive candidates), which go on while no end of candidates came."""
+    lines = sdp.splitlines(keepends=True)
+    kept = [line for line in lines if not (line.startswith("a=candidate:") and ".local " in line)]
+    if len(kept) < len(lines):
+        kept = [line for line in kept if not line.startswith("a=end-of-candidates")]
+    return "".join(kept)
 
 
 async def answer(offer: Offer, viewer: Viewer, configuration: RTCConfiguration) -> RTCPeerConnection:
