@@ -108,17 +108,18 @@ class Page:
         if self.world is not None:
             self.world.cancel()
         await self._end_video(drain=False)
-        await self._close_peer()
 
     async def _play(self, request: Any) -> None:
         await self.player.play(request)  # to the world's end, told to the page (a cancel: the page went, see close)
         await self._end_video(drain=True)
 
     async def _end_video(self, drain: bool) -> None:
-        """The world is over: its video ends (after the frames queued, with `drain`), then its watchers'."""
+        """The world is over: its video ends (after the frames queued, with `drain`) and the page's connection
+        closes, then its watchers'."""
         if drain:
             await self.broadcast.finish()
         self.broadcast.end()
+        await self._close_peer()
         if self.watch_id is not None:
             watch_id, self.watch_id = self.watch_id, None
             await self.watching.end(watch_id, Refused(WORLD_ENDED, "the world ended: its player stopped or left"))

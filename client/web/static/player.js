@@ -1,11 +1,11 @@
 // The browser player: one websocket per session, which starts the world and sets up its video: over WebRTC (rtc.js:
 // the world's video in the <video> element, the page's keys, events, saves and stop on a data channel), or, until it
-// connects and when it fails, as JPEG messages on the websocket (the page says which). Each block arrives as a JSON header on the websocket; JPEG
-// frames play on the canvas at 16 fps from a queue. The keys held now are sent whenever they change. The JPEG queue
-// holds at most one block's frames and SLACK_FRAMES more: when blocks come faster than they play, the oldest queued
-// frames are skipped (counted in the status), so what is on screen stays within about a block of the newest frame
-// (the bridge bounds the WebRTC video's queue the same way). "Watch link" gives a link that anyone can open to watch
-// the world live (read-only); "Revoke" ends it.
+// connects and when it fails, as JPEG messages on the websocket (the page says which). Each block arrives as a JSON
+// header on the websocket; JPEG frames play on the canvas at 16 fps from a queue. The keys held now are sent whenever
+// they change. The JPEG queue holds at most one block's frames and SLACK_FRAMES more: when blocks come faster than
+// they play, the oldest queued frames are skipped (counted in the status), so what is on screen stays within about
+// a block of the newest frame (the bridge bounds the WebRTC video's queue the same way). "Watch link" gives a link
+// that anyone can open to watch the world live (read-only); "Revoke" ends it.
 // The world survives its server: the bridge saves it and, when the server is lost, resumes it elsewhere (a "failover"
 // message when lost, another once it goes on). "Save world" shows the saved world's id and a link that resumes it;
 // a page opened with ?resume=ID starts from that saved world.
@@ -110,6 +110,8 @@ async function openVideo(socket, webrtc) {
   });
   mine.pc.addEventListener("connectionstatechange", () => {
     if (mine !== rtc || mine.pc.connectionState !== "failed") return;
+    // the bridge closes it when the world is over
+    if (["ended", "failed", "closed"].includes($("status").dataset.state)) return;
     if (socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({type: "jpeg"}));
     useJpeg("WebRTC failed while playing");
   });
@@ -324,12 +326,12 @@ $("stop").addEventListener("click", () => {
   show("stopping");
 });
 setInterval(() => { if ($("status").dataset.state === "starting") show("starting"); }, 1000);
-// The WebRTC video's counters on the status line: frames decoded, bytes received (all the transport's).
+// The WebRTC video's counters on the status line while it plays: frames decoded, bytes received (the transport's).
 setInterval(async () => {
-  if (!rtc) return;
+  if (!rtc || !stats || !stats.blocks) return;
   const v = await videoStats(rtc.pc);
   Object.assign($("status").dataset, {decoded: v.decoded, videoBytes: v.transportBytes});
-}, 500);
+}, 1000);
 $("source").addEventListener("change", () => { $("image").hidden = $("source").value !== "upload"; });
 screen.tabIndex = 0;
 
