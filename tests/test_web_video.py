@@ -27,7 +27,7 @@ from client.web import bridge
 from client.web.app import WATCHING, Access, RtcSettings, make_app
 from client.web.broadcast import SLACK_FRAMES, Broadcast, Viewer
 from client.web.codes import Refused
-from client.web.encoder import H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8, VideoEncoder
+from client.web.encoder import H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8, VideoEncoder, ceiling
 from client.web.rate import Rate
 from client.web.rtc import (MAX_SDP_BYTES, IceServers, bind_media, follow_feedback, media_addresses, read_offer,
                            without_mdns_candidates)
@@ -375,10 +375,11 @@ def test_viewers_start_at_a_keyframe_and_frames_go_out_at_16_fps() -> None:
 
 
 def test_a_lower_bitrate_makes_smaller_frames_and_a_change_starts_a_keyframe() -> None:
-    """On frames that need every bit (noise), the lowest target makes less than half the bytes of the highest; the
-    target moving by more than a tenth reopens the encoder (a keyframe), by a tenth or less it does not."""
+    """On frames that need every bit (noise), the lowest target makes less than half the bytes of the picture's
+    ceiling (a higher target is held to it); the target moving by more than a tenth reopens the encoder (a
+    keyframe), by a tenth or less it does not."""
     encoder = VideoEncoder(H264, 16)
-    clip = np.random.default_rng(0).integers(0, 256, (71, 128, 128, 3), dtype=np.uint8)
+    clip = np.random.default_rng(0).integers(0, 256, (71, 256, 256, 3), dtype=np.uint8)
 
     def run_at(bitrate: int, frames: range) -> tuple[int, list[bool]]:
         packets = [encoder.encode(clip[i], i * 5625, False, bitrate) for i in frames]
@@ -387,9 +388,15 @@ def test_a_lower_bitrate_makes_smaller_frames_and_a_change_starts_a_keyframe() -
     high, keys = run_at(MAX_BITRATE, range(0, 32))
     low, lowered = run_at(MIN_BITRATE, range(32, 64))
     assert keys[0] and lowered[0] and not any(lowered[1:])
-    assert low < high / 2
+    assert low < high / 2 and high < 1.5 * ceiling(256, 256, 16) / 8 * 2  # 2 s of frames, within its ceiling
     assert not any(run_at(int(MIN_BITRATE * 1.1), range(64, 70))[1])
     assert encoder.encode(clip[0], 70 * 5625, True, MIN_BITRATE)[0].is_keyframe  # asked for
+
+
+def test_a_picture_s_ceiling_follows_its_size() -> None:
+    assert ceiling(832, 480, 16) == 1_916_928 and ceiling(1280, 720, 16) == 4_423_680
+    assert ceiling(64, 64, 16) < MIN_BITRATE  # a tiny picture gets the least
+    assert ceiling(2048, 2048, 16) == MAX_BITRATE
 
 
 def test_a_receiver_s_estimate_and_loss_reach_the_world_s_encoder() -> None:
