@@ -27,7 +27,8 @@ from client.web import bridge
 from client.web.app import WATCHING, Access, RtcSettings, make_app
 from client.web.broadcast import SLACK_FRAMES, Broadcast, Viewer
 from client.web.codes import Refused
-from client.web.encoder import H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8, VideoEncoder, ceiling
+from client.web.encoder import (FLOOR_BITRATE, H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8, VideoEncoder, ceiling,
+                                target)
 from client.web.rate import Rate
 from client.web.rtc import (MAX_SDP_BYTES, IceServers, bind_media, follow_feedback, media_addresses, read_offer,
                            without_mdns_candidates)
@@ -375,28 +376,30 @@ def test_viewers_start_at_a_keyframe_and_frames_go_out_at_16_fps() -> None:
 
 
 def test_a_lower_bitrate_makes_smaller_frames_and_a_change_starts_a_keyframe() -> None:
-    """On frames that need every bit (noise), the lowest target makes less than half the bytes of the picture's
-    ceiling (a higher target is held to it); the target moving by more than a tenth reopens the encoder (a
-    keyframe), by a tenth or less it does not."""
+    """On frames that need every bit (noise), the floor makes less than half the bytes of the picture's ceiling (a
+    higher estimate is held to it); the target moving by more than a tenth reopens the encoder (a keyframe), by a
+    tenth or less it does not."""
     encoder = VideoEncoder(H264, 16)
-    clip = np.random.default_rng(0).integers(0, 256, (71, 256, 256, 3), dtype=np.uint8)
+    clip = np.random.default_rng(0).integers(0, 256, (71, 512, 512, 3), dtype=np.uint8)
 
     def run_at(bitrate: int, frames: range) -> tuple[int, list[bool]]:
         packets = [encoder.encode(clip[i], i * 5625, False, bitrate) for i in frames]
         return sum(p.size for ps in packets for p in ps), [any(p.is_keyframe for p in ps) for ps in packets]
 
     high, keys = run_at(MAX_BITRATE, range(0, 32))
-    low, lowered = run_at(MIN_BITRATE, range(32, 64))
+    low, lowered = run_at(MIN_BITRATE, range(32, 64))  # held to the floor
     assert keys[0] and lowered[0] and not any(lowered[1:])
-    assert low < high / 2 and high < 1.5 * ceiling(256, 256, 16) / 8 * 2  # 2 s of frames, within its ceiling
-    assert not any(run_at(int(MIN_BITRATE * 1.1), range(64, 70))[1])
-    assert encoder.encode(clip[0], 70 * 5625, True, MIN_BITRATE)[0].is_keyframe  # asked for
+    assert low < high / 2 and high < 1.5 * ceiling(512, 512, 16) / 8 * 2  # 2 s of frames, within its ceiling
+    assert not any(run_at(int(FLOOR_BITRATE * 1.1), range(64, 70))[1])
+    assert encoder.encode(clip[0], 70 * 5625, True, FLOOR_BITRATE)[0].is_keyframe  # asked for
 
 
-def test_a_picture_s_ceiling_follows_its_size() -> None:
+def test_a_picture_s_target_is_the_estimate_between_its_floor_and_its_ceiling() -> None:
     assert ceiling(832, 480, 16) == 1_916_928 and ceiling(1280, 720, 16) == 4_423_680
-    assert ceiling(64, 64, 16) < MIN_BITRATE  # a tiny picture gets the least
-    assert ceiling(2048, 2048, 16) == MAX_BITRATE
+    assert ceiling(64, 64, 16) == MIN_BITRATE and ceiling(2048, 2048, 16) == MAX_BITRATE
+    assert [target(estimate, 832, 480, 16) for estimate in (0, 700_000, 9_000_000)] == [
+        FLOOR_BITRATE, 700_000, 1_916_928]
+    assert target(9_000_000, 64, 64, 16) == target(0, 64, 64, 16) == MIN_BITRATE  # a tiny picture: its ceiling
 
 
 def test_a_receiver_s_estimate_and_loss_reach_the_world_s_encoder() -> None:
