@@ -106,8 +106,10 @@ class Watching:
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
-            if pc.connectionState in ("failed", "closed"):
+            if pc.connectionState == "failed":
                 await self._drop(link, watcher)
+            elif pc.connectionState == "closed":  # closed here already (its close emits this)
+                link.watchers.discard(watcher)
 
         asyncio.get_running_loop().call_later(CONNECT_WITHIN_S, self._unless_connected, link, watcher)
         log.info("watcher joined %s… (%d watching it, %d in all)", link.id[:8], len(link.watchers), self.watchers)
