@@ -1,7 +1,7 @@
 """Action-to-frame latency: from a key change at the client to the first frame that shows it, at lookahead 0, 1, 2,
 through `python -m client play` and through the browser page (`python -m client serve`, real headless Chromium).
 
-    python -m bench.action_latency [--lookahead 0 1 2] [--paths play page] [--changes 4] [--url HOST:PORT]
+    python -m bench.action_latency [--lookahead 0 1 2] [--paths play page webrtc] [--changes 4] [--url HOST:PORT]
 
 Against a real tritonserver on the tiny checkpoint (SP1, CPU; --url: an existing server). "Shows it": the first
 block whose camera, as the server reports it used (camera_used, kept in the session's recording), moves with the
@@ -12,13 +12,19 @@ changed key; keys alternate between W and J, so every change presses a key the b
   a step's keys when it sends the step, right after writing block k - L - 1 (steady state); so the key change is
   that moment, and the block shown at it is k - L - 1. A cross-check compares the stamped interval with play's own
   step latency (its send to its block's arrival).
-* page: the bridge with `--lookahead L`, the page in Chromium with a trace script added before the page's own
-  (no change to the page): the page's clock stamps each keydown, each block header and each frame drawn on the
-  canvas. The frames play from a queue at 16 fps, in order, skipping the oldest when the page falls behind (its
-  status counts them in data-skipped), so a draw shows frame (draws before it + frames skipped by then); at each
-  keydown it also reads the length of the page's queue. Every
-  L + 3 blocks a key is pressed at a random moment within a block interval after a block arrives; the block shown
-  then is the one whose frame was drawn last. The server's camera_used comes from the page session's recording.
+* page: the bridge with `--lookahead L`, the page in Chromium over JPEG (its WebRTC turned off, as a browser
+  without it), with a trace script added before the page's own (no change to the page): the page's clock stamps
+  each keydown, each block header and each frame drawn on the canvas. The frames play from a queue at 16 fps, in
+  order, skipping the oldest when the page falls behind (its status counts them in data-skipped), so a draw shows
+  frame (draws before it + frames skipped by then); at each keydown it also reads the length of the page's queue.
+  Every L + 3 blocks a key is pressed at a random moment within a block interval after a block arrives; the block
+  shown then is the one whose frame was drawn last. The server's camera_used comes from the page session's
+  recording.
+* webrtc: the same page over WebRTC. The trace stamps each video frame when the browser expects to show it
+  (requestVideoFrameCallback's expectedDisplayTime, with the frame's RTP timestamp) and each "on_air" message of
+  the data channel (a block's first frame went out, with its pts); a frame's RTP timestamp is the stream's origin
+  plus its pts (`on_screen` finds the origin), so block k is on screen from the first frame at or after
+  origin + pts(k).
 """
 from __future__ import annotations
 
@@ -78,7 +84,29 @@ TRACE_JS = """(() => {
       });
     }
   };
+  // WebRTC: each video frame as the browser expects to show it, and each block's first frame going out
+  trace.frames = [];
+  trace.onAir = [];
+  document.addEventListener("DOMContentLoaded", () => {
+    const video = document.getElementById("video");
+    const frame = (now, meta) => {
+      trace.frames.push({t: meta.expectedDisplayTime, rtp: meta.rtpTimestamp});
+      video.requestVideoFrameCallback(frame);
+    };
+    video.requestVideoFrameCallback(frame);
+  });
+  const open = RTCPeerConnection.prototype.createDataChannel;
+  RTCPeerConnection.prototype.createDataChannel = function (...args) {
+    const channel = open.apply(this, args);
+    channel.addEventListener("message", (e) => {
+      const m = JSON.parse(e.data);
+      if (m.type === "on_air") trace.onAir.push({block: m.block, pts: m.pts, t: performance.now()});
+    });
+    return channel;
+  };
 })();"""
+NO_WEBRTC_JS = "delete window.RTCPeerConnection;"  # the page as a browser without WebRTC: JPEG on its websocket
+RTP_WRAP = 1 << 32
 
 
 # ---------------------------------------------------------------- the measurement (no server)
@@ -200,18 +228,20 @@ def run_play(url: str, lookahead: int, changes: int, size: int, out: Path) -> Ru
 
 
 @contextlib.contextmanager
-def bridge(url: str, lookahead: int, log: Path) -> Iterator[str]:
-    """`python -m client serve --lookahead L` against `url`, in its own process; yields its base URL."""
+def bridge(url: str, lookahead: int, log: Path,
+           serve: Sequence[str] = ("-m", "client", "serve")) -> Iterator[tuple[str, int]]:
+    """`python -m client serve --lookahead L` (or `serve`, taking its arguments) against `url`, in its own process;
+    yields its base URL and its pid."""
     port = free_port()
     with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", url, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, *serve, "--url", url, "--port", str(port),
                                  "--lookahead", str(lookahead)], cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         poll(lambda: answers(base + "/") or proc.poll() is not None, "the bridge to serve its page")
         if proc.poll() is not None:
             raise SystemExit(f"error: the bridge exited {proc.returncode}:\n{log.read_text()}")
-        yield base
+        yield base, proc.pid
     finally:
         proc.terminate()
         try:
@@ -236,10 +266,14 @@ def poll(condition, what: str, timeout: float = BOUND_S):
     return value
 
 
-def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Path, rng: random.Random) -> Run:
-    with bridge(url, lookahead, out / f"bridge_l{lookahead}.log") as base:
+def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Path, rng: random.Random,
+             webrtc: bool = False) -> Run:
+    path = "webrtc" if webrtc else "page"
+    with bridge(url, lookahead, out / f"bridge_{path}_l{lookahead}.log") as (base, _):
         page = browser.new_page()
         page.add_init_script(TRACE_JS)
+        if not webrtc:
+            page.add_init_script(NO_WEBRTC_JS)
         page.goto(base + "/")
         page.fill("#prompt", PROMPT)
         page.fill("#width", str(size))
@@ -267,16 +301,23 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
         page.click("#stop")
         poll(lambda: page.get_attribute("#status", "data-state") == "ended", "the session to end")
         frames = sum(b["frames"] for b in trace()["blocks"])
-        poll(lambda: (draws := trace()["draws"]) and draws[-1]["frame"] >= frames - 1, "the last frame drawn",
-             BOUND_S + frames / DEFAULT_FPS)
+        if webrtc:  # the last block's first frame shown on the video
+            poll(lambda: (on_air := trace()["onAir"]) and on_air[-1]["block"] == trace()["blocks"][-1]["index"]
+                 and trace()["frames"][-1]["t"] > on_air[-1]["t"], "the last block on the video")
+        else:
+            poll(lambda: (draws := trace()["draws"]) and draws[-1]["frame"] >= frames - 1, "the last frame drawn",
+                 BOUND_S + frames / DEFAULT_FPS)
         final = trace()
-        recording = out / f"page_l{lookahead}.npz"
+        recording = out / f"{path}_l{lookahead}.npz"
         href = page.get_attribute("#download-recording", "href")
         recording.write_bytes(urllib.request.urlopen(base + href, timeout=30).read())
         page.close()
     blocks, draws = final["blocks"], final["draws"]
-    shown = [Shown(b["index"], t / 1000, b["t"] / 1000) for b in blocks
-             if (t := first_draw(final, b)) is not None]
+    arrived_s = {b["index"]: b["t"] / 1000 for b in blocks}
+    if webrtc:
+        shown = [Shown(block, t, arrived_s[block]) for block, t in on_screen(final["onAir"], final["frames"])]
+    else:
+        shown = [Shown(b["index"], t / 1000, b["t"] / 1000) for b in blocks if (t := first_draw(final, b)) is not None]
     # keydowns of the change keys after the warm-up's W (a key held down repeats no keydown)
     presses = [k for k in final["keys"] if k["key"] in CHANGE_KEYS][1:]
     measured = measure([KeyChange(k["t"] / 1000, k["key"]) for k in presses], shown, used_keys(Recording.load(recording)))
@@ -284,9 +325,33 @@ def run_page(browser, url: str, lookahead: int, changes: int, size: int, out: Pa
     header = {s.block: s.arrived for s in shown}
     arrived = [header[lat.first_block] - lat.change.t for lat in measured if lat.first_block is not None]
     arrivals = [b["t"] / 1000 for b in blocks[WARMUP_BLOCKS:]]
+    if webrtc:
+        video = final["frames"]
+        shows = (len(video) - 1) / (video[-1]["t"] - video[0]["t"]) * 1000
+        return Run(path, lookahead, measured, list(np.diff(arrivals)), [], arrived,
+                   f"the video showed {shows:.1f} frames/s", None, frames)
     drew = (len(draws) - 1) / (draws[-1]["t"] - draws[0]["t"]) * 1000
-    return Run("page", lookahead, measured, list(np.diff(arrivals)), queued, arrived,
+    return Run(path, lookahead, measured, list(np.diff(arrivals)), queued, arrived,
                f"the canvas drew {drew:.1f} frames/s (the page plays at most 16)", frames - len(draws), frames)
+
+
+def on_screen(on_air: Sequence[dict], frames: Sequence[dict]) -> list[tuple[int, float]]:
+    """(block, seconds) when each block's first frame was on the video: the first frame shown whose RTP timestamp
+    is at or after the stream's origin + the block's pts. The origin is the difference between a frame's RTP
+    timestamp and an on_air pts that recurs most, each on_air paired with the frames shown within a second of it: a
+    pts is the wall time its frame went out, so frame intervals differ in their last ticks and only the true origin
+    recurs for every block."""
+    pairs = [(f["rtp"] - m["pts"]) % RTP_WRAP for m in on_air for f in frames if 0 <= f["t"] - m["t"] < 1000]
+    if not pairs:
+        return []
+    origin = statistics.mode(pairs)
+    out = []
+    for m in on_air:
+        start = (origin + m["pts"]) % RTP_WRAP
+        after = [f for f in frames if (f["rtp"] - start) % RTP_WRAP < RTP_WRAP // 2]
+        if after:
+            out.append((m["block"], min(after, key=lambda f: (f["rtp"] - start) % RTP_WRAP)["t"] / 1000))
+    return out
 
 
 def first_draw(trace: dict, block: dict) -> float | None:
@@ -322,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     add_checkpoint_args(parser, preset="tiny")
     parser.add_argument("--url", help="an existing server (default: start an SP1 CPU server on the checkpoint)")
     parser.add_argument("--lookahead", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--paths", nargs="+", choices=("play", "page"), default=["play", "page"])
+    parser.add_argument("--paths", nargs="+", choices=("play", "page", "webrtc"), default=["play", "page", "webrtc"],
+                        help="play: the CLI; page: the browser page over JPEG; webrtc: the page over WebRTC")
     parser.add_argument("--changes", type=int, default=4, help="key changes per path and lookahead")
     parser.add_argument("--size", type=int, default=TINY.height, help="height and width of the video")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
@@ -340,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             url = server.grpc_url
         out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="action-latency-")))
         browser = None
-        if "page" in args.paths:
+        if {"page", "webrtc"} & set(args.paths):
             from playwright.sync_api import sync_playwright
 
             playwright = stack.enter_context(sync_playwright())
@@ -349,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.paths:
             for lookahead in args.lookahead:
                 run = run_play(url, lookahead, args.changes, args.size, out) if path == "play" else \
-                    run_page(browser, url, lookahead, args.changes, args.size, out, rng)
+                    run_page(browser, url, lookahead, args.changes, args.size, out, rng, webrtc=path == "webrtc")
                 runs.append(run)
                 print(f"{path} lookahead {lookahead}: " + json.dumps(
                     [[lat.shown_block, lat.first_block, None if lat.wall_s is None else round(lat.wall_s, 3)]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from backend.api.controls import integrate
-from bench.action_latency import KeyChange, Shown, keys_of_camera, measure
+from bench.action_latency import RTP_WRAP, KeyChange, Shown, keys_of_camera, measure, on_screen
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,3 +44,18 @@ def test_a_block_queued_before_the_change_does_not_show_it() -> None:
     used = {0: "w", 1: "w", 2: "w", 3: "j", 4: "j", 5: "j", 6: "w", 7: "w", 8: "j", 9: "j"}
     (latency,) = measure([KeyChange(3.5, "j")], shown, used)
     assert (latency.shown_block, latency.first_block, latency.wall_s) == (2, 8, pytest.approx(5.5))
+
+
+def test_a_block_is_on_the_video_from_its_first_frame_shown() -> None:
+    """WebRTC: block k's first frame has RTP timestamp origin + pts(k) (the origin unknown to the page, here one
+    that wraps past 2^32; a pts is the wall time the frame went out, never spaced evenly to the tick); a block whose
+    first frame the browser did not show is on screen from its next frame shown."""
+    origin, rng = RTP_WRAP - 3 * 5625, np.random.default_rng(0)
+    pts = np.cumsum(5625 + rng.integers(-90, 90, 36)) - 5625
+    on_air = [{"block": k, "pts": int(pts[12 * k]), "t": pts[12 * k] / 90 + 5.0} for k in range(3)]
+    frames = [{"rtp": int(origin + p) % RTP_WRAP, "t": p / 90 + 80.0} for i, p in enumerate(pts) if i != 12]
+    shown = on_screen(on_air, frames)
+    assert [block for block, _ in shown] == [0, 1, 2]
+    assert [t for _, t in shown] == pytest.approx([(pts[0] / 90 + 80) / 1000, (pts[13] / 90 + 80) / 1000,
+                                                   (pts[24] / 90 + 80) / 1000])
+    assert on_screen(on_air, []) == []

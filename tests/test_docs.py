@@ -42,3 +42,10 @@ def test_serving_doc_lists_every_metric() -> None:
     names = re.findall(r'family\("(lingbot_world_\w+)"', source)
     serving = (REPO_ROOT / "docs" / "serving.md").read_text()
     assert names and [n for n in names if f"`{n}`" not in serving] == []
+
+
+def test_the_player_doc_holds_the_bridge_s_codes_as_they_are() -> None:
+    from client.web.codes import render
+
+    assert render() in (REPO_ROOT / "docs" / "player.md").read_text(), \
+        "docs/player.md's table of the bridge's codes is stale: paste `python -m client.web.codes` into it"

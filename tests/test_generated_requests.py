@@ -23,6 +23,7 @@ from backend.api.codec import parse_request, request_arrays
 from backend.api.errors import InputError
 from backend.api.request import SessionRequest, StepRequest
 from client.web import app as web_app
+from client.web.bridge import Player
 from client.web.schema import INT_RANGE, MAX_TEXT, MESSAGES, parse_message
 from factories import tiny_request
 
@@ -267,7 +268,7 @@ def test_the_bridge_answers_a_bad_message_with_an_error_and_a_policy_close_start
         while not started:
             await asyncio.sleep(0.01)
 
-    monkeypatch.setattr(web_app.Player, "play", play)
+    monkeypatch.setattr(Player, "play", play)
 
     async def exchange(client: TestClient, message) -> tuple[list[dict], int | None]:
         async with client.ws_connect("/ws") as ws:

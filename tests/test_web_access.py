@@ -124,17 +124,18 @@ def test_each_page_message_reaches_its_player(monkeypatch) -> None:
     import json
 
     from client.web import app as web_app
+    from client.web.bridge import Player
 
     calls: list[tuple] = []
 
     async def play(self, request) -> None:
         calls.append(("play", request.prompt, request.keys))
 
-    monkeypatch.setattr(web_app.Player, "play", play)
-    monkeypatch.setattr(web_app.Player, "hold", lambda self, keys: calls.append(("hold", keys)))
-    monkeypatch.setattr(web_app.Player, "event", lambda self, prompt, recache=False: calls.append(("event", prompt,
+    monkeypatch.setattr(Player, "play", play)
+    monkeypatch.setattr(Player, "hold", lambda self, keys: calls.append(("hold", keys)))
+    monkeypatch.setattr(Player, "event", lambda self, prompt, recache=False: calls.append(("event", prompt,
                                                                                                      recache)))
-    monkeypatch.setattr(web_app.Player, "stop", lambda self: calls.append(("stop",)))
+    monkeypatch.setattr(Player, "stop", lambda self: calls.append(("stop",)))
     messages = [{"type": "start", "prompt": "a castle", "keys": "w", "height": 64, "width": 64},
                 {"type": "keys", "keys": "wa"}, {"type": "event", "prompt": "it snows", "recache": True},
                 {"type": "event", "prompt": "rain"}, {"type": "keys"}, {"type": "stop"}]
@@ -155,8 +156,8 @@ def test_each_page_message_reaches_its_player(monkeypatch) -> None:
 
 
 def test_max_pages_play_at_once_one_more_is_told_busy_and_a_freed_place_is_taken() -> None:
-    """Access.max_pages=2: two pages get a session, the third an error naming the limit and the close code
-    TRY_AGAIN_LATER; once a page leaves, the next gets in (the real app in this process, no Triton behind it)."""
+    """Access.max_pages=2: two pages get a session, the third an error naming the limit with its code and the close
+    code TRY_AGAIN_LATER; once a page leaves, the next gets in (the real app in this process, no Triton behind it)."""
     import json
 
     from aiohttp import WSMsgType
@@ -186,7 +187,8 @@ def test_max_pages_play_at_once_one_more_is_told_busy_and_a_freed_place_is_taken
 
     told, busy, closed, after = asyncio.run(asyncio.wait_for(open_pages(), 20))
     assert told == ["session", "session"] and after == "session"
-    assert busy == {"type": "error", "message": "the player is busy: 2 pages are playing; retry later"}
+    assert busy == {"type": "error", "code": "PLAYER_BUSY", "retry_after_s": None,
+                    "message": "the player is busy: 2 pages are playing; retry later"}
     assert closed == (WSMsgType.CLOSE, 1013)  # TRY_AGAIN_LATER
 
 

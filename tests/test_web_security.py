@@ -308,3 +308,49 @@ def test_pages_waiting_for_blocks_leave_the_bridge_responsive(sp1_server, tmp_pa
     assert max(took) < 1.0
     assert played >= 3 and all(o == "played" or o.startswith("server busy:") for o in outcomes), outcomes
     assert log.read_text().count(" expired after ") == expired_before
+
+
+def test_watch_links_refuse_guesses_revoked_links_floods_and_oversized_offers_with_codes(player) -> None:
+    """Against the bridge's process: a guessed link and a revoked one (WATCH_UNKNOWN), an offer over the size limit
+    (SDP_TOO_LARGE, from its length alone), a flood of offers on a live link (past --max-offers-per-minute:
+    OFFERS_TOO_FAST with a retry time; before it each garbage offer OFFER_INVALID); each answered with its status and
+    nothing else; the world plays on and the bridge serves a new page."""
+    from client.web.app import RtcSettings
+    from client.web.rtc import MAX_SDP_BYTES
+
+    base, log = player
+    flood = RtcSettings.offers_per_minute + 5
+
+    async def attack() -> tuple[list, list, list]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
+            async def offer(link: str, body: bytes) -> tuple[int, str]:
+                async with session.post(f"{base}{link}/offer", data=body, headers={"Origin": base}) as response:
+                    return response.status, (await response.json())["code"]
+
+            async with session.ws_connect(f"{base.replace('http', 'ws')}/ws", headers={"Origin": base}) as ws:
+                async def next_of(kind: str) -> dict:  # the page's JSON messages (its frames come as JPEG)
+                    async for msg in ws:
+                        if msg.type == aiohttp.WSMsgType.TEXT and (message := json.loads(msg.data))["type"] == kind:
+                            return message
+                    raise AssertionError(f"the bridge closed before a {kind!r} message")
+
+                await next_of("session")
+                await ws.send_json(start())
+                await ws.send_json({"type": "watch"})
+                link = (await next_of("watch"))["path"]
+                guessed = [await offer("/watch/" + "0" * 32, b"v=0"), await offer(link, b"v" * (MAX_SDP_BYTES + 1))]
+                flooded = await asyncio.gather(*(offer(link, b"v=0\r\ngarbage") for _ in range(flood)))
+                await ws.send_json({"type": "revoke"})
+                await next_of("watch")
+                revoked = [await offer(link, b"v=0")]
+                for _ in range(2):  # the world plays on
+                    await next_of("block")
+                await ws.send_json({"type": "stop"})
+            return guessed, flooded, revoked
+
+    guessed, flooded, revoked = run(attack())
+    assert guessed == [(404, "WATCH_UNKNOWN"), (413, "SDP_TOO_LARGE")]
+    assert sorted(flooded) == [(400, "OFFER_INVALID")] * RtcSettings.offers_per_minute + [(429, "OFFERS_TOO_FAST")] * 5
+    assert revoked == [(404, "WATCH_UNKNOWN")]
+    assert "Traceback" not in log.read_text()
+    assert run(exchange(base, [], until="session"))[0][0]["type"] == "session"

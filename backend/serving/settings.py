@@ -43,7 +43,7 @@ class ServingSettings:
     park_after_s: float = 5.0  # a steered world that has asked for no block this long is parked off its slot
     # (docs/serving.md, "Parking"); 0: never. A world parks once it has waited as long as its return would cost (rent
     # or buy): an unpark from host memory at the 14B geometry is 1.2 s at SP4, 4.7 s at SP1 (estimated: bench/README
-    # section 21); on the CPU bench 5 s lets 8 players share 2 slots, 10 s turns 3 away
+    # section 22); on the CPU bench 5 s lets 8 players share 2 slots, 10 s turns 3 away
     park_memory_bytes: int = 336 * 2**30  # the park tier's host memory (park_memory_dir): max_parked's 12 worlds of
     # the 14B model at 480x832 reserve 27,699 MiB each (a full window: docs/worlds.md), 325 GiB; past it a park goes
     # to the snapshot store

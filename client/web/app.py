@@ -1,23 +1,18 @@
-"""The web app: the page, one websocket per page session (a `Player`), and each session's MP4 for download.
+"""The web app: the player's page, one websocket per page session (client/web/page: its world, its video, its
+watch link), each session's MP4 and recording for download, and the watch page with its offer endpoint.
 
-Page -> bridge (JSON, checked by `schema`): {"type": "start", prompt, image?, height?, width?, seed?, keys?} or
-{"type": "start", resume, keys?} (a saved world), {"type": "keys", keys}, {"type": "event", prompt, recache} (a
-world event), {"type": "save"}, {"type": "stop"}. Bridge -> page: {"type": "session", id, video, recording}, then
-per block a {"type": "block", ...} header followed by its frames as binary JPEG messages, a {"type": "snapshot", id,
-block, asked, error, released} for each save's outcome (released: the older snapshot it deleted, or ""), {"type":
-"failover", block, replayed, resent, reason, took_s, attempts, differed} when the server is lost (took_s null) and
-again once the world goes on, then {"type": "ended", frames, recorded} or {"type": "error", message}. A message that
-does not fit the schema gets an error and the websocket closes.
+The page's messages and the bridge's are described in client/web/page.py and client/web/bridge.py (checked by
+`schema`); a refusal of the bridge's own carries a code of client/web/codes.py.
 
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
 short-lived token cookie; GET /whoami says whether the page must sign in), while fewer than `max_pages` pages are
-open; videos are served by session id from this bridge's own table.
+open; videos are served by session id from this bridge's own table. A watcher needs a watch link and an allowed
+origin only (GET /watch/ID, then POST /watch/ID/offer with its SDP offer: client/web/watch).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import secrets
@@ -26,12 +21,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, web
 
 from client.connection import Connection
-from client.web.bridge import Player, recording_path, start_request
-from client.web.schema import MAX_MESSAGE_BYTES, parse_message
+from client.web.bridge import recording_path
+from client.web.codes import ORIGIN_REFUSED, PLAYER_BUSY, SDP_TOO_LARGE, Refused
+from client.web.page import Page
+from client.web.rtc import MAX_SDP_BYTES, IceServers
+from client.web.schema import MAX_MESSAGE_BYTES
 from client.web.signin import COOKIE, Tokens, check_key
+from client.web.watch import Watching, unknown_link
 from client.world import DEFAULT_SAVE_EVERY
 
 STATIC = Path(__file__).parent / "static"
@@ -57,6 +56,10 @@ class Access:
         if self.token is not None and not hmac.compare_digest(request.query.get("token", "").encode(),
                                                               self.token.encode()):
             return "this player needs its token: open the page's address with ?token=..."
+        return self.origin_refusal(request)
+
+    def origin_refusal(self, request: web.Request) -> str | None:
+        """Why a request from this page's origin may not be served (None: it may)."""
         origin = request.headers.get("Origin", "")
         if "*" in self.origins or origin in self.origins:
             return None
@@ -67,6 +70,21 @@ class Access:
 
 
 ACCESS = web.AppKey("access", Access)
+
+
+@dataclass(frozen=True)
+class RtcSettings:
+    """WebRTC: the ICE servers (none: host candidates only), the watchers allowed in all and per world, and the
+    offers a page or a watch link may make a minute."""
+
+    ice: IceServers = IceServers()
+    max_watchers: int = 100
+    max_watchers_per_world: int = 20
+    offers_per_minute: int = 60
+
+
+RTC = web.AppKey("rtc", RtcSettings)
+WATCHING = web.AppKey("watching", Watching)
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -148,71 +166,90 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     key = signed_in_key(request)
     ws = web.WebSocketResponse(heartbeat=30, max_msg_size=MAX_MESSAGE_BYTES)
     await ws.prepare(request)
-
-    async def send(message: dict | bytes) -> None:
-        await (ws.send_bytes(message) if isinstance(message, bytes) else ws.send_json(message))
-
     sessions, limit = request.app[SESSIONS], request.app[ACCESS].max_pages
     if len(sessions) >= limit:
-        await send({"type": "error", "message": f"the player is busy: {limit} pages are playing; retry later"})
+        await ws.send_json(Refused(PLAYER_BUSY, f"the player is busy: {limit} pages are playing; retry later").message())
         await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
         return ws
     sid = secrets.token_hex(16)
     path = request.app[VIDEOS] / f"{sid}.mp4"
     sessions[sid] = path
-    settings = request.app[SETTINGS]
-    player = Player(video_path=path, send=send, **settings | {"connection": settings["connection"].with_key(key)
-                                                              if key else settings["connection"]})
-    task: asyncio.Task | None = None
+    settings, rtc = request.app[SETTINGS], request.app[RTC]
+
+    def may_start() -> str | None:  # a socket kept past its sign-in starts nothing
+        expired = key is not None and request.app[TOKENS].grant(request.cookies.get(COOKIE)) is None
+        return "your sign-in expired: sign in again" if expired else None
+
+    player = settings | {"video_path": path,
+                         "connection": settings["connection"].with_key(key) if key else settings["connection"]}
+    page = Page(sid, ws, player, request.app[WATCHING], rtc.ice, rtc.offers_per_minute, may_start)
     try:
-        await send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4",
-                    "recording": f"/sessions/{sid}/recording.npz"})
-        async for msg in ws:
-            try:
-                if msg.type == WSMsgType.ERROR:  # e.g. larger than MAX_MESSAGE_BYTES
-                    raise ValueError(f"the bridge could not read a message ({msg.data})")
-                if msg.type != WSMsgType.TEXT:
-                    raise ValueError("the bridge takes JSON text messages only")
-                message = parse_message(msg.data)
-                if message["type"] == "start" and task is None:
-                    if key is not None and request.app[TOKENS].grant(request.cookies.get(COOKIE)) is None:
-                        raise ValueError("your sign-in expired: sign in again")  # a socket kept past it starts nothing
-                    task = asyncio.create_task(player.play(start_request(message)))
-                elif message["type"] == "keys":
-                    player.hold(message.get("keys") or "")
-                elif message["type"] == "event":
-                    player.event(message.get("prompt") or "", bool(message.get("recache")))
-                elif message["type"] == "save":
-                    player.save()
-                elif message["type"] == "stop":
-                    player.stop()
-            except ValueError as exc:  # a page that breaks the protocol gets why, and the door
-                with contextlib.suppress(ConnectionError):
-                    await send({"type": "error", "message": str(exc)})
-                await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"invalid message")
-                break
-    finally:  # the page went: its place is free, its Triton session cancelled and its files dropped
+        await page.send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4",
+                         "recording": f"/sessions/{sid}/recording.npz",
+                         "webrtc": {"ice_servers": rtc.ice.for_page(sid)}})
+        await page.serve()
+    finally:  # the page went: its place is free, its Triton session cancelled, its video ended and its files dropped
         # aiohttp cancels this handler when the page's connection goes, so nothing below may hang on an await.
         sessions.pop(sid, None)
-        if task is not None:
-            task.cancel()
+
+        async def leave() -> None:
+            await page.close()
+            await asyncio.to_thread(page.player.close)
+
         try:
-            await asyncio.shield(asyncio.to_thread(player.close))
+            await asyncio.shield(leave())
         finally:
             path.unlink(missing_ok=True)
             recording_path(path).unlink(missing_ok=True)
     return ws
 
 
+async def watch_page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "watch.html")
+
+
+async def watch_ice(request: web.Request) -> web.Response:
+    """The ICE servers a watcher's peer connection uses (a TURN credential of its own), for a link that works."""
+    link_id = request.match_info["wid"]
+    if link_id not in request.app[WATCHING].links:
+        return refusal_response(unknown_link())
+    return web.json_response({"ice_servers": request.app[RTC].ice.for_page(f"watch-{link_id[:8]}")})
+
+
+async def watch_offer(request: web.Request) -> web.Response:
+    """A watcher's SDP offer (the body, at most MAX_SDP_BYTES) for the world of /watch/ID: {"sdp", "codec"} of the
+    answer, or a refusal {"code", "message", "retry_after_s"} with its HTTP status. Every check comes before the body is read."""
+    try:
+        if (refusal := request.app[ACCESS].origin_refusal(request)) is not None:
+            raise Refused(ORIGIN_REFUSED, refusal)
+        if (request.content_length or 0) > MAX_SDP_BYTES:
+            raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
+        watching = request.app[WATCHING]
+        link = watching.check(request.match_info["wid"])
+        body = b""
+        while len(body) <= MAX_SDP_BYTES and (chunk := await request.content.read(MAX_SDP_BYTES + 1 - len(body))):
+            body += chunk
+        if len(body) > MAX_SDP_BYTES:
+            raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
+        return web.json_response(await watching.add(link, body.decode("utf-8", "replace")))
+    except Refused as refused:
+        return refusal_response(refused)
+
+
+def refusal_response(refused: Refused) -> web.Response:
+    return web.json_response(refused.answer(), status=refused.http)
+
+
 def make_app(url: str, model: str, timeout: float, access: Access, lookahead: int = 1,
              connection: Connection = Connection(), tokens: Tokens | None = None,
-             save_every: int = DEFAULT_SAVE_EVERY) -> web.Application:
+             save_every: int = DEFAULT_SAVE_EVERY, rtc: RtcSettings = RtcSettings()) -> web.Application:
     """connection: how the bridge reaches the server (TLS, its own key); tokens: pages must sign in with a key;
-    save_every: each page's world is saved every this many blocks (client/world)."""
+    save_every: each page's world is saved every this many blocks (client/world); rtc: WebRTC's settings."""
     app = web.Application()
     app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead, "connection": connection,
                      "save_every": save_every}
-    app[ACCESS], app[SESSIONS] = access, {}
+    app[ACCESS], app[SESSIONS], app[RTC] = access, {}, rtc
+    app[WATCHING] = Watching(rtc.max_watchers, rtc.max_watchers_per_world, rtc.offers_per_minute, rtc.ice)
     if tokens is not None:
         app[TOKENS] = tokens
     app[VIDEOS] = Path(tempfile.mkdtemp(prefix="lingbot-player-"))
@@ -224,5 +261,8 @@ def make_app(url: str, model: str, timeout: float, access: Access, lookahead: in
     app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/sessions/{sid}/video.mp4", video)
     app.router.add_get("/sessions/{sid}/recording.npz", recording)
+    app.router.add_get("/watch/{wid}", watch_page)
+    app.router.add_get("/watch/{wid}/ice", watch_ice)
+    app.router.add_post("/watch/{wid}/offer", watch_offer)
     app.router.add_static("/static", STATIC)
     return app

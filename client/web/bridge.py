@@ -1,4 +1,6 @@
-"""One page session: a steered session on Triton, stepped with the page's held keys, its blocks relayed as JPEG.
+"""One page session's world: a steered session on Triton, stepped with the page's held keys, its blocks relayed
+to the world's video (client/web/broadcast: the page's WebRTC and its watchers) and, while the page has no WebRTC,
+as JPEG on its websocket.
 
 Lookahead like `python -m client play` (`--lookahead`, 1 by default): the start is followed by `lookahead` steps,
 and when a block arrives the next step is sent at once with the keys held at that moment, so at lookahead 1 the
@@ -32,6 +34,7 @@ from client.steer import SteeredSession
 from client.stream import StreamError, show_place
 from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, Mp4Writer
+from client.web.broadcast import Broadcast
 from client.web.frames import decode_upload, encode_jpeg
 from client.world import DEFAULT_SAVE_EVERY, Failover, PlayedWorld, Saved
 
@@ -89,11 +92,15 @@ class Player:
     """
 
     def __init__(self, url: str, model: str, video_path: Path, send: Send, timeout: float, lookahead: int = 1,
-                 connection: Connection = Connection(), save_every: int = DEFAULT_SAVE_EVERY) -> None:
+                 connection: Connection = Connection(), save_every: int = DEFAULT_SAVE_EVERY,
+                 broadcast: Broadcast | None = None, jpeg: Callable[[], bool] = lambda: True) -> None:
         """lookahead: steps sent ahead of the block on screen (0: each step waits for the block before it);
         connection: TLS and the key the page's sessions run on (its user's, from its sign-in); save_every: a
-        snapshot every this many blocks, to fail over from (0: only those the page asks for)."""
+        snapshot every this many blocks, to fail over from (0: only those the page asks for); broadcast: the
+        world's video over WebRTC, which takes every block's frames; jpeg: whether a block's frames also go to
+        the page as JPEG messages now (its WebRTC is not up)."""
         self.url, self.model, self.video_path, self.send, self.timeout = url, model, video_path, send, timeout
+        self.broadcast, self.jpeg = broadcast, jpeg
         self.connection = connection
         self.lookahead, self.save_every = lookahead, save_every
         self.recording_path = recording_path(video_path)
@@ -194,13 +201,15 @@ class Player:
             if recorder is not None:
                 recorder.add(block)
             await on_thread(mp4.append, block.frames)
-            jpegs = await on_thread(lambda: [encode_jpeg(frame) for frame in block.frames])
+            if self.broadcast is not None:
+                self.broadcast.push(block.block_index, block.frames)
+            jpegs = await on_thread(lambda: [encode_jpeg(frame) for frame in block.frames]) if self.jpeg() else []
             await self.send({
-                "type": "block", "index": block.block_index, "held": block.held, "frames": len(jpegs),
+                "type": "block", "index": block.block_index, "held": block.held, "frames": len(block.frames),
                 "keys": label.keys, "prompt": label.prompt, "event": label.event,
                 "step_latency_s": latency,
                 "first_block_s": latency if received == 0 else None,
-                "realtime_factor": rate.add(len(jpegs), block.arrival_s),
+                "realtime_factor": rate.add(len(block.frames), block.arrival_s),
             })
             for jpeg in jpegs:
                 await self.send(jpeg)

@@ -1,6 +1,7 @@
 """What a page may send the bridge: each message checked against one table before anything acts on it.
 
-A message that does not fit gets a ValueError in plain words (the bridge sends it to the page and closes).
+A message that does not fit gets a ValueError in plain words (the bridge sends it to the page, code INVALID_MESSAGE,
+and closes).
 """
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 from typing import Any
 
 MAX_MESSAGE_BYTES = 24 << 20  # a start message carries the first frame as a data URL
-MAX_TEXT = {"prompt": 4000, "keys": 64, "image": MAX_MESSAGE_BYTES, "resume": 32}
+# sdp: bounded here by the message only; client/web/rtc.read_offer refuses a long one with its own code
+MAX_TEXT = {"prompt": 4000, "keys": 64, "image": MAX_MESSAGE_BYTES, "resume": 32, "sdp": MAX_MESSAGE_BYTES}
 INT_RANGE = {"height": (1, 1 << 16), "width": (1, 1 << 16), "seed": (-(1 << 63), (1 << 63) - 1)}
 
 # type -> its fields and their JSON types (every field optional; start_request says what a start needs)
@@ -19,7 +21,13 @@ MESSAGES: dict[str, dict[str, type]] = {
     "event": {"prompt": str, "recache": bool},  # a world event: the prompt from the next step's block on
     "save": {},  # save the world after the next step's block ("Save world")
     "stop": {},
+    "offer": {"sdp": str},  # the page's WebRTC offer: the world's video (client/web/rtc.py checks it)
+    "jpeg": {},  # the page's WebRTC failed: the world's frames come as JPEG on the websocket
+    "watch": {},  # a watch link to the world (client/web/watch.py)
+    "revoke": {},  # revoke it: its watchers' streams end
 }
+# What the page's data channel may carry (the rest goes on its websocket).
+CHANNEL_MESSAGES = ("keys", "event", "save", "stop")
 
 
 def _no_constants(name: str) -> None:

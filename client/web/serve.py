@@ -6,32 +6,37 @@
 Only pages this player serves may open sessions (their origin), unless --allow-origin names others; with
 --token the page's address needs ?token=TOKEN (one user); with --sign-in each user signs in with their own key
 and the page holds only a short-lived token (client/web/signin); at most --max-pages pages play at once. With
---tls-cert the page, its websocket and the videos are HTTPS and WSS only.
+--tls-cert the page, its websocket and the videos are HTTPS and WSS only. The video goes over WebRTC (UDP on
+--media-address, by default --host's address; STUN and TURN with --ice-server), JPEG on the websocket when the
+page's WebRTC fails; a world's watchers (a watch link each world's page asks for) are bounded by --max-watchers and
+--max-watchers-per-world (docs/player.md).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import ssl
+import sys
 from pathlib import Path
 
 from aiohttp import web
 
 from client.connection import connection_of
 from client.stream import add_server_args
-from client.web.app import Access, make_app
+from client.web.app import Access, RtcSettings, make_app
+from client.web.rtc import WILDCARD_HOSTS, IceServers, bind_media, media_addresses
 from client.web.signin import TOKEN_TTL_S, Tokens
 from client.world import DEFAULT_SAVE_EVERY
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
-WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def access(args: argparse.Namespace) -> Access:
     """The bridge's own origins (each name it answers to on its port), plus those --allow-origin adds."""
-    names = set(LOOPBACK_NAMES) | ({f"[{args.host}]" if ":" in args.host else args.host} - set(WILDCARDS))
+    names = set(LOOPBACK_NAMES) | ({f"[{args.host}]" if ":" in args.host else args.host} - set(WILDCARD_HOSTS))
     scheme = "https" if args.tls_cert else "http"
     origins = {f"{scheme}://{name}:{args.port}" for name in names} | set(args.allow_origin)
-    return Access(frozenset(origins), host_origin=args.host in WILDCARDS, token=args.token, max_pages=args.max_pages)
+    return Access(frozenset(origins), host_origin=args.host in WILDCARD_HOSTS, token=args.token, max_pages=args.max_pages)
 
 
 def count(text: str) -> int:
@@ -64,6 +69,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "server); the page gets a short-lived token, never the key")
     p.add_argument("--token-ttl", type=float, default=TOKEN_TTL_S, help="seconds a sign-in lasts (default: "
                    "%(default)s)")
+    p.add_argument("--max-watchers", type=count, default=RtcSettings.max_watchers,
+                   help="watchers of every world at once (default: %(default)s)")
+    p.add_argument("--max-watchers-per-world", type=count, default=RtcSettings.max_watchers_per_world,
+                   help="watchers of one world at once (default: %(default)s)")
+    p.add_argument("--max-offers-per-minute", type=count, default=RtcSettings.offers_per_minute,
+                   help="WebRTC offers a page, or a world's watch link, may make a minute (default: %(default)s)")
+    p.add_argument("--ice-server", action="append", default=[], metavar="URL",
+                   help="a STUN or TURN server for WebRTC, for the bridge and the pages (stun:HOST:PORT, "
+                        "turn:HOST:PORT?transport=udp, turns:...; repeatable; default: none, host candidates only)")
+    p.add_argument("--turn-secret-file", type=Path, help="the TURN server's shared secret (coturn's "
+                   "static-auth-secret), for the short-lived credentials each peer connection gets")
+    p.add_argument("--media-address", action="append", default=[], metavar="ADDRESS",
+                   help="an address WebRTC's UDP ports listen on, offered as a host candidate (repeatable; default: "
+                        "--host's own address, or every interface but loopback for 0.0.0.0)")
     return p.parse_args(argv)
 
 
@@ -77,16 +96,28 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     return context
 
 
+def rtc_settings(args: argparse.Namespace) -> RtcSettings:
+    secret = args.turn_secret_file.read_bytes().strip() if args.turn_secret_file else None
+    return RtcSettings(IceServers(tuple(args.ice_server), secret), args.max_watchers, args.max_watchers_per_world,
+                       args.max_offers_per_minute)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        context, connection = tls_context(args), connection_of(args)
+        context, connection, rtc = tls_context(args), connection_of(args), rtc_settings(args)
+        media = args.media_address or media_addresses(args.host)
     except (ValueError, OSError, ssl.SSLError) as exc:
         print(f"error: {exc}", flush=True)
         return 2
-    print(f"player for {args.url} on {'https' if context else 'http'}://{args.host}:{args.port}/", flush=True)
+    bind_media(media)
+    log = logging.getLogger("client.web")  # the bridge's own lines; aiohttp's and aiortc's stay quiet
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.StreamHandler(sys.stdout))
+    print(f"player for {args.url} on {'https' if context else 'http'}://{args.host}:{args.port}/; WebRTC media on "
+          f"{', '.join(media) if media else 'every interface but loopback'}", flush=True)
     tokens = Tokens(args.token_ttl) if args.sign_in else None
     app = make_app(args.url, args.model, args.timeout, access(args), args.lookahead, connection, tokens,
-                   args.save_every)
+                   args.save_every, rtc)
     web.run_app(app, host=args.host, port=args.port, print=None, ssl_context=context)
     return 0

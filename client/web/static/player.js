@@ -1,7 +1,11 @@
-// The browser player: one websocket per session; blocks arrive as a JSON header and their frames as JPEG
-// messages, which play at 16 fps from a queue; the keys held now are sent whenever they change. The queue holds at
-// most one block's frames and SLACK_FRAMES more: when blocks come faster than they play, the oldest queued frames are
-// skipped (counted in the status), so what is on screen stays within about a block of the newest frame.
+// The browser player: one websocket per session, which starts the world and sets up its video: over WebRTC (rtc.js:
+// the world's video in the <video> element, the page's keys, events, saves and stop on a data channel), or, until it
+// connects and when it fails, as JPEG messages on the websocket (the page says which). Each block arrives as a JSON
+// header on the websocket; JPEG frames play on the canvas at 16 fps from a queue. The keys held now are sent whenever
+// they change. The JPEG queue holds at most one block's frames and SLACK_FRAMES more: when blocks come faster than
+// they play, the oldest queued frames are skipped (counted in the status), so what is on screen stays within about
+// a block of the newest frame (the bridge bounds the WebRTC video's queue the same way). "Watch link" gives a link
+// that anyone can open to watch the world live (read-only); "Revoke" ends it.
 // The world survives its server: the bridge saves it and, when the server is lost, resumes it elsewhere (a "failover"
 // message when lost, another once it goes on). "Save world" shows the saved world's id and a link that resumes it;
 // a page opened with ?resume=ID starts from that saved world.
@@ -13,11 +17,14 @@ const $ = (id) => document.getElementById(id);
 const screen = $("screen");
 const ctx = screen.getContext("2d");
 let ws = null;
+let rtc = null;        // the WebRTC video: {pc, channel, codec}, while the page plays over it
+let answered = null;   // the offer sent on the websocket, waiting for its answer: {resolve, reject}
 let held = new Set();
 let queue = [];        // decoding or decoded frames, oldest first: {bitmap, skipped}
 let maxQueued = 0;     // the newest block's frames + SLACK_FRAMES
 let stats = null;
 let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
+let startMessage = null;  // the session's start message, sent when the bridge opened the session
 const resumeId = new URLSearchParams(location.search).get("resume");  // a saved world to start from
 
 function show(state, extra = "") {
@@ -55,8 +62,60 @@ function fail(message) {
 
 function heldKeys() { return [...held].sort().join(""); }
 
-function sendKeys() {
-  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "keys", keys: heldKeys()}));
+// keys, events, saves and stop: on the data channel while the page plays over WebRTC, else on the websocket
+function sendControl(message) {
+  if (rtc && rtc.channel.readyState === "open") rtc.channel.send(JSON.stringify(message));
+  else if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(message));
+}
+
+function sendKeys() { sendControl({type: "keys", keys: heldKeys()}); }
+
+// Which element shows the world: the <video> (WebRTC) or the canvas (JPEG); the note says which, and why JPEG.
+function showVideo(via, note) {
+  const n = $("video-note");
+  n.dataset.video = via;
+  n.dataset.codec = rtc ? rtc.codec : "";
+  n.textContent = note;
+  n.hidden = false;
+  $("video").hidden = via !== "webrtc";
+  screen.hidden = via === "webrtc";
+}
+
+function useJpeg(why) {
+  if (rtc) rtc.pc.close();
+  rtc = null;
+  showVideo("jpeg", `Video: JPEG over the websocket (${why}).`);
+}
+
+// Set up the video for the session on `socket`: WebRTC if the bridge offers it and it connects, else JPEG.
+async function openVideo(socket, webrtc) {
+  if (!webrtc) { useJpeg("this player sends no WebRTC"); return; }
+  let mine;
+  try {
+    mine = await connectVideo(webrtc.ice_servers, "controls", (sdp) => new Promise((resolve, reject) => {
+      answered = {resolve, reject};
+      socket.send(JSON.stringify({type: "offer", sdp}));
+    }), $("video"));
+  } catch (e) {
+    if (socket !== ws) return;
+    if (socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({type: "jpeg"}));
+    useJpeg(`WebRTC failed: ${e.message}`);
+    return;
+  }
+  if (socket !== ws) { mine.pc.close(); return; }  // a newer session took the page meanwhile
+  rtc = mine;
+  mine.channel.addEventListener("message", (e) => {
+    const msg = JSON.parse(e.data);
+    if (msg.type === "on_air") $("status").dataset.onAir = msg.block;  // its first frame is on the video now
+  });
+  mine.pc.addEventListener("connectionstatechange", () => {
+    if (mine !== rtc || mine.pc.connectionState !== "failed") return;
+    // the bridge closes it when the world is over
+    if (["ended", "failed", "closed"].includes($("status").dataset.state)) return;
+    if (socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({type: "jpeg"}));
+    useJpeg("WebRTC failed while playing");
+  });
+  showVideo("webrtc", `Video: WebRTC (${mine.codec.replace("video/", "")}).`);
 }
 
 function onKey(event, down) {
@@ -85,6 +144,7 @@ function readImage() {
 
 function onMessage(event) {
   if (event.data instanceof Blob) {
+    if (screen.hidden) { screen.hidden = false; $("video").hidden = true; }  // the bridge sends JPEG after all
     const slot = {bitmap: null, skipped: false};
     queue.push(slot);
     createImageBitmap(event.data).then((b) => { if (slot.skipped) b.close(); else slot.bitmap = b; });
@@ -95,6 +155,13 @@ function onMessage(event) {
   if (msg.type === "session") {
     $("download").href = msg.video;
     $("download-recording").href = msg.recording;
+    ws.send(JSON.stringify(startMessage()));  // the world starts while its video connects (JPEG until it does)
+    openVideo(ws, msg.webrtc);
+  } else if (msg.type === "answer") {
+    if (answered) answered.resolve(msg);
+    answered = null;
+  } else if (msg.type === "watch") {
+    showWatch(msg);
   } else if (msg.type === "place") {  // waiting for a slot: its place in line (0: it has one now)
     $("status").dataset.place = msg.position;
     show(msg.position ? "waiting" : "starting", msg.position ? ` · ${msg.text}` : "");
@@ -137,6 +204,8 @@ function onMessage(event) {
     $("download-recording").hidden = !msg.recorded;
     finish();
   } else if (msg.type === "error") {
+    if (answered) answered.reject(new Error(msg.message));
+    answered = null;
     $("status").dataset.code = msg.code || "";
     fail(msg.message + (msg.retry_after_s ? ` (retry in ${msg.retry_after_s} s)` : ""));
     $("download-recording").hidden = !msg.recorded;
@@ -165,10 +234,25 @@ function showSaved(msg) {
   $("saved").hidden = false;
 }
 
+// A watch link's state: {id, path} while it works; id null after a revoke ("revoked": the watchers it ended).
+function showWatch(msg) {
+  const link = $("watch-link");
+  link.hidden = $("revoke").hidden = msg.id === null;
+  if (msg.id !== null) {
+    link.href = msg.path;
+    link.textContent = new URL(msg.path, location.href).href;
+  }
+  $("revoked").hidden = msg.id !== null;
+  $("revoked").textContent = msg.id === null ? `link revoked (${msg.revoked} watcher(s) ended)` : "";
+  $("watching").dataset.watchId = msg.id || "";
+}
+
 function finish() {
   $("start").disabled = false;
   $("stop").disabled = true;
   $("save").disabled = true;
+  $("watch").disabled = true;
+  $("watch-link").hidden = $("revoke").hidden = true;  // the world's end ends its link
 }
 
 async function start(event) {
@@ -182,6 +266,12 @@ async function start(event) {
     ws.onmessage = ws.onclose = null;
     ws.close();
   }
+  if (rtc) rtc.pc.close();
+  rtc = answered = null;
+  startMessage = () => resumeId ? {type: "start", resume: resumeId, keys: heldKeys()} : {
+    type: "start", prompt: $("prompt").value, image, keys: heldKeys(),
+    width: Number($("width").value), height: Number($("height").value),
+  };
   queue = [];
   delete $("status").dataset.place;
   delete $("status").dataset.code;
@@ -198,13 +288,10 @@ async function start(event) {
   socket.onmessage = (e) => { if (socket === ws) onMessage(e); };
   socket.onclose = () => { if (socket === ws && !["ended", "failed"].includes($("status").dataset.state)) {
     fail("the connection to the player closed"); show("closed"); finish(); } };
-  socket.onopen = () => socket.send(JSON.stringify(resumeId ? {type: "start", resume: resumeId, keys: heldKeys()} : {
-    type: "start", prompt: $("prompt").value, image, keys: heldKeys(),
-    width: Number($("width").value), height: Number($("height").value),
-  }));
   $("start").disabled = true;
   $("stop").disabled = false;
   $("save").disabled = false;
+  $("watch").disabled = false;
   screen.focus();
   startedAt = performance.now();
   show("starting");
@@ -217,11 +304,15 @@ $("event").addEventListener("keydown", (e) => {
   e.preventDefault();
   const prompt = $("event").value.trim();
   if (!prompt || !ws || ws.readyState !== WebSocket.OPEN) return;
-  ws.send(JSON.stringify({type: "event", prompt, recache: $("recache").checked}));
+  sendControl({type: "event", prompt, recache: $("recache").checked});
   $("event").value = "";
 });
-$("save").addEventListener("click", () => {
-  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "save"}));
+$("save").addEventListener("click", () => sendControl({type: "save"}));
+$("watch").addEventListener("click", () => {
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "watch"}));
+});
+$("revoke").addEventListener("click", () => {
+  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "revoke"}));
 });
 if (resumeId) {  // ?resume=ID: Start plays on from that saved world (its prompt, first frame and size are its own)
   $("resuming").textContent = `Start resumes the saved world ${resumeId}.`;
@@ -229,12 +320,18 @@ if (resumeId) {  // ?resume=ID: Start plays on from that saved world (its prompt
   $("start").textContent = "Resume world";
 }
 $("stop").addEventListener("click", () => {
-  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({type: "stop"}));
+  sendControl({type: "stop"});
   stats.stopping = true;
   $("stop").disabled = true;
   show("stopping");
 });
 setInterval(() => { if ($("status").dataset.state === "starting") show("starting"); }, 1000);
+// The WebRTC video's counters on the status line while it plays: frames decoded, bytes received (the transport's).
+setInterval(async () => {
+  if (!rtc || !stats || !stats.blocks) return;
+  const v = await videoStats(rtc.pc);
+  Object.assign($("status").dataset, {decoded: v.decoded, videoBytes: v.transportBytes});
+}, 1000);
 $("source").addEventListener("change", () => { $("image").hidden = $("source").value !== "upload"; });
 screen.tabIndex = 0;
 

@@ -1,0 +1,491 @@
+"""The bridge's video over WebRTC without a server: the app in this process on a replayed world (bench/replay_world:
+frames made once, a block every BLOCK_S), aiortc peers for the pages and the watchers (bench/rtc_peers), and the
+parts alone (the broadcast, the encoder, an offer's checks, the receivers' feedback, the ICE settings)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import statistics
+from collections.abc import AsyncIterator
+
+import aioice.ice
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from aiortc import RTCPeerConnection
+from aiortc.mediastreams import MediaStreamError
+from aiortc.rtp import RTCP_PSFB_APP, RTCP_PSFB_PLI, RtcpPsfbPacket, pack_remb_fci
+
+from bench.replay_world import ReplaySession, panned_scene
+from client.web import bridge
+from client.web.app import WATCHING, Access, RtcSettings, make_app
+from client.web.broadcast import SLACK_FRAMES, Broadcast, Viewer
+from client.web.codes import Refused
+from client.web.encoder import (FLOOR_BITRATE, H264, MAX_BITRATE, MIN_BITRATE, VIDEO_CLOCK, VP8, VideoEncoder, ceiling,
+                                target)
+from client.web.rate import Rate
+from client.web.rtc import (MAX_SDP_BYTES, IceServers, bind_media, follow_feedback, media_addresses, read_offer,
+                           without_mdns_candidates)
+from polling import until
+from bench.rtc_peers import Peer, loopback_media
+
+pytestmark = pytest.mark.timeout(60)
+
+ORIGIN = "http://player.example"  # the page's origin, the one the test app allows
+SIZE = 64
+CLIP = panned_scene(SIZE, SIZE, 48)
+BLOCK_S = 0.25  # a replayed block's time: 12 frames every 0.25 s, faster than they play (0.75 s)
+BOUND_S = 30.0
+LIMITS = RtcSettings(max_watchers=3, max_watchers_per_world=2, offers_per_minute=4)
+
+
+@pytest.fixture(autouse=True)
+def loopback():
+    with loopback_media():
+        yield
+
+
+class Page:
+    """A page on the app's websocket: what the bridge sent (JSON and how many binary messages) and its video peer."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws, self.messages, self.binary, self.peer = ws, [], 0, None
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for msg in self.ws:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                self.messages.append(json.loads(msg.data))
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                self.binary += 1
+
+    def of(self, kind: str) -> list[dict]:
+        return [m for m in self.messages if m["type"] == kind]
+
+    async def next(self, kind: str) -> dict:
+        count = len(self.of(kind))
+        await until(lambda: len(self.of(kind)) > count or self.ws.closed, BOUND_S, f"a {kind!r} message")
+        return self.of(kind)[-1]
+
+    async def offer(self, peer: Peer) -> dict:
+        self.peer = peer
+        await self.ws.send_json({"type": "offer", "sdp": await peer.offer()})
+        answer = await self.next("answer")
+        await peer.accept(answer["sdp"])
+        await peer.connected()
+        return answer
+
+    async def start(self) -> None:
+        await self.ws.send_json({"type": "start", "prompt": "a street", "height": SIZE, "width": SIZE})
+
+
+@contextlib.asynccontextmanager
+async def served(monkeypatch: pytest.MonkeyPatch, made: list[ReplaySession],
+                 rtc: RtcSettings = LIMITS) -> AsyncIterator[TestClient]:
+    monkeypatch.setattr(bridge, "SteeredSession", ReplaySession.factory(CLIP, BLOCK_S, made))
+    app = make_app("127.0.0.1:1", "lingbot_world", BOUND_S, Access(frozenset({ORIGIN})), save_every=0, rtc=rtc)
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+async def page_of(client: TestClient) -> Page:
+    page = Page(await client.ws_connect("/ws", headers={"Origin": ORIGIN}))
+    await page.next("session")
+    return page
+
+
+async def watch_link(page: Page) -> str:
+    await page.ws.send_json({"type": "watch"})
+    return (await page.next("watch"))["path"]
+
+
+def run(coroutine) -> None:
+    asyncio.run(asyncio.wait_for(coroutine, BOUND_S * 2))
+
+
+def headers_frames(page: Page) -> int:
+    return sum(block["frames"] for block in page.of("block"))
+
+
+def test_a_page_plays_over_webrtc_and_steers_on_its_data_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H.264 when offered; the frames decode at the page, none come as JPEG; keys and stop on the data channel reach
+    the world; each block's first frame on the video is told on the channel; timestamps 1/16 s apart."""
+    made: list[ReplaySession] = []
+
+    async def play() -> None:
+        async with served(monkeypatch, made) as client:
+            page = await page_of(client)
+            answer = await page.offer(peer := Peer())
+            assert answer["codec"] == H264
+            await page.start()
+            peer.channel.send(json.dumps({"type": "keys", "keys": "w"}))
+            await until(lambda: len(peer.frames) >= 30 and len(page.of("block")) >= 4, BOUND_S, "30 frames decoded")
+            peer.channel.send(json.dumps({"type": "stop"}))
+            await page.next("ended")
+            assert page.binary == 0  # no JPEG while the page plays over WebRTC
+            assert any(step.keys == "w" for step in made[0].steps)
+            on_air = [m["block"] for m in peer.messages if m["type"] == "on_air"]
+            assert on_air[:3] == [0, 1, 2] and on_air == sorted(on_air), on_air
+            gaps = np.diff(peer.frames[5:30])
+            assert abs(statistics.median(gaps) - VIDEO_CLOCK / 16) < VIDEO_CLOCK / 16 / 10, gaps
+            await peer.close()
+
+    run(play())
+
+
+def test_an_offer_without_h264_gets_vp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def play() -> None:
+        async with served(monkeypatch, []) as client:
+            page = await page_of(client)
+            answer = await page.offer(peer := Peer(codecs=(VP8,)))
+            assert answer["codec"] == VP8
+            await page.start()
+            await until(lambda: len(peer.frames) >= 10, BOUND_S, "VP8 frames decoded")
+            await peer.close()
+
+    run(play())
+
+
+def test_a_page_without_webrtc_gets_jpeg_and_one_that_gives_it_up_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No offer: every frame as a JPEG message. An offer, then "jpeg" (the page's WebRTC failed): JPEG from then on."""
+    async def play() -> None:
+        async with served(monkeypatch, []) as client:
+            page = await page_of(client)
+            await page.start()
+            await until(lambda: len(page.of("block")) >= 3, BOUND_S, "3 blocks")
+            await until(lambda: page.binary >= headers_frames(page), BOUND_S, "every frame as JPEG")
+            late = await page_of(client)
+            await late.offer(peer := Peer())
+            await late.start()
+            await until(lambda: len(late.of("block")) >= 2, BOUND_S, "2 blocks over WebRTC")
+            assert late.binary == 0
+            await late.ws.send_json({"type": "jpeg"})
+            blocks = len(late.of("block"))
+            await until(lambda: late.binary >= STEP_FRAMES * 2 and len(late.of("block")) >= blocks + 3, BOUND_S,
+                        "JPEG after the page gave up WebRTC")
+            assert peer.pc.connectionState in ("closed", "failed") or await until(
+                lambda: peer.pc.connectionState in ("closed", "failed"), BOUND_S, "the page's connection closed")
+
+    run(play())
+
+
+STEP_FRAMES = 12
+
+
+def test_watchers_share_the_world_s_one_encode_and_a_revoked_link_ends_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page and its 2 watchers (one joining later): one encoder, which encoded each frame that went out once;
+    each watcher decodes frames. Revoke: each is told WATCH_REVOKED and its track ends; the link then serves no one."""
+    async def play() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.offer(Peer())
+            await page.start()
+            link = await watch_link(page)
+            early = Peer("watch")
+            assert (await early.watch(http, base, link, ORIGIN))[0] == 200
+            await until(lambda: len(early.frames) >= 12, BOUND_S, "the first watcher's frames")
+            late = Peer("watch")
+            assert (await late.watch(http, base, link, ORIGIN))[0] == 200
+            await until(lambda: len(late.frames) >= 12, BOUND_S, "the second watcher's frames")
+            broadcast = client.app[WATCHING].links[link.rsplit("/", 1)[1]].broadcast
+            (encoder,) = broadcast.encoders.values()
+            assert encoder.frames == broadcast.sent > len(late.frames)
+            await page.ws.send_json({"type": "revoke"})
+            assert (await page.next("watch")) == {"type": "watch", "id": None, "path": None, "revoked": 2}
+            for watcher in (early, late):
+                await until(lambda w=watcher: w.track_ended.is_set(), BOUND_S, "the watcher's track to end")
+                assert [m["code"] for m in watcher.messages] == ["WATCH_REVOKED"], watcher.messages
+            again = Peer("watch")
+            status, body = await again.watch(http, base, link, ORIGIN)
+            assert (status, body["code"]) == (404, "WATCH_UNKNOWN")
+            for peer in (early, late, again):
+                await peer.close()
+
+    run(play())
+
+
+def test_a_watcher_cannot_steer(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A crafted message on a watcher's data channel: refused with WATCH_READ_ONLY, logged, its connection closed;
+    the world never ran the watcher's keys."""
+    made: list[ReplaySession] = []
+
+    async def play() -> None:
+        async with served(monkeypatch, made) as client, aiohttp.ClientSession() as http:
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            watcher = Peer("watch")
+            assert (await watcher.watch(http, str(client.make_url("")).rstrip("/"), link, ORIGIN))[0] == 200
+            watcher.channel.send(json.dumps({"type": "keys", "keys": "s"}))
+            await until(lambda: watcher.messages, BOUND_S, "the refusal")
+            assert watcher.messages == [{"type": "error", "code": "WATCH_READ_ONLY", "retry_after_s": None,
+                                         "message": "watchers cannot steer: this link is read-only"}]
+            await until(lambda: watcher.pc.connectionState in ("closed", "failed") or watcher.track_ended.is_set(),
+                        BOUND_S, "the watcher's connection to close")
+            await watcher.close()
+
+    with caplog.at_level(logging.WARNING, logger="client.web"):
+        run(play())
+    assert "sent a message on its data channel: refused (WATCH_READ_ONLY)" in caplog.text
+    assert not any("s" in (step.keys or "") for step in made[0].steps)
+
+
+def test_watch_offers_are_refused_with_a_code_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guessed link, another origin, an offer too long (told by its length, or by its bytes; one at the limit in
+    pieces is answered), one that is not SDP,
+    watchers past the world's limit and the bridge's, an offer past the link's rate: each refused with its code and
+    status; the world and its page play on and the bridge serves a new page."""
+    async def attack() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+
+            async def post(path: str, body: bytes, origin: str = ORIGIN, chunked: bool = False) -> tuple[int, dict]:
+                async def chunks():  # no Content-Length: the body as it comes, in pieces
+                    for at in range(0, len(body), 4096):
+                        yield body[at:at + 4096]
+
+                async with http.post(f"{base}{path}/offer", data=chunks() if chunked else body,
+                                     headers={"Origin": origin, "Content-Type": "application/sdp"}) as response:
+                    return response.status, await response.json()
+
+            sdp = (await Peer("watch").offer()).encode()
+            refused = [
+                await post("/watch/" + "0" * 32, sdp), await post(link, sdp, origin="http://evil.example"),
+                await post(link, b"v" * (MAX_SDP_BYTES + 1)), await post(link, b"v" * (MAX_SDP_BYTES + 1), chunked=True),
+                await post(link, b"v=0\r\nnot sdp at all"),
+            ]
+            assert [(status, body["code"]) for status, body in refused] == [
+                (404, "WATCH_UNKNOWN"), (403, "ORIGIN_REFUSED"), (413, "SDP_TOO_LARGE"), (413, "SDP_TOO_LARGE"),
+                (400, "OFFER_INVALID")]
+            assert all(body["message"] for _, body in refused)
+            offer = (await (taker := Peer("watch")).offer()).encode()
+            padded = offer + b"a=x-pad:" + b"p" * (MAX_SDP_BYTES - len(offer) - len(b"a=x-pad:\r\n")) + b"\r\n"
+            assert (await post(link, padded, chunked=True))[0] == 200  # at the limit, in pieces: answered
+            await taker.close()
+            # A new link (its own 4 offers a minute): two watchers (the world's limit), two more refused as too many
+            # for the world, a fifth as one offer too many for the minute. A second world's first watcher makes the
+            # bridge's 3, its second is refused as one too many in all.
+            await page.ws.send_json({"type": "revoke"})
+            link = await watch_link(page)
+            watchers = [Peer("watch") for _ in range(7)]
+            answers = [await w.watch(http, base, link, ORIGIN) for w in watchers[:5]]
+            assert [(s, b.get("code")) for s, b in answers] == [
+                (200, None), (200, None), (503, "WATCHERS_FULL"), (503, "WATCHERS_FULL"), (429, "OFFERS_TOO_FAST")]
+            assert "this world has its 2 watchers" in answers[2][1]["message"]
+            assert 1 <= answers[4][1]["retry_after_s"] <= 60
+            other = await page_of(client)
+            await other.start()
+            other_link = await watch_link(other)
+            answers = [await w.watch(http, base, other_link, ORIGIN) for w in watchers[5:]]
+            assert [(s, b.get("code")) for s, b in answers] == [(200, None), (503, "WATCHERS_FULL")]
+            assert "this player has its 3 watchers" in answers[1][1]["message"]
+            blocks = len(page.of("block"))
+            await until(lambda: len(page.of("block")) >= blocks + 2, BOUND_S, "the world to play on")
+            assert (await page_of(client)).of("session")
+            for w in watchers:
+                await w.close()
+
+    run(attack())
+
+
+@pytest.mark.parametrize(("offer", "code"), [
+    ("v" * (MAX_SDP_BYTES + 1), "SDP_TOO_LARGE"), ("not sdp", "OFFER_INVALID"), (None, "INVALID_MESSAGE")],
+    ids=["oversized", "garbage", "not_text"])
+def test_a_page_s_bad_offer_closes_its_socket_with_a_code(monkeypatch: pytest.MonkeyPatch, offer, code: str) -> None:
+    async def attack() -> None:
+        async with served(monkeypatch, []) as client:
+            page = await page_of(client)
+            await page.ws.send_json({"type": "offer", "sdp": offer if offer is not None else ["sdp"]})
+            await until(lambda: page.ws.closed, BOUND_S, "the socket to close")
+            assert page.of("error")[-1]["code"] == code and page.ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+            assert (await page_of(client)).of("session")  # the bridge serves on
+
+    run(attack())
+
+
+def test_a_flood_of_offers_from_a_page_is_cut_at_its_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 offers a minute: each answered (a new one replaces the page's connection), the fifth refused with
+    OFFERS_TOO_FAST and the socket closed; the bridge serves a new page."""
+    async def flood() -> None:
+        async with served(monkeypatch, []) as client:
+            page = await page_of(client)
+            sdp = await Peer().offer()
+            for _ in range(5):
+                await page.ws.send_json({"type": "offer", "sdp": sdp})
+            await until(lambda: page.ws.closed, BOUND_S, "the socket to close")
+            assert [m["type"] for m in page.messages[1:]] == ["answer"] * 4 + ["error"]
+            assert page.of("error")[0]["code"] == "OFFERS_TOO_FAST"
+            assert (await page_of(client)).of("session")
+
+    run(flood())
+
+
+# ---------------------------------------------------------------- the parts
+
+
+def test_the_queue_holds_the_newest_block_and_slack_frames() -> None:
+    async def push() -> Broadcast:
+        broadcast = Broadcast()
+        for block in range(3):
+            broadcast.push(block, CLIP[:STEP_FRAMES])
+        broadcast.push(3, CLIP[:0])  # a block without frames skips none
+        broadcast.end()
+        return broadcast
+
+    assert asyncio.run(push()).skipped == 3 * STEP_FRAMES - (STEP_FRAMES + SLACK_FRAMES)
+
+
+def test_viewers_start_at_a_keyframe_and_frames_go_out_at_16_fps() -> None:
+    """One viewer from the start, one joining after 12 frames: each viewer's first packet is a keyframe, the one
+    its join asked for, which the other gets too (the same packet); 24 frames take 23/16 s at least; the world's
+    end ends every viewer's track."""
+    async def watch() -> tuple[list, list, float]:
+        loop = asyncio.get_running_loop()
+        broadcast = Broadcast()
+        first, second = Viewer(broadcast), Viewer(broadcast)
+        first.codec = second.codec = H264
+        broadcast.push(0, CLIP)
+        began = loop.time()
+        got_first = [await first.recv() for _ in range(12)]
+        got_second = [await second.recv() for _ in range(6)]
+        got_first += [await first.recv() for _ in range(12)]
+        took = loop.time() - began
+        broadcast.end()
+        for viewer in (first, second):
+            with pytest.raises(MediaStreamError):
+                while True:  # what was queued, then the end
+                    await viewer.recv()
+        return got_first, got_second, took
+
+    first, second, took = asyncio.run(asyncio.wait_for(watch(), BOUND_S))
+    keyframes = [i for i, packet in enumerate(first) if packet.is_keyframe]
+    assert keyframes[0] == 0 and len(keyframes) == 2, keyframes  # the start's, and the one the join asked for
+    assert first[keyframes[1]] is second[0]  # the same packet: one encode for both
+    assert not any(packet.is_keyframe for packet in second[1:])
+    assert took >= 23 / 16
+
+
+def test_a_lower_bitrate_makes_smaller_frames_and_a_change_starts_a_keyframe() -> None:
+    """On frames that need every bit (noise), the floor makes less than half the bytes of the picture's ceiling (a
+    higher estimate is held to it); the target moving by more than a tenth reopens the encoder (a keyframe), by a
+    tenth or less it does not."""
+    encoder = VideoEncoder(H264, 16)
+    clip = np.random.default_rng(0).integers(0, 256, (71, 512, 512, 3), dtype=np.uint8)
+
+    def run_at(bitrate: int, frames: range) -> tuple[int, list[bool]]:
+        packets = [encoder.encode(clip[i], i * 5625, False, bitrate) for i in frames]
+        return sum(p.size for ps in packets for p in ps), [any(p.is_keyframe for p in ps) for ps in packets]
+
+    high, keys = run_at(MAX_BITRATE, range(0, 32))
+    low, lowered = run_at(MIN_BITRATE, range(32, 64))  # held to the floor
+    assert keys[0] and lowered[0] and not any(lowered[1:])
+    assert low < high / 2 and high < 1.5 * ceiling(512, 512, 16) / 8 * 2  # 2 s of frames, within its ceiling
+    assert not any(run_at(int(FLOOR_BITRATE * 1.1), range(64, 70))[1])
+    assert encoder.encode(clip[0], 70 * 5625, True, FLOOR_BITRATE)[0].is_keyframe  # asked for
+
+
+def test_a_picture_s_target_is_the_estimate_between_its_floor_and_its_ceiling() -> None:
+    assert ceiling(832, 480, 16) == 1_916_928 and ceiling(1280, 720, 16) == 4_423_680
+    assert ceiling(64, 64, 16) == MIN_BITRATE and ceiling(2048, 2048, 16) == MAX_BITRATE
+    assert [target(estimate, 832, 480, 16) for estimate in (0, 700_000, 9_000_000)] == [
+        FLOOR_BITRATE, 700_000, 1_916_928]
+    assert target(9_000_000, 64, 64, 16) == target(0, 64, 64, 16) == MIN_BITRATE  # a tiny picture: its ceiling
+
+
+def test_a_receiver_s_estimate_and_loss_reach_the_world_s_encoder() -> None:
+    """REMB for this sender's SSRC sets the bitrate (another SSRC's does not); PLI asks for a keyframe."""
+    async def feed() -> tuple[list, int]:
+        pc = RTCPeerConnection()
+        broadcast = Broadcast()
+        viewer = Viewer(broadcast)
+        sender = pc.addTransceiver(viewer, direction="sendonly").sender
+        keyframes: list[int] = []
+        follow_feedback(sender, lambda: keyframes.append(1), lambda bitrate: setattr(broadcast, "bitrate", bitrate))
+        remb = RtcpPsfbPacket(fmt=RTCP_PSFB_APP, ssrc=1, media_ssrc=0)
+        for bitrate, ssrc in ((750_000, sender._ssrc), (9_000_000, sender._ssrc + 1)):
+            remb.fci = pack_remb_fci(bitrate, [ssrc])
+            await sender._handle_rtcp_packet(remb)
+        await sender._handle_rtcp_packet(RtcpPsfbPacket(fmt=RTCP_PSFB_PLI, ssrc=1, media_ssrc=sender._ssrc))
+        await pc.close()
+        broadcast.end()
+        return keyframes, broadcast.bitrate
+
+    assert asyncio.run(feed()) == ([1], 750_000)
+
+
+def offer_of(codecs: tuple[str, ...] | None = None, audio: bool = False) -> str:
+    """An aiortc page's offer (H.264 and VP8, or `codecs`); with `audio`, an audio line beside the video."""
+    async def make() -> str:
+        peer = Peer(codecs=codecs)
+        if audio:
+            peer.pc.addTransceiver("audio", direction="recvonly")
+        sdp = await peer.offer()
+        await peer.close()
+        return sdp
+
+    return asyncio.run(make())
+
+
+def test_an_offer_is_checked_before_any_peer_connection() -> None:
+    offer = offer_of()
+    assert read_offer(offer).codec == H264 and read_offer(offer_of((VP8,))).codec == VP8
+    padded = offer + "a=x-pad:" + "p" * (MAX_SDP_BYTES - len(offer) - len("a=x-pad:\r\n")) + "\r\n"
+    assert len(padded) == MAX_SDP_BYTES and read_offer(padded).codec == H264  # at its limit
+    for sdp, code in [(padded + "p", "SDP_TOO_LARGE"), (offer_of(audio=True), "OFFER_INVALID"),
+                      (offer.replace("recvonly", "sendonly"), "OFFER_INVALID"),
+                      ("m=video 9\r\na=rtpmap:x", "OFFER_INVALID"), (42, "OFFER_INVALID")]:
+        with pytest.raises(Refused) as refused:
+            read_offer(sdp)
+        assert refused.value.code == code, sdp[:80] if isinstance(sdp, str) else sdp
+
+
+def test_a_page_s_mdns_candidates_are_left_out_and_then_its_end_of_candidates() -> None:
+    """The bridge resolves no NAME.local (a multicast socket on every interface, a second's wait): it takes the
+    page's address from its checks, and waits for them (no end of candidates) when it dropped any."""
+    mdns = "a=candidate:1 1 udp 2113937151 0f3c-4a.local 50000 typ host generation 0\r\n"
+    address = "a=candidate:2 1 udp 2113937151 192.0.2.9 50001 typ host generation 0\r\n"
+    end = "a=end-of-candidates\r\n"
+    assert without_mdns_candidates("v=0\r\n" + mdns + address + end) == "v=0\r\n" + address
+    assert without_mdns_candidates("v=0\r\n" + address + end) == "v=0\r\n" + address + end
+    taken = read_offer(offer_of().replace(end, mdns + end, 1)).sdp  # an offer with a page's mDNS candidate
+    assert ".local" not in taken and "a=end-of-candidates" not in taken and "a=candidate:" in taken
+
+
+def test_a_turn_credential_is_coturn_s_and_expires() -> None:
+    ice = IceServers(("stun:stun.example:3478", "turn:turn.example:3478"), b"s3cret")
+    stun, turn = ice.for_page("abc", now=1000.0)
+    assert stun == {"urls": ["stun:stun.example:3478"]}
+    assert turn["username"] == "44200:abc"  # valid for 12 h
+    assert turn["credential"] == base64.b64encode(hmac.new(b"s3cret", b"44200:abc", hashlib.sha1).digest()).decode()
+    with pytest.raises(ValueError, match="--turn-secret-file"):
+        IceServers(("turn:turn.example:3478",))
+    assert IceServers().for_page("abc") == []
+
+
+def test_media_listens_on_the_bridge_s_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert media_addresses("127.0.0.1") == ["127.0.0.1"] and media_addresses("[::1]") == ["::1"]
+    assert media_addresses("0.0.0.0") is None and "127.0.0.1" in media_addresses("localhost")
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", aioice.ice.get_host_addresses)
+    bind_media(["127.0.0.1", "::1"])
+    assert aioice.ice.get_host_addresses(True, False) == ["127.0.0.1"]
+    assert aioice.ice.get_host_addresses(True, True) == ["127.0.0.1", "::1"]
+
+
+def test_a_rate_takes_its_limit_then_says_when_it_takes_more() -> None:
+    now = [0.0]
+    rate = Rate(2, 60.0, clock=lambda: now[0])
+    assert rate.take() is None and rate.take() is None and rate.take() == 60.0
+    now[0] = 59.5
+    assert rate.take() == pytest.approx(0.5)
+    now[0] = 60.0
+    assert rate.take() is None
