@@ -61,7 +61,7 @@ def admission_latency(checkpoint: Path, starts: int) -> str:
     spec = checked_spec(engine_settings(checkpoint, TINY, 1), 1)
     admission = Admission(ServingSettings(), spec)
     request = dataclasses.replace(make_request(TINY, decode=False), num_frames=None, poses=None, keys="w",
-                                  session_key="1")
+                                  sequence_id="1")
     text = f"alice sha256:{'0' * 64} {' '.join(ALICE.words())}\n"
     alice = KeyRing.parse(text).entries[0].principal
     rows = []

@@ -1,4 +1,4 @@
-"""What a world event costs: the step latency of an event step against a plain step (direct engine, SP1, CPU),
+"""What a prompt event costs: the step latency of an event step against a plain step (direct engine, SP1, CPU),
 and, from the config, the FLOP and bytes of rebuilding a session's prompt K/V at 14B per SP degree.
 
     python -m bench.events [--preset tiny] [--rounds 8]

@@ -8,7 +8,7 @@ random checkpoint (64x64, float32, frames not decoded), max_sessions --slots, ma
 own, so its bits do not depend on who plays beside it). Each player is a thread playing a steered world as a client
 does: its start, then --bursts bursts of 2-5 steps (each sent once the block before it came), between two bursts a
 pause of 2-30 s during which it keeps a pause request open (as client.steer does), all drawn from --seed; then its
-end flag. A player whose start waits in line longer than --give-up-s leaves (its request cancelled: its client went
+end flag. A player whose start waits in the queue longer than --give-up-s leaves (its request cancelled: its client went
 away). The same scripts are played once for each --park-after-s (the park tier in host memory, a folder under
 /dev/shm) and once without parking. Then each world is played again alone, its steps back to back, on a group that
 never parks: every block a player received must equal its twin's, bit for bit.
@@ -34,7 +34,7 @@ from backend.api.request import Controls, SessionRequest, StepRequest
 from backend.engine.blocks import BlockOutput
 from backend.engine.rollout import WorldModelEngine
 from backend.serving.bootstrap import Hooks, owner_side
-from backend.serving.line import LineCounts
+from backend.serving.waits import QueueCounts
 from backend.serving.loop import GroupLoop, LoopHooks
 from backend.serving.settings import ServingSettings
 from bench.common import TINY, engine_settings, ensure_checkpoint, format_table, make_request, percentile
@@ -124,7 +124,7 @@ class Played:
 
 def start_request(seed: int, key: str) -> SessionRequest:
     base = dataclasses.replace(make_request(TINY, decode=False), seed=seed)
-    return dataclasses.replace(base, num_frames=None, poses=None, keys="w", session_key=key)
+    return dataclasses.replace(base, num_frames=None, poses=None, keys="w", sequence_id=key)
 
 
 class Group:
@@ -140,11 +140,11 @@ class Group:
         self.copies: dict[str, int] = {}  # each park copy's bytes, by its folder in the park tier
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         hooks = Hooks(on_park=self._park, on_unpark=lambda sid, line, s: self.unparks.append((sid, line, s)))
-        self.loop = GroupLoop(engine, settings, None, inbox.put, LoopHooks(on_line=self._line,
+        self.loop = GroupLoop(engine, settings, None, inbox.put, LoopHooks(on_queue=self._line,
                                                                             on_unpark=hooks.on_unpark))
         self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox, hooks)
 
-    def _line(self, counts: LineCounts) -> None:
+    def _line(self, counts: QueueCounts) -> None:
         self.held.append((time.perf_counter(), self.settings.max_sessions - counts.free_slots))
         self.most_parked = max(self.most_parked, counts.parked)
 
@@ -157,7 +157,7 @@ class Group:
 
     def ask(self, request: SessionRequest | StepRequest) -> Answer:
         answer = Answer()
-        self.intake.arrive(request.session_key, request, answer)
+        self.intake.arrive(request.sequence_id, request, answer)
         return answer
 
     def held_share(self, begin: float, end: float) -> float:
@@ -285,7 +285,7 @@ def main() -> None:
     pauses = [s for script in scripts for s in script.pauses_s]
     print(f"{args.players} players, {args.slots} slots (SP1, tiny, 64x64, max_batch 1), {args.bursts} bursts of "
           f"{args.steps[0]}-{args.steps[1]} steps, pauses {min(pauses):.1f}-{max(pauses):.1f} s (median "
-          f"{statistics.median(pauses):.1f}), seed {args.seed}, give up after {args.give_up_s:g} s in line; "
+          f"{statistics.median(pauses):.1f}), seed {args.seed}, give up after {args.give_up_s:g} s in the queue; "
           f"{time.perf_counter() - began:.0f} s")
     header = ["player", "steps played", "start wait s", "parks", "wait on return s p50 / max",
               "line s p50 / max", "unpark s p50 / max", "other steps s p50 / max", "bit for bit"]

@@ -1,10 +1,10 @@
-"""What a recache costs and what it changes: `engine.recache` after a world event recomputes the self-attention
+"""What a recache costs and what it changes: `engine.recache` after a prompt event recomputes the self-attention
 K/V of every cached frame under the new prompt (docs/model.md, Recache).
 
     python -m bench.recache [--preset mid] [--blocks 7] [--recache-after 1 2 7] [--effect-preset tiny] [--event-blocks 2 5]
 
 1. Cost on CPU (SP1, random weights made in memory, `--preset`, 64x64, window 18, sink 6): one session with
-   keep_commits; after `--recache-after` blocks (each) a world event (`set_prompt`) and a recache. Each row gives
+   keep_commits; after `--recache-after` blocks (each) a prompt event (`set_prompt`) and a recache. Each row gives
    the wall time of the block just run and of the recache beside it, from the same run.
 2. Cost at the 14B geometry (480x832, 3-frame blocks, window 18, sink 6) from bench/flops' FLOP model: a recache
    after n blocks runs one forward per kept block, each over the replayed history so far; the next block runs 5
@@ -44,12 +44,12 @@ VAE_FACTOR = 8  # pixels per latent pixel, each way (the Wan VAE)
 COST = Workload(height=64, width=64, blocks=7, dtype="float32", window_frames=18, sink_frames=6)
 
 
-# ---------------------------------------------------------------- a session around a world event (the tests use these)
+# ---------------------------------------------------------------- a session around a prompt event (the tests use these)
 
 
 @dataclass
 class EventRun:
-    """One session's blocks around a world event, and its cache as the event (and recache) left it."""
+    """One session's blocks around a prompt event, and its cache as the event (and recache) left it."""
 
     latents: list[np.ndarray]  # each block's [1, z, block_frames, h, w]
     keys: list[np.ndarray]  # each layer's cached K [1, length, local heads, head_dim] before the event's block
@@ -61,7 +61,7 @@ class EventRun:
 
 def event_rollout(engine: WorldModelEngine, request: SessionRequest, blocks: int, at: int, prompt: str | None = None,
                   recache: bool = False, teacher: Sequence[np.ndarray] = ()) -> EventRun:
-    """`blocks` blocks of one session; before block `at` (< blocks) the world event `prompt` (None: none), then a
+    """`blocks` blocks of one session; before block `at` (< blocks) the prompt event `prompt` (None: none), then a
     recache if asked, then a snapshot of the cache. Block i < len(teacher) commits teacher[i] in place of its own latents.
     Every rank of a group calls it alike."""
     with engine.session(request, keep_commits=recache) as session:

@@ -3,7 +3,7 @@
     python -m client play --prompt "a castle" --keys "w*6,wa*2,j*3" --out out/play.mp4
 
 Each step of the script is one block (see backend/api/controls.py for the keys and step sizes); an entry
-"@text" is a world event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"); "@!text"
+"@text" is a prompt event: the prompt is "text" from the next block on ("w*6,@it starts to snow,w*4"); "@!text"
 also recomputes the cached frames under it, so the old prompt does not linger (request parameter recache). The client
 keeps `--lookahead` steps in flight, so the server has the next block's camera while the current one streams.
 Per block it prints the step latency (request sent to block received) and the real-time factor: seconds of

@@ -2,7 +2,7 @@
 
 One `.npz` file (numpy's zip of arrays, read without pickle): `meta`, a JSON text that names the format and version
 and holds the start inputs (prompt, seed, size), the server's `settings_used` and one entry per block (its frame
-count, whether it was held, its world event, the SHA-256 of its latents) and the session's durable snapshots not
+count, whether it was held, its prompt event, the SHA-256 of its latents) and the session's durable snapshots not
 released since (`snapshots`: each id and the block it follows; absent in recordings written before snapshots, read
 as none); `image`, the first frame as sent (once); `camera`, every video frame's camera-to-world pose as the server
 ran it (float32 [n, 4, 4]); `intrinsics` when the session sent them. `Recording.load` checks all of it and names
@@ -43,7 +43,7 @@ class RecordedBlock:
     camera: np.ndarray  # float32 [n, 4, 4]: the block's new video frames' poses, as the server ran them
     latents_sha256: str
     held: bool = False  # ran on held controls (its step came late)
-    event: str | None = None  # the world event that took effect at this block: the prompt from here on
+    event: str | None = None  # the prompt event that took effect at this block: the prompt from here on
     recache: bool = False  # with the event, the cached frames were recomputed under it (request parameter recache)
 
 

@@ -5,7 +5,7 @@
     python -m client replay out/world.npz --from-snapshot ID
 
 By default one whole trajectory carries every recorded pose (pose_scale=running, as the steered session scaled
-its translations); --steps replays it as a steered session again, one step per block with its world event. Both
+its translations); --steps replays it as a steered session again, one step per block with its prompt event. Both
 send the recording's settings as expect_settings, so a server with other settings refuses before any work.
 --from-snapshot resumes one of the snapshots the recording notes and replays, step by step, only the recorded
 blocks after it (a server with other settings refuses the snapshot, naming them); the table lists those blocks.
@@ -51,9 +51,9 @@ def base_request(recording: Recording, decode: bool, **kinds: object) -> Session
 
 
 def whole_request(recording: Recording, decode: bool) -> SessionRequest:
-    """The recording as one whole trajectory; a recording with world events needs --steps (one prompt here)."""
+    """The recording as one whole trajectory; a recording with prompt events needs --steps (one prompt here)."""
     if recording.events:
-        raise RecordingError(f"world events at block(s) {sorted(recording.events)}: a whole trajectory takes one "
+        raise RecordingError(f"prompt events at block(s) {sorted(recording.events)}: a whole trajectory takes one "
                              f"prompt; replay it with --steps")
     poses = np.concatenate([b.camera for b in recording.blocks])
     return base_request(recording, decode, poses=poses, num_frames=len(poses), pose_scale="running")
@@ -71,7 +71,7 @@ def replay_whole(recording: Recording, url: str, model: str, decode: bool, timeo
 def replay_steps(recording: Recording, url: str, model: str, decode: bool, timeout: float,
                  connection: Connection = Connection()) -> list[BlockResponse]:
     """A steered session again: the first request with block 0's poses, then one step per block (lookahead 1),
-    each with its recorded poses and world event; on_starve=wait, so no block is held this time."""
+    each with its recorded poses and prompt event; on_starve=wait, so no block is held this time."""
     blocks = recording.blocks
     steps = [Controls(poses=b.camera, prompt=b.event, recache=b.recache) for b in blocks[1:]]
     received: list[BlockResponse] = []
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
             raise RecordingError(f"the recording notes no snapshot {args.from_snapshot} with blocks after it "
                                  f"(it notes {recording.snapshots or 'none'})")
         if not args.steps and args.from_snapshot is None:
-            whole_request(recording, decode=False)  # refuse a whole replay of world events before connecting
+            whole_request(recording, decode=False)  # refuse a whole replay of prompt events before connecting
     except RecordingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ the server holds open until the next request: a client that vanishes then ends i
 that sends nothing for minutes keeps it. Pauses are tagged with `PAUSE_ID` and their answers never reach the
 caller.
 
-Responses that answer no request: a waiting session's place in line (`on_place`) and a save's outcome
+Responses that answer no request: a waiting session's place in the queue (`on_place`) and a save's outcome
 (`on_snapshot`: the snapshot is durable, or why it failed), both on tritonclient's thread. A save the server
 refuses at once (SNAPSHOT_STORE_FULL, or INVALID_INPUT from a server without a snapshot store: its block is not run,
 the session goes on) is answered before the blocks of the steps sent ahead of it; `next_block` still raises it in
@@ -46,7 +46,7 @@ RENEW_S = 20.0
 
 @dataclass
 class _Answer:
-    """A request's place in line for its answer: (result, failure, arrival) once it came."""
+    """A request's place in the queue for its answer: (result, failure, arrival) once it came."""
 
     save: bool  # it asks for a save (its refusal may come before earlier requests' blocks)
     sent_s: float
@@ -68,7 +68,7 @@ class SteeredSession:
                  keep_alive: bool = True, on_place: Callable[[Place], None] | None = None,
                  on_snapshot: Callable[[SnapshotNotice], None] | None = None,
                  connection: Connection = Connection()) -> None:
-        """on_place: called (on tritonclient's thread) with each place in line the server tells the session
+        """on_place: called (on tritonclient's thread) with each place in the queue the server tells the session
         while it waits for a slot; on_snapshot: likewise with each save's outcome, once its snapshot is durable
         (or its write failed); neither answers a request. connection: TLS and the key (sent on the stream, so
         with every request of the session)."""

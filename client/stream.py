@@ -29,7 +29,7 @@ from client.connection import Connection, add_connection_args, connection_of
 
 _FINAL_FLAG = "triton_final_response"  # set by Triton on each response when empty final responses are enabled
 _CANCELLED = object()  # queue sentinel pushed by StreamingSession.cancel()
-# How often the command-line clients send a start refused with CAPACITY_EXHAUSTED (every slot and the line full) again,
+# How often the command-line clients send a start refused with CAPACITY_EXHAUSTED (every slot and the queue full) again,
 # each after the server's retry_after_s, on a new stream: behind a balancer it may reach another group
 # (docs/scale-out.md). A StreamingSession does not retry unless asked: run_sessions reports what the server said.
 CAPACITY_RETRIES = 3
@@ -147,7 +147,7 @@ def request_inputs(request: SessionRequest) -> list[grpcclient.InferInput]:
 
 def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[BlockResponse | Place | None, bool]:
     """(block, is_final) of one streamed response; block is None for an empty final response, a `Place` for a
-    waiting session's place in line (never final)."""
+    waiting session's place in the queue (never final)."""
     response = result.get_response()
     final = _FINAL_FLAG in response.parameters and response.parameters[_FINAL_FLAG].bool_param
     if not response.outputs:
@@ -160,11 +160,11 @@ def parse_response(result: grpcclient.InferResult, arrival_s: float) -> tuple[Bl
 
 
 def show_place(place: Place) -> str:
-    """A place in line in words, as the players print it."""
+    """A place in the queue in words, as the players print it."""
     if place.position == 0:
         return "a slot is free: computing the first block"
     wait = f", about {place.wait_s:.0f} s" if place.wait_s >= 0 else ""
-    return f"waiting: {ordinal(place.position)} in line{wait}"
+    return f"waiting: {ordinal(place.position)} in the queue{wait}"
 
 
 def ordinal(n: int) -> str:
@@ -187,7 +187,7 @@ class StreamingSession:
     def __init__(self, url: str, *, model_name: str = contract.MODEL_NAME, verbose: bool = False,
                  on_place: Callable[[Place], None] | None = None, capacity_retries: int = 0,
                  connection: Connection = Connection()) -> None:
-        """on_place: called with each place in line the server tells a waiting request (blocks only are yielded);
+        """on_place: called with each place in the queue the server tells a waiting request (blocks only are yielded);
         capacity_retries: how often a request refused with CAPACITY_EXHAUSTED before its first block is sent again
         after the server's retry_after_s (within responses()' timeout); connection: TLS and the key."""
         self.url = url

@@ -18,7 +18,7 @@ from backend.api.request import Controls
 class BlockLabel:
     keys: str  # the held keys it ran on ("poses" for a pose step, "held" for a held block)
     prompt: str  # the prompt in force, as the server used it
-    event: bool  # the prompt changed at this block (a world event took hold)
+    event: bool  # the prompt changed at this block (a prompt event took hold)
     held: bool
 
 

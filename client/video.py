@@ -76,7 +76,7 @@ class Mp4Writer:
 class ContactSheet:
     """Collects a thumbnail of every `every`-th frame (frame 0 first) into a grid image, each labelled with its
     frame and block; the grid has no empty cells (its column count divides the thumbnails, near `columns`). The
-    thumbnails of a block where a world event took effect are framed in EVENT_COLOUR."""
+    thumbnails of a block where a prompt event took effect are framed in EVENT_COLOUR."""
 
     EVENT_COLOUR = (255, 200, 0)
     LABEL_HEIGHT = 12  # a strip under each thumbnail: "frame F  block B" (or "fF bB" when narrow)

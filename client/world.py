@@ -8,10 +8,10 @@ A failure is one of:
   SERVER_STOPPING, SESSION_UNKNOWN, ... (every refusal but those in GIVE_UP), or a failed gRPC stream;
 - no block within the stall bound: STALL_BLOCKS times the longest of the session's last BLOCK_SAMPLES block times
   (a block's arrival less the later of the previous response's and its request's send), at least STALL_FLOOR_S,
-  counted from the later of the session's last response (a block, a place in line, a save's outcome) and the send
+  counted from the later of the session's last response (a block, a place in the queue, a save's outcome) and the send
   of the oldest request not answered; a session's first block adds the longest measured time to a first block.
   Until a block time is measured only the caller's timeout bounds a wait, and its passing is the caller's error;
-  so is a refusal before the world's first block (a start refused: the line is full, say), while a failed stream then
+  so is a refusal before the world's first block (a start refused: the queue is full, say), while a failed stream then
   starts the world again.
 
 The resume goes to the same address (a fleet's balancer takes it to a group with room; a lone group's healer
@@ -48,7 +48,7 @@ from client.world_stall import Stalled, StallClock
 # that is under 1 % of the group's time (2.6 % / 4), while a failover makes at most 4 blocks again (3 since the last
 # save and the one the lookahead had asked for), 3 s of video.
 DEFAULT_SAVE_EVERY = 4
-# A block with a world event's recache takes about 2.1 blocks' time (bench/README section 12: a full window's
+# A block with a prompt event's recache takes about 2.1 blocks' time (bench/README section 12: a full window's
 # recache costs 1.1 blocks), and a session that joins the group's batch lengthens every block: 4 covers both.
 STALL_BLOCKS = 4
 # A loaded CPU host runs blocks 2 to 7 times slower than alone (bench/README section 18), in bursts: a tiny model's
@@ -69,7 +69,7 @@ GIVE_UP = frozenset({contract.INVALID_INPUT, contract.SETTINGS_MISMATCH, contrac
 
 
 class _Heard:
-    """Responses that answer no request (a place in line, a save's outcome), handed over from tritonclient's thread
+    """Responses that answer no request (a place in the queue, a save's outcome), handed over from tritonclient's thread
     to the caller's through a queue; what an older session tells is dropped."""
 
     def __init__(self, on_place: Callable[[Place], None] | None) -> None:
@@ -92,7 +92,7 @@ class _Heard:
 
     def take(self) -> Iterator[tuple[float, SnapshotNotice | None]]:
         """The current session's responses since the last take, in order: (arrival, a save's outcome or None for a
-        place in line)."""
+        place in the queue)."""
         while True:
             try:
                 generation, arrival, notice = self._queue.get_nowait()
@@ -287,7 +287,7 @@ class PlayedWorld:
                 if refuses_save(exc) and self._saves.waits_for_block:
                     self._refused(exc)
                 elif code is not None and self.last_index < 0 and not self._resumer.under_way:
-                    raise  # the world's start refused (the line is full, say): the caller's to handle
+                    raise  # the world's start refused (the queue is full, say): the caller's to handle
                 elif code in GIVE_UP:
                     if not self._resumer.under_way:
                         raise

@@ -15,7 +15,7 @@ class Stalled(Exception):
 class StallClock:
     """The stall bound of a world's sessions: `blocks` times the longest of the last `samples` block times (a block's
     arrival less the later of the previous response's and its request's send), at least `floor_s`, counted from the
-    later of the session's last response (a block, a place in line, a save's outcome) and the send of the oldest
+    later of the session's last response (a block, a place in the queue, a save's outcome) and the send of the oldest
     request not answered; a session's first block adds the longest time a first block took. The block times are
     the server's pace and outlive a session; what a session heard is its own (`restart`)."""
 
@@ -25,7 +25,7 @@ class StallClock:
         self._first_block_s = 0.0
         self._first_pending = True  # this session's first block has not come
         self._last_heard_s: float | None = None  # any response of this session
-        self._last_paced_s: float | None = None  # its last block or place in line (a block's time runs from there)
+        self._last_paced_s: float | None = None  # its last block or place in the queue (a block's time runs from there)
 
     def restart(self) -> None:
         """A new session: its first block is still to come and nothing was heard from it yet."""
@@ -37,7 +37,7 @@ class StallClock:
         return self._first_pending
 
     def heard(self, arrival_s: float, paced: bool) -> None:
-        """A response that answers no request: a place in line (paced: a block's time runs from it) or a save's
+        """A response that answers no request: a place in the queue (paced: a block's time runs from it) or a save's
         outcome. Either is a sign of life."""
         self._last_heard_s = max(self._last_heard_s or 0.0, arrival_s)
         if paced:

@@ -108,5 +108,5 @@ def sp2_group(tiny_checkpoint: str, snapshot_dir: str):
 
     serving = ServingSettings(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,
                             snapshot_dir=snapshot_dir)
-    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, world=2) as group:
+    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, ranks=2) as group:
         yield group

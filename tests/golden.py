@@ -1,9 +1,9 @@
 """The golden rollout: latents of the tiny checkpoint (seed 0) stored in tests/data, so a change to what the engine
-computes (RoPE positions, noise draws, the schedule, the cache, the camera, a world event, a recache) fails a fast
+computes (RoPE positions, noise draws, the schedule, the cache, the camera, a prompt event, a recache) fails a fast
 test. Two runs, one torch thread (the condition encode's bits depend on the thread count):
 
 - steered: 6 blocks of held keys through the tiny window (9 frames, 3-frame sink: evictions from block 3 on),
-  a world event before block 2, a world event with a recache before block 4;
+  a prompt event before block 2, a prompt event with a recache before block 4;
 - whole: a 3-block trajectory that starts away from the origin, moves and turns, with its own intrinsics.
 
 When the model is meant to change, regenerate (it rewrites the data and its pinned SHA-256):
@@ -43,7 +43,7 @@ ATOL = 1e-4
 @dataclass(frozen=True)
 class Step:
     keys: str
-    event: str | None = None  # a world event before the block
+    event: str | None = None  # a prompt event before the block
     recache: bool = False  # with it, the cache is recomputed under the new prompt
 
 

@@ -11,7 +11,7 @@ from backend.serving.bootstrap import Hooks, owner_side
 from backend.serving.books import BooksAddress
 from backend.serving.keys import ANONYMOUS, Principal
 from backend.serving.settings import ServingSettings
-from backend.serving.line import LineCounts
+from backend.serving.waits import QueueCounts
 from backend.serving.loop import GroupLoop, LoopHooks
 from backend.serving.loop_cpu import LoopCpu
 from backend.serving.streams import Responder
@@ -21,7 +21,7 @@ from backend.serving.threads import CoreSplit
 class OneRank:
     def __init__(self, engine: WorldModelEngine, settings: ServingSettings,
                  on_failure: Callable[[BaseException], None] = lambda exc: None,
-                 on_ended: Callable[[str], None] | None = None, on_line: Callable[[LineCounts], None] | None = None,
+                 on_ended: Callable[[str], None] | None = None, on_queue: Callable[[QueueCounts], None] | None = None,
                  threads: CoreSplit | None = None, cpu: LoopCpu | None = None, books: BooksAddress | None = None,
                  hooks: Hooks | None = None) -> None:
         """hooks: the parks' and unparks' (the others are the arguments')."""
@@ -29,7 +29,7 @@ class OneRank:
         hooks = hooks or Hooks()
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.loop = GroupLoop(engine, settings, None, inbox.put,
-                              LoopHooks(on_failure=on_failure, on_ended=on_ended, on_line=on_line,
+                              LoopHooks(on_failure=on_failure, on_ended=on_ended, on_queue=on_queue,
                                         on_unpark=hooks.on_unpark), threads=threads, cpu=cpu)
         self.intake = owner_side(0, 1, settings, engine, self.loop.post, inbox, hooks, books)
 
@@ -37,7 +37,7 @@ class OneRank:
                principal: Principal = ANONYMOUS) -> None:
         """A request as the member hands it over (its sequence's open pause is answered first), from `principal`'s
         key."""
-        self.intake.arrive(getattr(request, "session_key", "") or "", request, responder, principal=principal)
+        self.intake.arrive(getattr(request, "sequence_id", "") or "", request, responder, principal=principal)
 
     @property
     def sessions(self) -> dict:

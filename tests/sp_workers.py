@@ -82,7 +82,7 @@ def split_decode(groups: GroupHandles, config: EngineSettings, request: SessionR
 
 
 def steered_events(groups: GroupHandles, config: EngineSettings, request: SessionRequest, steps: list) -> dict:
-    """A steered session through `steps` (Controls; a step's prompt set as a world event before its block) on
+    """A steered session through `steps` (Controls; a step's prompt set as a prompt event before its block) on
     every rank; returns the latents, this rank's text K/V bytes after each block and its final text K/V shards."""
     from backend.engine.blocks import BlockControls
 
@@ -170,7 +170,7 @@ def weight_bytes(member) -> int:
 
 def play(engine: WorldModelEngine, session, steps: list, first: int, save_after: int | None = None,
          save=None) -> dict:
-    """`steps[first:]` of a steered session (a step's world event set, and recached if it asks, before its block),
+    """`steps[first:]` of a steered session (a step's prompt event set, and recached if it asks, before its block),
     each block decoded; after block `save_after`, `save(session)`. Returns each block's latents and, on the
     session's owner, its frames, and what `save` returned."""
     from backend.engine.blocks import BlockControls

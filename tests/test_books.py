@@ -1,5 +1,5 @@
 """The fleet's shared books (serving/books, serving/leases) against a real redis-server this module starts: a key's
-seats and places in line across owners, their leases expiring with an owner that stopped renewing, a key's hour of
+seats and places in the queue across owners, their leases expiring with an owner that stopped renewing, a key's hour of
 blocks, the fleet's keys, a store that stops answering (bounded calls, a code) and starts again; then one rank's
 intake on those books: a session that waits for its key's seat across the fleet, and one that ends with its key's
 hour. Fast: no tritonserver (the fleet's own: tests/test_books_fleet.py)."""
@@ -70,7 +70,7 @@ def test_a_key_s_seats_and_line_hold_across_owners_and_a_silent_owner_s_leases_e
     other = store.connect()
     quota = Quota(sessions=2, queue=1)
     assert [b.take("alice", f"l{i}", quota, 1.0).kind for i, b in enumerate((books, other, other, books))] == \
-        ["seat", "seat", "line", "full"]
+        ["seat", "seat", "queue", "full"]
     assert not other.promote("alice", "l2", 2, 1.0)  # no seat free: it waits on
     books.release("alice", "l0")
     assert other.promote("alice", "l2", 2, 1.0) and books.held("alice") == (2, 0)
@@ -171,7 +171,7 @@ def test_leases_refuse_with_a_code_while_the_store_is_down_and_carry_their_sessi
     posted: list = []
     leases = Leases(store.connect(), 3.0, posted.append)
     alice = principal("alice", sessions=1, queue=1, blocks_per_hour=100)
-    assert leases.take("s1", alice) is True and leases.take("s2", alice) is False  # a seat, then a place in line
+    assert leases.take("s1", alice) is True and leases.take("s2", alice) is False  # a seat, then a place in the queue
     with pytest.raises(Refused) as caught:
         leases.take("s3", alice)
     assert caught.value.refusal.code == c.USER_SESSION_LIMIT
@@ -191,7 +191,7 @@ def test_leases_refuse_with_a_code_while_the_store_is_down_and_carry_their_sessi
 
 def test_a_session_waits_for_its_key_s_seat_across_the_fleet_and_ends_with_its_key_s_hour(
         engine: WorldModelEngine, store: BooksServer, books: Books, tmp_path: Path) -> None:
-    """One rank on the books, another group's lease held in the store: alice's session waits in line (told its
+    """One rank on the books, another group's lease held in the store: alice's session waits in the queue (told its
     place) until that seat frees, then runs; a key whose hour the fleet used ends its running session with
     QUOTA_EXHAUSTED."""
     settings = ServingSettings(max_sessions=2, books_lease_s=3.0, max_blocks_ahead=100)
@@ -201,9 +201,9 @@ def test_a_session_waits_for_its_key_s_seat_across_the_fleet_and_ends_with_its_k
         assert books.take("alice", "elsewhere", alice.quota, 60.0).kind == "seat"  # another group's session
         first = Placed()
         start = dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                                    session_key="11")
+                                    sequence_id="11")
         group.submit(start, first, alice)
-        wait_until(lambda: first.places, 10, "a place in line")
+        wait_until(lambda: first.places, 10, "a place in the queue")
         assert not first.latents and group.scheduler.table and not next(iter(group.scheduler.table.values())).seated
         books.release("alice", "elsewhere")
         first.answered(30)
@@ -213,7 +213,7 @@ def test_a_session_waits_for_its_key_s_seat_across_the_fleet_and_ends_with_its_k
         bob = principal("bob", blocks_per_hour=3)
         books.add_blocks("bob", 2)  # another group's blocks of bob's this hour
         played = Client()
-        group.submit(dataclasses.replace(start, session_key="12"), played, bob)
+        group.submit(dataclasses.replace(start, sequence_id="12"), played, bob)
         played.answered(30)
         pause = Client()  # held open until the session ends: its ending is told on it
         group.submit(StepRequest("12", None, pause=True), pause, bob)

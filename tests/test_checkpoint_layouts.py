@@ -212,7 +212,7 @@ def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts
                             "--out", str(tmp_path / "cli.mp4"), "--timeout", "240"]) == 0
         assert "77 frames at 64x64" in capsys.readouterr().out
     config = tiny_settings(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
-    with LocalGroup(config, ServingSettings(max_batch=1), world=2) as group:
+    with LocalGroup(config, ServingSettings(max_batch=1), ranks=2) as group:
         blocks[2] = group.stream(request, rank=1, timeout_s=240)
     for sp, served in blocks.items():
         assert [b.frames.shape[0] for b in served] == [13, 16, 16, 16, 16], sp

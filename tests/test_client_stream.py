@@ -253,7 +253,7 @@ def test_cli_writes_video_sheet_and_latents(fake, tmp_path: Path, capsys) -> Non
 def test_cli_takes_the_block_size_and_the_size_from_the_server_and_prints_its_place(fake, tmp_path: Path,
                                                                                    capsys) -> None:
     """Neither layout needs a flag: a server of 4 latent frames a block gets 77 frames (its most whole blocks up
-    to 81), at its own default size; a place in line is printed, not counted as a block."""
+    to 81), at its own default size; a place in the queue is printed, not counted as a block."""
     fake, url = fake
     fake.description = ServerDescription("official", 4, "block_frames=4", 321, 1 << 20, 1 << 24, 4, 16, H, W)
 
@@ -273,7 +273,7 @@ def test_cli_takes_the_block_size_and_the_size_from_the_server_and_prints_its_pl
         fake.description = None
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "waiting: 2nd in line, about 40 s" in printed and "block   3/3" in printed
+    assert "waiting: 2nd in the queue, about 40 s" in printed and "block   3/3" in printed
     (request,) = fake.requests
     inputs = {i.name: i for i in request.inputs}
     assert list(inputs[contract.CAMERA_POSES].shape) == [77, 4, 4]

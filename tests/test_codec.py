@@ -67,7 +67,7 @@ def test_block_outputs() -> None:
 
 def test_a_block_s_outputs_read_back_as_the_block_a_client_sees() -> None:
     """block_outputs and parse_block are each other's inverse, with what the block was made from (return_used);
-    a place in line reads back as a place, a block's response as none."""
+    a place in the queue reads back as a place, a block's response as none."""
     camera = np.tile(np.eye(4, dtype=np.float32), (12, 1, 1))
     latents = np.arange(4 * 3 * 8 * 8, dtype=np.float32).reshape(4, 3, 8, 8)
     used = BlockUsed(camera, "it snows ❄", latents_sha256(latents), "block_frames=3;dtype=float32", recached=True)
@@ -115,7 +115,7 @@ def test_sequence_requests_parse_as_starts_and_steps() -> None:
     first = {k: v for k, v in valid_inputs().items() if k not in (p.NUM_FRAMES, p.CAMERA_POSES)}
     first[p.ACTION] = np.array([b"WA"], dtype=object)
     start = parse_request(first.get, json.dumps({p.PARAM_ON_STARVE: "hold"}), "7", start_flag)
-    assert start.steered and start.keys == "aw" and start.on_starve == "hold" and start.session_key == "7"
+    assert start.steered and start.keys == "aw" and start.on_starve == "hold" and start.sequence_id == "7"
     assert parse_request(first.get, "{}", "7", start_flag | end_flag).max_blocks == 1  # start and end: one block
     step = parse_request({p.CAMERA_POSES: forward_poses(12)}.get, "{}", "7", 0)
     assert isinstance(step, StepRequest) and step.controls.poses.shape == (12, 4, 4) and not step.end
@@ -213,5 +213,5 @@ def test_a_recache_rides_on_a_world_event() -> None:
     step = {p.ACTION: np.array([b"w"], dtype=object), p.PROMPT: np.array([b"it starts to snow"], dtype=object)}
     parsed = parse_request(step.get, json.dumps({p.PARAM_RECACHE: True}), "7", 0)
     assert parsed.controls.recache and parsed.controls.prompt == "it starts to snow"
-    with pytest.raises(InputError, match=r"request parameter 'recache' rides on a world event: send it with 'prompt'"):
+    with pytest.raises(InputError, match=r"request parameter 'recache' rides on a prompt event: send it with 'prompt'"):
         parse_request({p.ACTION: np.array([b"w"], dtype=object)}.get, json.dumps({p.PARAM_RECACHE: True}), "7", 0)

@@ -21,7 +21,7 @@ from backend.serving.admission import Admission
 from backend.serving.settings import ServingSettings
 from factories import tiny_request
 
-STEP_KEY = "7"  # a running steered session's Triton sequence
+STEP_SEQUENCE = "7"  # a running steered session's Triton sequence
 PARAMETER = {p.name: p for p in c.REQUEST_PARAMETERS}
 NAN, INF = float("nan"), float("inf")
 
@@ -47,7 +47,7 @@ def whole() -> SessionRequest:
 
 
 def steered() -> SessionRequest:
-    return dataclasses.replace(whole(), num_frames=None, poses=None, keys="w", session_key=STEP_KEY)
+    return dataclasses.replace(whole(), num_frames=None, poses=None, keys="w", sequence_id=STEP_SEQUENCE)
 
 
 def parse_with(name: str, array: np.ndarray | None) -> SessionRequest | StepRequest:
@@ -55,7 +55,7 @@ def parse_with(name: str, array: np.ndarray | None) -> SessionRequest | StepRequ
     base = steered() if name == c.ACTION else whole()
     arrays = request_arrays(base) | {name: array}
     flags = c.SEQUENCE_START if base.steered else 0
-    return parse_request(arrays.get, "{}", base.session_key or "", flags)
+    return parse_request(arrays.get, "{}", base.sequence_id or "", flags)
 
 
 def one(spec: c.TensorSpec, value) -> np.ndarray:
@@ -226,32 +226,32 @@ def parsed_parameter(name: str, value: object) -> object:
     params = json.dumps({name: value})
     if name == c.PARAM_PAUSE:  # a pause is a step of its own, without a camera; not pausing, a step with one
         arrays = {} if value in (True, "true") else controls_arrays(Controls(keys="w"))
-        return parse_request(arrays.get, params, STEP_KEY, 0).pause
-    if name == c.PARAM_RECACHE:  # rides on a world event
+        return parse_request(arrays.get, params, STEP_SEQUENCE, 0).pause
+    if name == c.PARAM_RECACHE:  # rides on a prompt event
         arrays = controls_arrays(Controls(keys="w", prompt="it starts to snow"))
-        return parse_request(arrays.get, params, STEP_KEY, 0).controls.recache
+        return parse_request(arrays.get, params, STEP_SEQUENCE, 0).controls.recache
     if name == c.PARAM_RESUME:  # a start of a snapshot's world ("": a new world's start, which has no snapshot)
-        request = parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START) if value == "" \
-            else parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, c.SEQUENCE_START)
+        request = parse_request(request_arrays(steered()).get, params, STEP_SEQUENCE, c.SEQUENCE_START) if value == "" \
+            else parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_SEQUENCE, c.SEQUENCE_START)
         return getattr(request, "snapshot_id", "")
     if name == c.PARAM_FORK_SEED:  # read by a resume only
         params = json.dumps({c.PARAM_RESUME: "a" * 32, name: value})
-        return parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, c.SEQUENCE_START).fork_seed
+        return parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_SEQUENCE, c.SEQUENCE_START).fork_seed
     if name in (c.PARAM_RELEASE, c.PARAM_SHARE):  # rides on a save (a release: of a world with an older snapshot)
         params = json.dumps({c.PARAM_SAVE: True, name: value})
-        return getattr(parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_KEY, 0).controls, name)
+        return getattr(parse_request(controls_arrays(Controls(keys="w")).get, params, STEP_SEQUENCE, 0).controls, name)
     if name == c.PARAM_SAVES:  # a request without inputs of its own ("": none, a start as any)
         if value == "":
-            return getattr(parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START), "action", "")
+            return getattr(parse_request(request_arrays(steered()).get, params, STEP_SEQUENCE, c.SEQUENCE_START), "action", "")
         named = {c.PARAM_SNAPSHOT: "a" * 32} if value in ("share", "unshare") else {}
-        return parse_request({}.get, json.dumps({name: value} | named), STEP_KEY, c.SEQUENCE_START).action
+        return parse_request({}.get, json.dumps({name: value} | named), STEP_SEQUENCE, c.SEQUENCE_START).action
     if name == c.PARAM_SNAPSHOT:  # the snapshot saves=share names ("": none, a start as any)
         if value == "":
-            return getattr(parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START),
+            return getattr(parse_request(request_arrays(steered()).get, params, STEP_SEQUENCE, c.SEQUENCE_START),
                            "snapshot_id", "")
         params = json.dumps({c.PARAM_SAVES: "share", name: value})
-        return parse_request({}.get, params, STEP_KEY, c.SEQUENCE_START).snapshot_id
-    request = parse_request(request_arrays(steered()).get, params, STEP_KEY, c.SEQUENCE_START)
+        return parse_request({}.get, params, STEP_SEQUENCE, c.SEQUENCE_START).snapshot_id
+    request = parse_request(request_arrays(steered()).get, params, STEP_SEQUENCE, c.SEQUENCE_START)
     return getattr(request, name)
 
 
@@ -322,7 +322,7 @@ def test_a_steered_block_takes_exactly_its_video_frames_of_poses(engine, first: 
         if first:
             engine.geometry_of(dataclasses.replace(steered(), keys=None, poses=poses))
         else:
-            Admission(LIMITS, engine.spec).step(StepRequest(STEP_KEY, Controls(poses=poses)))
+            Admission(LIMITS, engine.spec).step(StepRequest(STEP_SEQUENCE, Controls(poses=poses)))
 
     admitted(frames)
     for n in (frames - 1, frames + 1):

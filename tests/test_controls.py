@@ -30,11 +30,11 @@ def test_a_play_script_carries_world_events_on_the_next_block() -> None:
         Controls(keys="w"), Controls(keys="w"), Controls(keys="d", prompt="it starts to snow"), Controls(keys="d"),
         Controls(keys="", prompt="rain", recache=True)]  # "@!": the cached frames recomputed under it
     for script, error in [("@snow,w", r"before the first block"), ("w,@snow", r"no block after it"),
-                          ("w,@a,@b,w", r"two world events in a row"), ("w,@ ,w", r"empty world event"),
-                          ("w,@!,w", r"empty world event '@!'")]:
+                          ("w,@a,@b,w", r"two prompt events in a row"), ("w,@ ,w", r"empty prompt event"),
+                          ("w,@!,w", r"empty prompt event '@!'")]:
         with pytest.raises(InputError, match=error):
             parse_play_script(script)
-    with pytest.raises(InputError, match=r"world event '@snow' where only keys are taken"):
+    with pytest.raises(InputError, match=r"prompt event '@snow' where only keys are taken"):
         parse_key_script("w,@snow,w")
 
 

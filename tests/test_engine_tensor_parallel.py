@@ -23,7 +23,7 @@ from backend.parallel.grid import RankGrid
 from backend.parallel.local import run_group
 from factories import tiny_settings, tiny_request
 from sp_workers import rollout, steered_events
-from test_world_events import TWO_EVENTS, keys, steered
+from test_prompt_events import TWO_EVENTS, keys, steered
 
 pytestmark = pytest.mark.server  # starts groups of local processes (slow)
 

@@ -24,7 +24,7 @@ import pytest
 from backend.api import contract
 from backend.fleet.balancer import HAPROXY, server_states, server_stats
 from backend.launch.metrics_page import metrics_page, samples
-from backend.fleet.one_world import check_one_world, read_parameters
+from backend.fleet.one_model import check_one_model, read_parameters
 from backend.launch.procfs import children, descendants, stub_pids, tcp_sockets, tritonserver_of
 from backend.fleet.restart import rolling_restart
 from backend.parallel.ports import free_port, port_in_use
@@ -79,7 +79,7 @@ class Fleet:
 
     def settle(self, timeout: float = 10) -> None:
         """Until every server line reads UP, each group's at its full weight (its agent saw no slot held)."""
-        wait_until(lambda: all(r["status"] == "UP" and (r["svname"].endswith("-line") or r["weight"] == "100")
+        wait_until(lambda: all(r["status"] == "UP" and (r["svname"].endswith("-queue") or r["weight"] == "100")
                                for r in server_stats(self.stats_socket).values()), timeout, "every group idle")
 
 
@@ -221,7 +221,7 @@ def test_sessions_land_evenly_one_more_waits_in_line_and_a_full_group_spills_to_
         # Every slot held: both groups weigh 0, so a fifth reaches one through its backup line and waits in its line.
         wait_until(lambda: all(fleet.full(g) for g in fleet.groups), 5, "both groups out of rotation")
         more, (fifth,) = start_sessions(fleet.url, 1, frames=9)
-        wait_until(lambda: fifth.places, 30, "the fifth session told its place in line")
+        wait_until(lambda: fifth.places, 30, "the fifth session told its place in the queue")
     join(more)
     assert fifth.error is None and fifth.blocks == 1 and fifth.places[0] == 1, fifth
     fleet.settle()
@@ -390,14 +390,14 @@ def test_the_page_plays_through_the_balancer(fleet, tmp_path: Path) -> None:
 
 def test_the_groups_serve_one_world_and_a_difference_is_refused_by_name(fleet) -> None:
     configs = {g.name: read_parameters(g.grpc_url) for g in fleet.groups}
-    check_one_world(configs)  # the fleet's own groups: one world
+    check_one_model(configs)  # the fleet's own groups: one world
     shift = re.search(r"timestep_shift=([^;]+)", configs["group1"]["described_settings_used"]).group(1)
     other = dict(configs["group1"], max_sessions="4")
     other["described_settings_used"] = other["described_settings_used"].replace(f"timestep_shift={shift}",
                                                                                 "timestep_shift=1.5")
     with pytest.raises(ValueError, match=rf"described_settings_used\.timestep_shift: '1\.5' on group1, '{shift}' "
                                          r"on group0.*max_sessions: '4' on group1, '2' on group0"):
-        check_one_world({"group0": configs["group0"], "group1": other})
+        check_one_model({"group0": configs["group0"], "group1": other})
 
 
 def test_the_agent_and_balancer_listen_on_loopback_only_and_garbage_leaves_them_serving(fleet) -> None:

@@ -161,7 +161,7 @@ def test_haproxy_accepts_the_balancers_configuration(tmp_path: Path) -> None:
     assert re.search(r"server remote0 10\.0\.0\.2:8001 proto h2 check .*port 8000 .*agent-check agent-addr 10\.0\.0\.2 "
                      r"agent-port 8003 agent-inter 1000ms", text)
     # The backup line follows its group's state (a drain included) through `track`, not its weight.
-    assert "server remote0-line 10.0.0.2:8001 proto h2 track remote0 on-marked-down shutdown-sessions backup" in text
+    assert "server remote0-queue 10.0.0.2:8001 proto h2 track remote0 on-marked-down shutdown-sessions backup" in text
     config.write_text(text.replace("balance leastconn", "balance nonsense"))
     with pytest.raises(ValueError, match="haproxy refuses"):
         check_config(config)
@@ -349,7 +349,7 @@ time.sleep(60)
 
 def fake_stub(rank: int, holds: bool) -> subprocess.Popen:
     """A stub of the failed load that ignores SIGTERM, holding its rank's claim (stuck in the group) or not (it left
-    the group and released the model, its process lingering)."""
+    the group and freed the model, its process lingering)."""
     stub = subprocess.Popen([sys.executable, "-c", STUB, str(rank), "holds" if holds else "left"],
                             stdout=subprocess.PIPE, text=True)
     assert stub.stdout.readline() == "up\n"

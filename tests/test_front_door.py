@@ -30,7 +30,7 @@ from backend.launch.server import TritonServer, Tls
 from backend.parallel.ports import free_port
 from backend.launch.wheel import prepare_backends
 from backend.api.request import Controls
-from backend.serving.keys import Quota, key_line, new_key
+from backend.serving.keys import Quota, key_line, new_sequence
 from client.connection import Connection
 from client.recording import Recorder
 from client.steer import SteeredSession
@@ -44,8 +44,8 @@ from triton_harness import metrics, running_server
 
 pytestmark = pytest.mark.server  # starts real tritonservers
 
-KEYS = {name: new_key() for name in ("alice", "bob", "carol", "erin")}
-# alice: one session and no place in line; erin: two blocks an hour; bob and carol: two sessions each.
+KEYS = {name: new_sequence() for name in ("alice", "bob", "carol", "erin")}
+# alice: one session and no place in the queue; erin: two blocks an hour; bob and carol: two sessions each.
 QUOTAS = {"alice": Quota(sessions=1, queue=0), "bob": Quota(sessions=2), "carol": Quota(sessions=2),
           "erin": Quota(blocks_per_hour=2)}
 
@@ -99,7 +99,7 @@ def test_a_plaintext_client_or_one_trusting_another_ca_is_refused(door, pki: Pki
 
 def test_no_key_a_wrong_key_and_a_key_in_a_prompt_are_refused_by_code(door, pki: Pki) -> None:
     assert refusal_code(lambda: clip(door, trusted(pki))) == c.AUTH_REQUIRED
-    assert refusal_code(lambda: clip(door, trusted(pki, new_key()))) == c.AUTH_INVALID
+    assert refusal_code(lambda: clip(door, trusted(pki, new_sequence()))) == c.AUTH_INVALID
     assert refusal_code(lambda: clip(door, trusted(pki, KEYS["alice"][:-1]))) == c.AUTH_INVALID
     with StreamingSession(door.grpc_url, connection=trusted(pki)) as session:
         request = tiny_request(num_frames=9, prompt=KEYS["alice"])
@@ -122,7 +122,7 @@ def test_a_thousand_wrong_keys_cost_no_model_work_while_another_user_is_served(d
         began = time.monotonic()
         for n in range(1000):
             attacker.async_stream_infer(c.MODEL_NAME, inputs, sequence_id=n + 1, sequence_start=True,
-                                        sequence_end=True, parameters={c.KEY_HEADER: new_key()})
+                                        sequence_end=True, parameters={c.KEY_HEADER: new_sequence()})
         errors = [answers.get(timeout=60) for _ in range(1000)]
         took = time.monotonic() - began
         attacker.stop_stream()
@@ -206,7 +206,7 @@ def test_the_line_is_fair_between_keys_a_later_key_gets_the_next_slot(door, pki:
             session.start(steered_start())
         wait_until(lambda: places["carol"].qsize() >= 3, 30, "carol's sessions to be told their places")
         bob.start(steered_start())
-        assert places["bob"].get(timeout=30).position == 1  # first in line, ahead of carol's three
+        assert places["bob"].get(timeout=30).position == 1  # first in the queue, ahead of carol's three
         holders[0].end()
         assert holders[0].next_block(60) is None
         assert bob.next_block(120).block_index == 0  # the freed slot is bob's
@@ -232,7 +232,7 @@ def test_a_reload_revokes_a_key_and_adds_one_without_a_restart(door, pki: Pki, t
     carols = SteeredSession(door.grpc_url, connection=trusted(pki, KEYS["carol"]))
     carols.start(steered_start())
     assert carols.next_block(120).block_index == 0
-    dave = new_key()
+    dave = new_sequence()
     keys_file = Path(door.keys_file)
     kept = {n: k for n, k in KEYS.items() if n != "carol"}
     keys_file.write_text("".join(key_line(n, k, QUOTAS.get(n, Quota())) + "\n"
@@ -408,7 +408,7 @@ def test_the_bridge_speaks_https_only_and_signs_in_with_a_real_key_only(secure_b
         except urllib.error.HTTPError as exc:
             return exc.code, "", exc.read().decode()
 
-    status, cookie, text = sign_in(new_key())
+    status, cookie, text = sign_in(new_sequence())
     assert status == 403 and "not valid" in text and not cookie
     status, cookie, text = sign_in(KEYS["alice"])
     assert status == 200 and KEYS["alice"] not in cookie + text

@@ -31,7 +31,7 @@ from factories import tiny_request
 # same examples every run (derandomize), no example database written into the tree.
 BOUNDED = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow])
-STEP_KEY = "7"
+STEP_SEQUENCE = "7"
 PARAMETER = {p.name: p for p in c.REQUEST_PARAMETERS}
 
 
@@ -50,7 +50,7 @@ def whole() -> SessionRequest:
 
 
 def steered() -> SessionRequest:
-    return dataclasses.replace(whole(), num_frames=None, poses=None, keys="w", session_key=STEP_KEY)
+    return dataclasses.replace(whole(), num_frames=None, poses=None, keys="w", sequence_id=STEP_SEQUENCE)
 
 
 # ---------------------------------------------------------------- the codec: anything in, a request or INVALID_INPUT
@@ -80,7 +80,7 @@ def wire_requests(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], str, str, int
             arrays[spec.name] = draw(wire_arrays(spec))
     names = st.sampled_from(list(PARAMETER)) | st.text(max_size=8)
     params = draw(st.dictionaries(names, JSON_VALUES, max_size=4))
-    key = draw(st.sampled_from(["", STEP_KEY]))
+    key = draw(st.sampled_from(["", STEP_SEQUENCE]))
     flags = draw(st.sampled_from([0, c.SEQUENCE_START, c.SEQUENCE_END, c.SEQUENCE_START | c.SEQUENCE_END]))
     return arrays, json.dumps(params), key, flags
 
@@ -161,7 +161,7 @@ def test_a_parameter_outside_its_declared_type_choices_or_range_is_refused_namin
     name, value = broken
     arrays = request_arrays(steered())
     with pytest.raises(InputError) as caught:
-        parse_request(arrays.get, json.dumps({name: value}), STEP_KEY, c.SEQUENCE_START)
+        parse_request(arrays.get, json.dumps({name: value}), STEP_SEQUENCE, c.SEQUENCE_START)
     assert caught.value.code == c.INVALID_INPUT and f"request parameter '{name}'" in str(caught.value), caught.value
 
 

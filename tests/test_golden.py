@@ -39,7 +39,7 @@ def test_the_rollout_gives_the_golden_latents(now: dict[str, np.ndarray], run: s
 
 def test_the_golden_run_covers_its_event_and_its_recache(engine: WorldModelEngine, now: dict[str, np.ndarray],
                                                          one_torch_thread) -> None:
-    """The world event before block 2 and the recache before block 4 each shape the blocks from theirs on, and only
+    """The prompt event before block 2 and the recache before block 4 each shape the blocks from theirs on, and only
     those: without one, the blocks before it keep every bit and its block moves beyond the tolerance, tenfold."""
     request = tiny_request()
     for at in (2, 4):

@@ -54,7 +54,7 @@ def test_sessions_stream_wait_in_line_and_end_through_the_inbox(loop) -> None:
     for sid, frames in (("a", 21), ("b", 9), ("c", 9)):
         group.post(mail.Submitted(admission.session(tiny_request(decode=False, num_frames=frames), sid, 0)))
     got = answers.until(mail.Ended, "b")
-    # One slot, one place in line: "a" opens and runs its two blocks; "b" waits first in line, then takes the slot
+    # One slot, one place in the queue: "a" opens and runs its two blocks; "b" waits first in the queue, then takes the slot
     # "a" frees; "c" finds the line full and is refused with the line's retry time.
     assert of(got, "a") == ["Opened", "Decoded 0", "Decoded 1", "Ended"]
     assert of(got, "b") == ["Placed 1", "Opened", "Placed 0", "Decoded 0", "Ended"]
@@ -80,7 +80,7 @@ def test_backpressure_holds_a_session_until_the_intake_reports_deliveries(loop) 
 def test_steps_cancellation_and_stop_arrive_as_letters(loop) -> None:
     group, answers, admission = loop
     start = dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                                session_key="7")
+                                sequence_id="7")
     group.post(mail.Submitted(admission.session(start, "a", 0)))
     assert answers.until(mail.Decoded)[-1].output.block_index == 0
     with pytest.raises(queue.Empty):  # a steered session waits for its next camera

@@ -1,4 +1,4 @@
-"""Steered sessions and world events in a serving group without tritonserver (launch/local_group, SP2 over
+"""Steered sessions and prompt events in a serving group without tritonserver (launch/local_group, SP2 over
 gloo): what the group does with them, on every rank alike. What only Triton does with them (its sequence
 batcher, its START flag, the client over gRPC) is tested in test_steering.py."""
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_bad_steps_get_clear_errors_and_the_session_goes_on(sp2_group) -> None:
 
 def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
     config = tiny_settings(tiny_checkpoint, decode_frames=False)
-    with LocalGroup(config, ServingSettings(max_session_s=3.0), world=1) as group:
+    with LocalGroup(config, ServingSettings(max_session_s=3.0), ranks=1) as group:
         session = group.steered(steered(Controls(keys="w")))
         session.next_block()
         deadline = time.monotonic() + 30
@@ -150,7 +150,7 @@ def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
 
 
 def test_a_recache_event_takes_hold_at_once_and_equals_one_rank_bit_for_bit(sp2_group, engine) -> None:
-    """A world event with recache: its cache is recomputed under the new prompt at a boundary of its own, on
+    """A prompt event with recache: its cache is recomputed under the new prompt at a boundary of its own, on
     both ranks alike; the served latents equal the SP1 engine's set_prompt + recache, bit for bit, and differ
     from the same event without recache from that block on."""
     from backend.engine.blocks import BlockControls
@@ -184,11 +184,11 @@ def test_a_recache_event_takes_hold_at_once_and_equals_one_rank_bit_for_bit(sp2_
 def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_group, tiny_checkpoint: str) -> None:
     session = sp2_group.steered(steered(Controls(keys="w")), rank=0)
     session.next_block()
-    with pytest.raises(LocalStreamError, match=r"'recache' rides on a world event: send it with 'prompt'"):
+    with pytest.raises(LocalStreamError, match=r"'recache' rides on a prompt event: send it with 'prompt'"):
         session.step(Controls(keys="w"), recache=True).next()
     session.step(None, end=True).next()
     config = tiny_settings(tiny_checkpoint, decode_frames=False, window_frames=-1)
-    with LocalGroup(config, ServingSettings(), world=1) as group:
+    with LocalGroup(config, ServingSettings(), ranks=1) as group:
         bounded = group.steered(steered(Controls(keys="w"), max_blocks=4))
         bounded.next_block()
         with pytest.raises(LocalStreamError, match=r"'recache' needs a sliding window: this server runs "
@@ -198,8 +198,8 @@ def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_gr
 
 def test_waiting_sessions_are_told_their_place_at_once_and_as_it_moves_and_a_full_line_refuses(sp2_group) -> None:
     """3 slots (sp2_group's max_sessions), 16 places (max_queue): each waiting session hears its place as soon as
-    it is in line, a client that leaves is out of the line at once and those behind move up, a freed slot goes to
-    the first in line (place 0, then its first block), and the 20th start is refused with its retry time."""
+    it is in the queue, a client that leaves is out of the queue at once and those behind move up, a freed slot goes to
+    the first in the queue (place 0, then its first block), and the 20th start is refused with its retry time."""
     held = [sp2_group.steered(steered(Controls(keys="w"), seed=i), rank=i % 2) for i in range(3)]
     for session in held:
         assert session.next_block().block_index == 0
@@ -213,7 +213,7 @@ def test_waiting_sessions_are_told_their_place_at_once_and_as_it_moves_and_a_ful
     with pytest.raises(LocalStreamError, match=r"^\[CAPACITY_EXHAUSTED retry_after_s=\d+\] server busy: 16 sessions "
                                                r"already wait for a slot"):
         line[16].next_block()
-    line[1].call.cancel()  # the 2nd in line leaves: the 3rd and later move up at once, the 1st stays
+    line[1].call.cancel()  # the 2nd in the queue leaves: the 3rd and later move up at once, the 1st stays
     assert line[2].call.next(30, places=True).position == 2 and line[15].call.next(30, places=True).position == 15
     held[0].step(Controls(keys="w"), end=True)  # a slot frees after its last block
     assert held[0].next_block().block_index == 1

@@ -33,7 +33,7 @@ from factories import tiny_settings, tiny_request
 from polling import wait_until
 from test_one_rank import RecordingResponder
 
-STEERED_KEY = "7"
+STEERED_SEQUENCE = "7"
 
 
 class FakeLoop:
@@ -65,9 +65,9 @@ def intake(tiny_checkpoint: str):
     side.close()
 
 
-def steered_start(key: str = STEERED_KEY):
+def steered_start(key: str = STEERED_SEQUENCE):
     return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                               session_key=key)
+                               sequence_id=key)
 
 
 def block(index: int) -> BlockOutput:
@@ -76,7 +76,7 @@ def block(index: int) -> BlockOutput:
 
 def start(side: Intake, loop: FakeLoop) -> tuple[str, RecordingResponder]:
     first = RecordingResponder()
-    side.arrive(STEERED_KEY, steered_start(), first)
+    side.arrive(STEERED_SEQUENCE, steered_start(), first)
     shared = loop.next(mail.Submitted).session
     return shared.id, first
 
@@ -86,7 +86,7 @@ def test_a_start_is_admitted_once_and_a_bad_one_refused_without_news(intake) -> 
     sid, _ = start(side, loop)
     assert sid == "r0-0"
     again, bad = RecordingResponder(), RecordingResponder()
-    side.arrive(STEERED_KEY, steered_start(), again)  # the sequence already steers a session
+    side.arrive(STEERED_SEQUENCE, steered_start(), again)  # the sequence already steers a session
     side.arrive("", tiny_request(num_frames=10), bad)  # not a whole number of blocks
     for r in (again, bad):
         assert r.closed.wait(5)
@@ -100,15 +100,15 @@ def test_a_step_racing_its_sessions_end_is_answered_with_the_ending(intake) -> N
     side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
     assert loop.next(mail.Delivered) == mail.Delivered(sid, 1) and first.blocks == [0]
     racing = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), racing)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), racing)
     assert loop.next(mail.Stepped).step.session_id == sid  # the loop ends the session before it reads this step
     gone = Refusal("EXPIRED", "the session sent no step for session_idle_timeout_s=60 s and was ended")
     side.post(mail.Ended(sid, gone, gone))
     assert racing.closed.wait(5) and racing.code == "EXPIRED" and not racing.blocks
     late = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), late)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), late)
     assert late.closed.wait(5) and late.code == "EXPIRED"
-    assert late.error.startswith(f"no running session {STEERED_KEY}: the session sent no step")
+    assert late.error.startswith(f"no running session {STEERED_SEQUENCE}: the session sent no step")
     assert loop.quiet()  # a step of an ended session is no news for the loop
 
 
@@ -119,7 +119,7 @@ def test_a_pause_racing_a_cancel_is_told_once_and_closed_by_the_ending(intake) -
     side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
     loop.next(mail.Delivered)
     paused = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, None, pause=True), paused)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, None, pause=True), paused)
     paused.cancelled = True  # the client went away while its pause was open
     assert loop.next(mail.Cancelled) == mail.Cancelled(sid)
     side.post(mail.Ended(sid, None, Refusal("SESSION_UNKNOWN", "it cancelled")))
@@ -134,7 +134,7 @@ def test_a_block_computed_ahead_answers_the_next_step_at_once(intake) -> None:
     side.post(mail.Decoded(sid, block(1), np.zeros(1), 0.0, False))  # held: no request waits for it
     assert loop.next(mail.Delivered).blocks == 1 and first.blocks == [0]
     step = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), step)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), step)
     assert loop.next(mail.Stepped).step.controls == Controls(keys="d")
     assert loop.next(mail.Delivered).blocks == 2 and step.blocks == [1]
 
@@ -160,7 +160,7 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
     loop.next(mail.Submitted)
     side.post(mail.Closed(messages.GROUP_FAILED))
     later = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), later)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), later)
     for r in (first, whole, later):
         assert r.closed.wait(5) and r.code == "GROUP_FAILED"
     side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))  # a late block of a closed stream is dropped
@@ -173,12 +173,12 @@ def test_a_closed_loop_answers_every_open_stream_and_every_later_request(intake)
 def test_a_step_after_the_end_flag_is_told_so_and_the_sequence_may_start_again_at_once(intake) -> None:
     side, loop = intake
     sid, first = start(side, loop)
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d"), end=True), RecordingResponder())
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d"), end=True), RecordingResponder())
     assert loop.next(mail.Stepped).step.end  # its last block still runs
     late = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), late)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="w")), late)
     assert late.closed.wait(5) and late.code == c.SESSION_UNKNOWN and messages.ENDED_BY_FLAG.sentence in late.error
-    side.arrive(STEERED_KEY, steered_start(), RecordingResponder())  # not SESSION_EXISTS
+    side.arrive(STEERED_SEQUENCE, steered_start(), RecordingResponder())  # not SESSION_EXISTS
     assert loop.next(mail.Submitted).session.id != sid and loop.quiet()
 
 
@@ -186,19 +186,19 @@ def test_another_keys_request_on_a_sequence_touches_nothing(intake) -> None:
     """A step, pause or end flag of alice's sequence sent with bob's key is refused; her open pause stays open."""
     side, loop = intake
     alice, bob = Principal("alice", "tag-a"), Principal("bob", "tag-b")
-    side.arrive(STEERED_KEY, steered_start(), RecordingResponder(), principal=alice)
+    side.arrive(STEERED_SEQUENCE, steered_start(), RecordingResponder(), principal=alice)
     sid = loop.next(mail.Submitted).session.id
     side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
     loop.next(mail.Delivered)
     paused = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, None, pause=True), paused, principal=alice)
-    for request in (StepRequest(STEERED_KEY, Controls(keys="d")), StepRequest(STEERED_KEY, None, pause=True),
-                    StepRequest(STEERED_KEY, None, end=True)):
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, None, pause=True), paused, principal=alice)
+    for request in (StepRequest(STEERED_SEQUENCE, Controls(keys="d")), StepRequest(STEERED_SEQUENCE, None, pause=True),
+                    StepRequest(STEERED_SEQUENCE, None, end=True)):
         refused = RecordingResponder()
-        side.arrive(STEERED_KEY, request, refused, principal=bob)
+        side.arrive(STEERED_SEQUENCE, request, refused, principal=bob)
         assert refused.closed.wait(5) and refused.code == c.AUTH_INVALID
     assert not paused.closed.is_set() and loop.quiet()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), RecordingResponder(), principal=alice)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), RecordingResponder(), principal=alice)
     assert loop.next(mail.Stepped).step.session_id == sid and paused.closed.wait(5)  # her own step answers it
 
 
@@ -246,7 +246,7 @@ def test_a_failed_save_keeps_the_older_snapshot_it_names_and_a_durable_one_relea
     older = secrets.token_hex(16)
     (store / older).mkdir()  # the world's last durable snapshot, which its next save releases
     for _ in range(2):  # sent ahead: the saves' outcomes are told on the oldest open request, the start's
-        side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d", save=True, release=older)),
+        side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d", save=True, release=older)),
                     RecordingResponder())
     failed, durable = (loop.next(mail.Stepped).step.snapshot_id for _ in range(2))
     side.post(FilesWritten(failed, 0, 0, (), messages.save_failed(failed)))  # a rank could not write its files
@@ -293,14 +293,14 @@ def test_a_save_on_a_bounded_sessions_last_block_is_told_on_the_pause_its_client
     side, loop, _ = saving
     sid, first = start(side, loop)
     last = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d", save=True)), last)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d", save=True)), last)
     snapshot_id = loop.next(mail.Stepped).step.snapshot_id
     for index in (0, 1):
         side.post(mail.Decoded(sid, block(index), np.zeros(1), 0.0, False))
     finished = Refusal(c.SESSION_UNKNOWN, "it finished")
     side.post(mail.Ended(sid, None, finished))  # its max_blocks ran: the loop ends it after its last block
     pause = RecordingResponder()  # what a client sends once every request is answered
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, None, pause=True), pause)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, None, pause=True), pause)
     side.post(files_written(side, snapshot_id))
     assert pause.closed.wait(5) and last.blocks == [1]
     assert [n.snapshot_id for n in pause.notices] == [snapshot_id] and pause.error is None
@@ -327,14 +327,14 @@ def drained_while_a_step_waits(side: Intake, loop: FakeLoop) -> tuple[str, Recor
     side.post(mail.Decoded(sid, block(0), np.zeros(1), 0.0, False))
     loop.next(mail.Delivered)
     waiting = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), waiting)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), waiting)
     loop.next(mail.Stepped)
     side.post(mail.Drain())
     snapshot_id = loop.next(mail.Moving).snapshot_id
     moved = messages.moved(snapshot_id)
     side.post(mail.Ended(sid, moved, moved))
     late = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), late)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="w")), late)
     refused = RecordingResponder()  # answered after the intake has read the late step (one inbox, in order)
     side.arrive("", tiny_request(decode=False), refused)
     assert refused.closed.wait(5) and refused.code == "SERVER_STOPPING"
@@ -351,7 +351,7 @@ def test_a_moved_world_is_named_to_any_request_only_once_its_snapshot_is_durable
     for r in (waiting, late):
         assert r.closed.wait(5) and r.code == "MOVED" and f"resume={snapshot_id}" in r.error
     after = RecordingResponder()
-    side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="w")), after)
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="w")), after)
     assert after.closed.wait(5) and after.code == "MOVED" and f"resume={snapshot_id}" in after.error
     assert loop.quiet()  # the late steps are no news for the loop
 
@@ -380,7 +380,7 @@ def test_a_step_racing_its_worlds_park_keeps_it_on_its_slot_and_its_copy_is_drop
         park = loop.next(Park)  # no block asked for 0.2 s
         assert park.session_id == sid and park.tier is Tier.MEMORY
         step = RecordingResponder()
-        side.arrive(STEERED_KEY, StepRequest(STEERED_KEY, Controls(keys="d")), step)
+        side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, Controls(keys="d")), step)
         assert loop.next(mail.Stepped).step.controls == Controls(keys="d")
         side.post(files_written(side, park.snapshot_id, memory))  # the group made the copy before the step came
         wait_until(lambda: not held(memory), 5, "the copy released")

@@ -18,7 +18,7 @@ from backend.serving import key_watch
 from backend.serving.host_signals import HostSignals
 from backend.serving.key_watch import KeyWatch, gate_of
 from backend.serving.keys import (AUTH_INVALID, AUTH_REQUIRED, KEY_PREFIX, Gate, KeyRing, Principal, Quota,
-                                  digest_of, key_line, new_key, take_key)
+                                  digest_of, key_line, new_sequence, take_key)
 
 
 def ring_of(**keys: str) -> KeyRing:
@@ -26,14 +26,14 @@ def ring_of(**keys: str) -> KeyRing:
 
 
 def test_a_key_is_256_random_bits_and_its_line_holds_only_its_hash() -> None:
-    key = new_key()
-    assert key.startswith(KEY_PREFIX) and len(key) >= len(KEY_PREFIX) + 43 and key != new_key()
+    key = new_sequence()
+    assert key.startswith(KEY_PREFIX) and len(key) >= len(KEY_PREFIX) + 43 and key != new_sequence()
     line = key_line("alice", key, Quota(sessions=2, session_s=1200.0))
     assert key not in line and line == f"alice sha256:{digest_of(key).hex()} sessions=2 session_s=1200"
 
 
 def test_the_check_names_the_keys_owner_and_refuses_no_key_and_a_wrong_one() -> None:
-    alice, bob = new_key(), new_key()
+    alice, bob = new_sequence(), new_sequence()
     ring = ring_of(alice=alice, bob=bob)
     who = ring.check(bob)
     assert isinstance(who, Principal) and who.name == "bob" and who.quota == Quota(sessions=2)
@@ -44,7 +44,7 @@ def test_the_check_names_the_keys_owner_and_refuses_no_key_and_a_wrong_one() -> 
 
 
 def test_the_check_compares_every_line_whatever_matched(monkeypatch: pytest.MonkeyPatch) -> None:
-    keys = {f"u{i}": new_key() for i in range(5)}
+    keys = {f"u{i}": new_sequence() for i in range(5)}
     ring = ring_of(**keys)
     compared = []
     import backend.serving.keys as module
@@ -58,16 +58,16 @@ def test_the_check_compares_every_line_whatever_matched(monkeypatch: pytest.Monk
 
 
 def test_a_thousand_wrong_keys_in_a_row_are_each_refused_and_the_right_one_still_opens() -> None:
-    alice = new_key()
+    alice = new_sequence()
     gate = Gate(ring_of(alice=alice))
     for _ in range(1000):
-        who, _ = gate.admit(json.dumps({c.KEY_HEADER: new_key()}))
+        who, _ = gate.admit(json.dumps({c.KEY_HEADER: new_sequence()}))
         assert who is AUTH_INVALID
     assert gate.admit(json.dumps({c.KEY_HEADER: alice}))[0].name == "alice"
 
 
 def test_the_door_strips_the_key_from_what_the_server_reads_on() -> None:
-    alice = new_key()
+    alice = new_sequence()
     gate = Gate(ring_of(alice=alice))
     who, rest = gate.admit(json.dumps({"decode": True, c.KEY_HEADER: alice}))
     assert who.name == "alice" and json.loads(rest) == {"decode": True} and alice not in rest
@@ -77,14 +77,14 @@ def test_the_door_strips_the_key_from_what_the_server_reads_on() -> None:
 
 
 def test_a_key_in_a_prompt_or_any_other_parameter_opens_nothing() -> None:
-    alice = new_key()
+    alice = new_sequence()
     gate = Gate(ring_of(alice=alice))
     assert gate.admit(json.dumps({"prompt": alice, "expect_settings": alice}))[0] is AUTH_REQUIRED
 
 
 def test_two_different_keys_in_one_request_are_refused() -> None:
     """Triton forwards the header after any request parameter of its name: both reach the model."""
-    alice, bob = new_key(), new_key()
+    alice, bob = new_sequence(), new_sequence()
     gate = Gate(ring_of(alice=alice, bob=bob))
     both = f'{{"{c.KEY_HEADER}":"{bob}","{c.KEY_HEADER}":"{alice}"}}'
     who, rest = gate.admit(both)
@@ -95,9 +95,9 @@ def test_two_different_keys_in_one_request_are_refused() -> None:
 
 
 def test_a_reload_names_the_revoked_keys_by_tag_and_a_rotated_key_is_revoked_too() -> None:
-    alice, bob = new_key(), new_key()
+    alice, bob = new_sequence(), new_sequence()
     old = ring_of(alice=alice, bob=bob)
-    new = ring_of(alice=new_key(), carol=new_key())  # alice rotated, bob removed, carol added
+    new = ring_of(alice=new_sequence(), carol=new_sequence())  # alice rotated, bob removed, carol added
     assert new.revoked_since(old) == {old.check(alice).tag, old.check(bob).tag}
     assert new.check(alice) is AUTH_INVALID
 
@@ -107,7 +107,7 @@ def test_an_instance_takes_a_published_reload_and_ends_the_sessions_of_the_keys_
     """The launcher's SIGHUP as an instance sees it: the door serves the new keys at once, and the keys the new file
     no longer holds (removed, or rotated under the same name) are named for their sessions to end, no other."""
     monkeypatch.setattr(key_watch, "KEYS_POLL_S", 0.05)
-    alice, bob, carol, dave, bob_again = (new_key() for _ in range(5))
+    alice, bob, carol, dave, bob_again = (new_sequence() for _ in range(5))
     signals = HostSignals(tmp_path)
 
     def publish(**keys: str) -> None:  # what the launcher does with the keys file it checked

@@ -174,7 +174,7 @@ def test_core_split_adds_up_to_the_instance_cores(cores: int, dit: int, decode: 
 
 def steered_request(**overrides):
     return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                               session_key="7", **overrides)
+                               sequence_id="7", **overrides)
 
 
 @pytest.fixture()

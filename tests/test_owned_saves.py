@@ -56,7 +56,7 @@ class Saves:
         """A new world of `who`, saved after its first block; its snapshot's id once durable."""
         key = str(next(self.keys))
         start = dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                                    session_key=key, save=True, share=share)
+                                    sequence_id=key, save=True, share=share)
         first = self.ask(start, who)
         assert first.error is None, first.error
         pause = Listing()
@@ -129,7 +129,7 @@ def test_a_key_s_snapshot_bytes_bind_its_own_saves(saves: Saves) -> None:
     tight = dataclasses.replace(ALICE, quota=Quota(snapshot_bytes=held + 1))
     key = "999"
     start = dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                                session_key=key, save=True)
+                                sequence_id=key, save=True)
     refusal = saves.ask(start, tight).error
     assert refusal is not None and refusal.code == c.SNAPSHOT_KEY_FULL and refusal.retry_after_s > 0, refusal
     roomy = dataclasses.replace(BOB, quota=Quota(snapshot_bytes=held + 10**9))

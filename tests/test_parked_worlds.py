@@ -124,7 +124,7 @@ def test_a_parked_world_comes_back_on_its_next_step_bit_for_bit_and_under_a_paus
 
 def test_more_worlds_than_slots_take_turns_and_a_returning_world_waits_at_the_front_told_its_place(
         engine, twin, tmp_path) -> None:
-    """One slot, two worlds: the second waits in line until the first parks; the first's next step waits at the
+    """One slot, two worlds: the second waits in the queue until the first parks; the first's next step waits at the
     front of the line, told its place, until the second parks; each world is its twin, bit for bit."""
     group = OneRank(engine, parking(tmp_path))
     try:
@@ -262,7 +262,7 @@ def test_a_world_parks_and_comes_back_bit_for_bit_at_sp2_and_tp2_x_sp2(tiny_chec
     config = tiny_settings(tiny_checkpoint, sp_degree=world // tp, tp_degree=tp, decode_frames=False)
     serving = dataclasses.replace(parking(tmp_path), park_after_s=1.0, collective_timeout_s=60.0)
     owner = world - 1
-    with LocalGroup(config, serving, world=world) as group:
+    with LocalGroup(config, serving, ranks=world) as group:
         def parked() -> bool:
             return group.call(0, "sp_workers:parked_sessions") == 1
 

@@ -69,7 +69,7 @@ class Session:
 
     def __init__(self, server: StandIn, on_snapshot, on_place) -> None:
         self.server, self.on_snapshot, self.on_place = server, on_snapshot, on_place
-        self.line_until = 0.0  # it waits in line, told its place, until then
+        self.line_until = 0.0  # it waits in the queue, told its place, until then
         self.slot_at = 0.0  # nothing is answered before
         self.history: list[str] = []
         self.answers: deque = deque()
@@ -158,7 +158,7 @@ class Session:
 
     def next_block(self, timeout: float | None = None) -> BlockResponse | None:
         deadline = time.perf_counter() + (timeout or 0)
-        while (now := time.perf_counter()) < self.slot_at:  # in line (its place told), then opening
+        while (now := time.perf_counter()) < self.slot_at:  # in the queue (its place told), then opening
             if now >= deadline:
                 raise StreamTimeoutError("nothing within the timeout")
             time.sleep(min(PLACE_EVERY_S, self.slot_at - now, deadline - now))
@@ -278,7 +278,7 @@ def test_a_silent_stream_is_given_up_at_the_stall_bound(monkeypatch: pytest.Monk
 
 def test_a_world_that_fails_over_into_a_busy_group_keeps_its_place_past_the_stall_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The resume waits in line for a second, three stall bounds, told its place all along: the places are news of
+    """The resume waits in the queue for a second, three stall bounds, told its place all along: the places are news of
     the session, so it is not given up for a silent one."""
     monkeypatch.setattr(world_module, "STALL_FLOOR_S", 0.3)
     server = StandIn(fail_at={5: "error"}, line_s=1.0)

@@ -1,5 +1,5 @@
 """What a caller of client/world.PlayedWorld sees without a failover, as the page's bridge plays it: a save asked
-for, each outcome told as the blocks come, the end read from next_block, its place in line. Against
+for, each outcome told as the blocks come, the end read from next_block, its place in the queue. Against
 test_played_world.py's stand-in server."""
 from __future__ import annotations
 

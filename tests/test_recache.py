@@ -1,4 +1,4 @@
-"""Recache: after a world event the self-attention cache is recomputed under the new prompt (tiny checkpoint:
+"""Recache: after a prompt event the self-attention cache is recomputed under the new prompt (tiny checkpoint:
 3-frame blocks, a 9-frame window, a 3-frame sink, 16 tokens a frame). The ground truth is the normal block path,
 teacher-forced: a session whose commits were all under the new prompt, committing the event run's latents."""
 from __future__ import annotations

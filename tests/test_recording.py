@@ -111,7 +111,7 @@ def test_a_recording_notes_its_snapshots_and_one_written_before_them_loads_with_
 
 
 def test_a_recache_under_the_prompt_in_force_is_recorded_as_its_event_and_replays_with_it(tmp_path: Path) -> None:
-    """A world event that repeats the prompt in force with recache on changes no prompt, yet its block's latents
+    """A prompt event that repeats the prompt in force with recache on changes no prompt, yet its block's latents
     (its cache was recomputed): the server reports it (recached, the same prompt_used), the recording keeps it as
     that block's event with its recache, loads, and its step by step replay sends it again."""
     recorder = Recorder(steered_request(prompt="a castle"))
@@ -125,7 +125,7 @@ def test_a_recache_under_the_prompt_in_force_is_recorded_as_its_event_and_replay
                                                              ("it snows", True), (None, False)]
     assert replay_steps_of(loaded) == [Controls(poses=b.camera, prompt=b.event, recache=b.recache)
                                        for b in loaded.blocks[1:]]
-    with pytest.raises(RecordingError, match=r"world events at block\(s\) \[1, 2, 3\].*--steps"):
+    with pytest.raises(RecordingError, match=r"prompt events at block\(s\) \[1, 2, 3\].*--steps"):
         whole_request(loaded, decode=False)  # a recache changes latents: one whole trajectory cannot carry it
 
 

@@ -122,7 +122,7 @@ def test_a_server_with_other_settings_refuses_the_replay_naming_them(recorded: P
 
 
 def test_play_records_and_replay_checks_it_from_the_command_line(sp1_server, tmp_path: Path, capsys) -> None:
-    """`play --record` with two world events, one with recache, replayed step by step (exit 0); a whole replay of
+    """`play --record` with two prompt events, one with recache, replayed step by step (exit 0); a whole replay of
     an event is refused before connecting (exit 2), as is a damaged file."""
     import imageio.v3 as iio
 
@@ -146,7 +146,7 @@ def test_play_records_and_replay_checks_it_from_the_command_line(sp1_server, tmp
     assert "a castle in the rain (recache)" in out
     assert len(list(iio.imiter(out_mp4, plugin="FFMPEG"))) == 9 + 12 + 12
     assert main(["replay", str(record), "--url", "127.0.0.1:1"]) == 2
-    assert "world events at block(s) [1, 2]" in capsys.readouterr().err
+    assert "prompt events at block(s) [1, 2]" in capsys.readouterr().err
     record.write_bytes(record.read_bytes()[:100])
     assert main(["replay", str(record), "--url", sp1_server.grpc_url]) == 2
     assert "not a readable recording" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def test_a_dead_owner_on_either_rank_errors_the_streams_and_the_server_heals_its
         log = Path(server.log_path)
         uninterrupted: list[str] = []
         for victim in (1, 0):
-            released = log.read_text().count(f"rank {1 - victim}: model released")  # by an earlier round
+            released = log.read_text().count(f"rank {1 - victim}: model freed")  # by an earlier round
             # Streams of 21 blocks: still running once the world, started after them, has saved.
             threads, errors = stream_in_background(server.grpc_url, range(2), timeout_s + 10, num_frames=249)
             before = [metrics(server, r).get("lingbot_world_blocks_total", 0) for r in (0, 1)]
@@ -100,9 +100,9 @@ def test_a_dead_owner_on_either_rank_errors_the_streams_and_the_server_heals_its
             os.kill(server.stub_pids()[victim], signal.SIGKILL)
             killed = time.monotonic()
             assert wait_not_ready(server.grpc_url, 10) < 5  # a dead peer's sockets close: no timeout to wait out
-            survivor_released = f"rank {1 - victim}: model released"
-            wait_until(lambda line=survivor_released, n=released: log.read_text().count(line) > n, 10,
-                       "the survivor to release the model")
+            survivor_freed = f"rank {1 - victim}: model freed"
+            wait_until(lambda line=survivor_freed, n=released: log.read_text().count(line) > n, 10,
+                       "the survivor to free the model")
             with grpcclient.InferenceServerClient(server.grpc_url) as client:
                 wait_until(lambda c=client: reads_ready(c), 20, "the healed model")
             ready_s = time.monotonic() - killed

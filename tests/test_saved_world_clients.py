@@ -19,7 +19,7 @@ from factories import TINY_SIZE, tiny_request
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
-# Block 4 is a world event: a resume from the save after block 3 carries it.
+# Block 4 is a prompt event: a resume from the save after block 3 carries it.
 KEYS = "w,a,d,wa,@it starts to snow,j,l,w"
 
 
@@ -34,7 +34,7 @@ def test_play_saves_resumes_by_id_and_replays_from_a_snapshot_bit_for_bit(sp1_se
     recording = Recording.load(record)
     assert list(saved.values()) == [3] and recording.snapshots == saved and "released" not in printed, printed
     (first,) = saved
-    # Resumed by its id, the world goes on from block 4 (its world event on the resume itself) ...
+    # Resumed by its id, the world goes on from block 4 (its prompt event on the resume itself) ...
     steps = KEYS.split(",", 4)[4]
     assert main(["play", "--url", url, "--resume", first, "--keys", steps, "--save-every", "0",
                  "--out", str(tmp_path / "r.mp4")]) == 0

@@ -29,7 +29,7 @@ from one_rank import OneRank
 from polling import wait_until
 
 EVENT = Controls(keys="d", prompt="it starts to snow", recache=True)
-# Block 0 is the start's; a world event with a recache before block 2; the window's first eviction before block 3;
+# Block 0 is the start's; a prompt event with a recache before block 2; the window's first eviction before block 3;
 # the save after block 4; then two blocks more.
 STEPS = [Controls(keys="w"), EVENT, Controls(keys="w"), Controls(keys="wa"), Controls(keys="j"), Controls(keys="w")]
 SAVED_AFTER = 4
@@ -37,7 +37,7 @@ KEY = "7"
 
 
 class Client:
-    """One request's replies: its blocks' latents, the saves' outcomes and places in line told on it, its end."""
+    """One request's replies: its blocks' latents, the saves' outcomes and places in the queue told on it, its end."""
 
     def __init__(self) -> None:
         self.latents: list[np.ndarray] = []
@@ -78,7 +78,7 @@ class World:
     """A steered session played step by step through one rank's intake, as Triton would hand its requests over."""
 
     def __init__(self, group: OneRank, first: SessionRequest | ResumeRequest) -> None:
-        self.group, self.key = group, first.session_key
+        self.group, self.key = group, first.sequence_id
         self.latents: list[np.ndarray] = []
         self.notices: list[SnapshotNotice] = []
         self._ask(first)
@@ -116,7 +116,7 @@ class RefusedError(Exception):
 
 def start_request(key: str = KEY):
     return dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                               session_key=key)
+                               sequence_id=key)
 
 
 def resume_request(snapshot_id: str, controls: Controls, key: str = KEY, fork_seed: int = c.NO_FORK) -> ResumeRequest:
@@ -290,7 +290,7 @@ def test_saves_past_the_quota_are_refused_at_once_while_others_play(engine: Worl
 
 
 def test_a_save_whose_block_never_runs_frees_its_reservation(engine: WorldModelEngine, tmp_path: Path) -> None:
-    """A start that asks for a save waits in line, and its client leaves: the reservation is dropped (no staging
+    """A start that asks for a save waits in the queue, and its client leaves: the reservation is dropped (no staging
     folder, nothing held against the quota) and its stream is closed, not held for a save that will never be."""
     ranks = OneRank(engine, ServingSettings(max_sessions=1, snapshot_dir=str(tmp_path)))
     try:
@@ -381,14 +381,14 @@ def test_a_resume_needs_the_next_blocks_camera_and_nothing_of_the_snapshots_own(
         parse_request(arrays.get, params, KEY, c.SEQUENCE_START)
     with pytest.raises(InputError, match="needs the next block's"):
         parse_request({}.get, params, KEY, c.SEQUENCE_START)
-    with pytest.raises(InputError, match="recache' rides on a world event"):
+    with pytest.raises(InputError, match="recache' rides on a prompt event"):
         parse_request({c.ACTION: arrays[c.ACTION]}.get, json.dumps({c.PARAM_RESUME: "a" * 32, c.PARAM_RECACHE: True}),
                       KEY, c.SEQUENCE_START)
     resumed = parse_request({c.ACTION: arrays[c.ACTION]}.get, json.dumps({c.PARAM_RESUME: "a" * 32,
                                                                           c.PARAM_FORK_SEED: 7}), KEY,
                             c.SEQUENCE_START)
     assert resumed == ResumeRequest("a" * 32, Controls(keys="w"), KEY, 7)
-    event = {c.ACTION: arrays[c.ACTION], c.PROMPT: np.array([b"it snows"], dtype=np.object_)}  # a world event
+    event = {c.ACTION: arrays[c.ACTION], c.PROMPT: np.array([b"it snows"], dtype=np.object_)}  # a prompt event
     resumed = parse_request(event.get, json.dumps({c.PARAM_RESUME: "a" * 32, c.PARAM_RECACHE: True}), KEY,
                             c.SEQUENCE_START)
     assert resumed.controls == Controls(keys="w", prompt="it snows", recache=True)
@@ -396,7 +396,7 @@ def test_a_resume_needs_the_next_blocks_camera_and_nothing_of_the_snapshots_own(
 
 def test_a_resume_takes_a_world_event_and_counts_its_blocks_on_from_the_snapshot(engine, snapshots: Path,
                                                                                 uninterrupted) -> None:
-    """A client that fails over replays the steps since its snapshot, so its resume may carry a world event (here
+    """A client that fails over replays the steps since its snapshot, so its resume may carry a prompt event (here
     with a recache): the blocks are the uninterrupted session's, bit for bit; and the resumed session's blocks
     count on from the snapshot's, as the group's backpressure does (the default max_blocks_ahead, 2, would hold a
     session whose delivered blocks counted from 0 after its second block)."""
@@ -419,7 +419,7 @@ def test_a_resume_takes_a_world_event_and_counts_its_blocks_on_from_the_snapshot
 def test_a_world_saved_on_sp2_resumes_on_one_rank_and_one_saved_there_resumes_on_sp2_bit_for_bit(
         sp2_group, engine: WorldModelEngine, snapshot_dir: str, uninterrupted: list[np.ndarray]) -> None:
     """The latents of SP1 and SP2 are the same bits, so a world moves between them and goes on exactly."""
-    request = dataclasses.replace(start_request(), session_key=None)
+    request = dataclasses.replace(start_request(), sequence_id=None)
     played = sp2_group.steered(request)
     latents = [played.next_block().latents]
     for n, controls in enumerate(STEPS[:SAVED_AFTER], start=1):

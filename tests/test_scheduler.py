@@ -16,8 +16,8 @@ from backend.api.request import Controls
 from backend.engine.blocks import BlockOutput
 from backend.serving.settings import ServingSettings
 from backend.engine.geometry import VideoGeometry
-from backend.serving.line import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, LineCounts, \
-    line_waits, retry_after_s, slot_waits
+from backend.serving.waits import MAX_RETRY_S, UNKNOWN_WAIT_S, UNMEASURED_RETRY_S, Average, Clocks, QueueCounts, \
+    queue_waits, retry_after_s, slot_waits
 from backend.serving import streams
 from backend.serving.keys import ANONYMOUS, Principal, Quota
 from backend.serving.news import Park, Parked, RankEvents, StepEvent
@@ -41,7 +41,7 @@ def sub(sid: str, size: int = 64, blocks: int = 100) -> SharedSession:
 
 def steered(sid: str, on_starve: str = "wait", max_blocks: int = 0) -> SharedSession:
     request = dataclasses.replace(tiny_request(num_frames=9), num_frames=None, poses=None, keys="w",
-                                  on_starve=on_starve, session_key=sid, max_blocks=max_blocks)
+                                  on_starve=on_starve, sequence_id=sid, max_blocks=max_blocks)
     return SharedSession.submitted(sid, request, geometry(), owner=0)
 
 
@@ -232,7 +232,7 @@ def test_owner_clock_decides_expiry_and_every_scheduler_ends_it(monkeypatch: pyt
     monkeypatch.setattr(streams, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
     settings = ServingSettings(session_idle_timeout_s=60, max_session_s=100)
     stream = SteeredStream(Answered())
-    owner = OwnerPart(stream=stream, sequence_key="7", started_s=clock["now"])
+    owner = OwnerPart(stream=stream, sequence_id="7", started_s=clock["now"])
     far = owner.started_s + 99.0  # past the idle limit, within the lifetime
     assert owner.deadline(settings) == owner.started_s + 100.0 and owner.expiry(settings, far) is None
     clock["now"] += 1.0
@@ -270,15 +270,15 @@ def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it
     s = Scheduler(ServingSettings(max_sessions=2, max_queue=2, max_batch=2))
     s.plan([RankEvents(submissions=[sub("a", blocks=4), sub("b", blocks=2), sub("c", blocks=1), sub("d")])])
     clocks = Clocks()
-    assert line_waits(s, clocks, {}, 0.0) == [UNKNOWN_WAIT_S, UNKNOWN_WAIT_S]  # nothing measured yet
+    assert queue_waits(s, clocks, {}, 0.0) == [UNKNOWN_WAIT_S, UNKNOWN_WAIT_S]  # nothing measured yet
     clocks.batch.observe(2.0)  # a batch (both slots' sessions) takes 2 s: each holder has a block every 2 s
     # "b" frees its slot after 2 blocks (4 s), "a" after 4 (8 s); "c" takes b's and holds it 1 block (2 s)
-    assert line_waits(s, clocks, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]
+    assert queue_waits(s, clocks, {}, 0.0, extra=1) == [4.0, 6.0, 8.0]
 
 
 def test_a_drain_moves_each_playing_world_with_its_snapshot_and_ends_the_rest() -> None:
     """Draining: a session with a slot and a snapshot ends MOVED carrying the snapshot's id (its files to be written:
-    plan.moves); one with no snapshot, or still in line, ends SERVER_STOPPING; one that ended meanwhile is left."""
+    plan.moves); one with no snapshot, or still in the queue, ends SERVER_STOPPING; one that ended meanwhile is left."""
     s = Scheduler(ServingSettings(max_sessions=2, max_queue=2))
     s.plan([RankEvents(submissions=[steered("a"), steered("b"), steered("c")])])
     moved = "ab" * 16
@@ -307,7 +307,7 @@ def test_the_measured_times_move_30_percent_towards_each_new_one() -> None:
 
 def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
     """A slot frees after its holder's blocks left (a clip) or its expected life less its age (open-ended), not
-    after a whole session from the start: the wait told to the line and a full line's retry time alike."""
+    after a whole session from the start: the wait told to the line and a full queue's retry time alike."""
     s = Scheduler(ServingSettings(max_sessions=2, max_queue=1, max_batch=2))
     s.plan([RankEvents(submissions=[sub("a", blocks=4), steered("b")])])
     for _ in range(2):  # both run a block, then another ("b" on its first camera, then a step's)
@@ -319,9 +319,9 @@ def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
     clocks.life.observe(30.0)  # open-ended sessions have lived 30 s
     opened = {"a": 0.0, "b": 0.0}
     # "a" frees its slot after its 1 block left (2 s), before "b", open 25 s of its expected 30 (5 s left).
-    assert line_waits(s, clocks, opened, 25.0, extra=1) == [2.0, 4.0]
+    assert queue_waits(s, clocks, opened, 25.0, extra=1) == [2.0, 4.0]
     # At 29 s "b" is 1 s from its expected end, though never less than a round away; "a" has 1 block left (2 s).
-    assert line_waits(s, clocks, opened, 29.0, extra=1) == [2.0, 2.0]
+    assert queue_waits(s, clocks, opened, 29.0, extra=1) == [2.0, 2.0]
 
 
 def test_a_round_serves_every_slot_in_batches_and_a_waiting_open_ended_session_holds_its_whole_life() -> None:
@@ -334,17 +334,17 @@ def test_a_round_serves_every_slot_in_batches_and_a_waiting_open_ended_session_h
     clocks.life.observe(30.0)
     # A round is 2 batches (4 s): "a" frees its slot after 3 rounds (12 s), "b" after 20 (80 s); "d" takes a's
     # slot at 12 s and holds it 30 s, so the place behind it frees at 42 s.
-    assert line_waits(s, clocks, {"a": 0.0, "b": 0.0}, 0.0, extra=1) == [12.0, 42.0]
+    assert queue_waits(s, clocks, {"a": 0.0, "b": 0.0}, 0.0, extra=1) == [12.0, 42.0]
 
 
 def test_the_line_s_counts_for_the_metrics_port() -> None:
     s = Scheduler(ServingSettings(max_sessions=3, max_queue=2))
     s.plan([RankEvents(submissions=[sub("a"), steered("b"), sub("c", size=32), sub("d"), sub("e")])])
     s.plan([RankEvents(steps=[StepEvent("b", Controls(keys="d"), end=True)])])  # "b" ends after its steps
-    counts = LineCounts.of(s, s.settings, [1.5])
-    assert counts == LineCounts(pending=2, active=2, ending=1, waiting=2, free_slots=0, waited_s=[1.5])
+    counts = QueueCounts.of(s, s.settings, [1.5])
+    assert counts == QueueCounts(pending=2, active=2, ending=1, waiting=2, free_slots=0, waited_s=[1.5])
     s.plan([RankEvents(cancelled=["d", "e", "c"])])  # and "b" runs its last step
-    assert LineCounts.of(s, s.settings, []) == LineCounts(pending=0, active=1, ending=0, waiting=0, free_slots=2)
+    assert QueueCounts.of(s, s.settings, []) == QueueCounts(pending=0, active=1, ending=0, waiting=0, free_slots=2)
 
 
 def test_a_save_whose_session_ended_first_is_dropped_and_told_to_its_owner() -> None:
@@ -384,7 +384,7 @@ def test_an_idle_world_keeps_its_slot_until_its_copy_is_durable_then_leaves_it_a
     plan = s.plan([RankEvents(parked=[Parked("a", "1" * 32, "{}")], submissions=[steered("c")])])
     assert plan.parked == ["a"] and [o.id for o in plan.opens] == ["b"]  # its slot goes to the line
     assert s.table["a"].parked == ResumeFrom("1" * 32, "{}", 1, park=Tier.MEMORY) and not s.table["a"].admitted
-    assert LineCounts.of(s, s.settings, []) == LineCounts(1, 1, 0, 1, 0, [], parked=1)  # "c" waits
+    assert QueueCounts.of(s, s.settings, []) == QueueCounts(1, 1, 0, 1, 0, [], parked=1)  # "c" waits
     s.plan([deliver_all(s)])  # "b" runs its first block
     plan = s.plan([step("a")])  # "a" asks for a block: the front of the line, before "c"
     assert not plan.opens and [w.id for w in s.waiting()] == ["a", "c"]
@@ -422,7 +422,7 @@ def test_a_parked_world_counts_against_its_keys_sessions_not_against_the_slots()
     parked_world(s, "a", "1" * 32)
     plan = s.plan([RankEvents(submissions=[dataclasses.replace(steered("b"), principal=capped), steered("c")])])
     assert [o.id for o in plan.opens] == ["c"] and [w.id for w in s.waiting()] == ["b"]  # alice holds her one
-    assert LineCounts.of(s, s.settings, []).free_slots == 1
+    assert QueueCounts.of(s, s.settings, []).free_slots == 1
 
 
 def test_a_parked_world_expires_ends_and_moves_from_its_copy_when_the_group_drains() -> None:

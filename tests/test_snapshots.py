@@ -1,7 +1,7 @@
 """Snapshots (docs/worlds.md): a steered session saved after block k and resumed makes blocks k+1.. bit for bit,
 on any layout; a fork is a world of its own; the store refuses what an attacker or an unlucky disk sends it.
 
-The session (tiny checkpoint: 3-frame blocks, a 9-frame window, a 3-frame sink) plays SCRIPT: a world event with
+The session (tiny checkpoint: 3-frame blocks, a 9-frame window, a 3-frame sink) plays SCRIPT: a prompt event with
 a recache before block 2, the window's first eviction before block 3, the save after block 4."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from backend.engine.blocks import BlockControls
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.snapshot import files
 from backend.engine.snapshot import sessions as snapshots
-from backend.engine.snapshot.manifest import MANIFEST_NAME, SnapshotError
+from backend.engine.snapshot.manifest import MANIFEST_NAME, Manifest, SnapshotError
 from backend.engine.snapshot.restore import read_request
 from backend.engine.snapshot.store import PENDING_RETRY_S, SnapshotStore, snapshot_at
 from backend.model.feature_caches import vae_decoder_state
@@ -224,6 +224,10 @@ def test_a_truncated_file_or_an_altered_manifest_is_refused_at_open(copy: tuple[
     store, snapshot_id = copy
     folder = store.root / snapshot_id
     manifest = (folder / MANIFEST_NAME).read_text()
+    # A version 1 manifest (its grid named "layout") still opens, to the same grid.
+    (folder / MANIFEST_NAME).write_text(manifest.replace('"grid"', '"layout"').replace('"version": 2', '"version": 1'))
+    assert store.open(snapshot_id).manifest.grid == Manifest.parse(manifest.encode(), snapshot_id).grid
+    (folder / MANIFEST_NAME).write_text(manifest)
     kv = folder / "kv-0.safetensors"
     kv.write_bytes(kv.read_bytes()[:-100])
     with refused(SNAPSHOT_INVALID) as caught:
@@ -234,7 +238,9 @@ def test_a_truncated_file_or_an_altered_manifest_is_refused_at_open(copy: tuple[
         "heads that do not tile": manifest.replace('"heads": [\n    0,', '"heads": [\n    1,'),
         "not JSON": manifest[:-2],
         "another id": manifest.replace(snapshot_id, secrets.token_hex(16)),
-        "a newer format": manifest.replace('"version": 1', '"version": 2'),
+        "a newer format": manifest.replace('"version": 2', '"version": 3'),
+        "a version's grid under the other's name": manifest.replace('"version": 2', '"version": 1'),
+        "a version that is not an integer": manifest.replace('"version": 2', '"version": 2.0'),
     }
     for why, text in alterations.items():
         assert text != manifest, why
@@ -263,8 +269,8 @@ def publish_small(store: SnapshotStore, snapshot_id: str, nbytes: int) -> None:
              files.Part("kv", 0, {"k.0": torch.zeros(nbytes // 4, dtype=torch.float32)}, heads=(0, 4))]
     entries = [files.write_part(folder, part) for part in parts]
     model = {"num_layers": 1, "num_heads": 4, "head_dim": 1, "z_dim": 4}
-    layout = {"tp_degree": 1, "sp_degree": 1, "latent_rows": 8}
-    store.publish(snapshot_id, Manifest(snapshot_id, 0.0, "", model, layout, tuple(entries)))
+    grid = {"tp_degree": 1, "sp_degree": 1, "latent_rows": 8}
+    store.publish(snapshot_id, Manifest(snapshot_id, 0.0, "", model, grid, tuple(entries)))
 
 
 def test_saves_past_the_quota_are_refused_before_writing_and_expired_ones_make_room(tmp_path: Path) -> None:

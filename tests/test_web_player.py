@@ -288,8 +288,8 @@ def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, brows
 
 
 def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_order(player_url, browser) -> None:
-    """The shared server has 3 slots and 4 places in line: of 10 pages started at once, within 2 s the 3 with a
-    slot play or compute their first block, the 4 in line show their places 1-4, and the 3 beyond are refused at
+    """The shared server has 3 slots and 4 places in the queue: of 10 pages started at once, within 2 s the 3 with a
+    slot play or compute their first block, the 4 in the queue show their places 1-4, and the 3 beyond are refused at
     once with the capacity code and a retry time. Stopping the players hands the slots down the line in order.
 
     The pages play over JPEG (their WebRTC turned off): the server admits and refuses at block boundaries, and on
@@ -316,7 +316,7 @@ def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_ord
             return playing, [p for _, p in waiting], refused
 
         try:
-            wait_until(lambda: [len(x) for x in where()] == [3, 4, 3], 2.0, "3 pages playing, 4 in line, 3 refused")
+            wait_until(lambda: [len(x) for x in where()] == [3, 4, 3], 2.0, "3 pages playing, 4 in the queue, 3 refused")
         except AssertionError:
             raise AssertionError([(status(p, "state"), status(p, "place"), status(p, "code"), p.inner_text("#error"))
                                   for p in pages]) from None
@@ -331,10 +331,10 @@ def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_ord
             page.click("#stop")
         wait_until(lambda: all(status(p, "state") == "ended" for p in playing), BLOCK_S, "the stopped pages to end")
         wait_until(lambda: all(status(p, "state") == "playing" for p in line[:3]) and status(line[3], "place") == "1",
-                   BLOCK_S, "the first 3 in line to play and the 4th to move up to place 1")
+                   BLOCK_S, "the first 3 in the queue to play and the 4th to move up to place 1")
         for page in line[:3]:
             page.click("#stop")
-        wait_until(lambda: status(line[3], "state") == "playing", BLOCK_S, "the last in line to play")
+        wait_until(lambda: status(line[3], "state") == "playing", BLOCK_S, "the last in the queue to play")
         line[3].click("#stop")
         wait_until(lambda: status(line[3], "state") == "ended", BLOCK_S, "the last page to end")
     finally:  # a failure here must not leave 10 sessions holding the shared server's slots and line

@@ -222,7 +222,7 @@ def test_open_pages_are_capped_with_a_busy_message(player) -> None:
 
 
 async def play_with_event(base: str, prompt: str) -> list[dict]:
-    """Start, send a world event once the first block is in, stop once a block ran under it; the headers read."""
+    """Start, send a prompt event once the first block is in, stop once a block ran under it; the headers read."""
     headers: list[dict] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S)) as session:
         async with session.ws_connect(f"{base.replace('http', 'ws')}/ws", headers={"Origin": base}) as ws:

@@ -156,9 +156,9 @@ def test_a_place_in_line_or_a_save_s_outcome_is_a_sign_of_life_and_a_block_s_tim
     assert clock.stall_at(2.0) == pytest.approx(3.0)
     clock.heard(2.5, paced=False)  # a save's outcome
     assert clock.stall_at(2.0) == pytest.approx(3.5)
-    clock.heard(2.25, paced=True)  # a place in line that came before it: the later one counts
+    clock.heard(2.25, paced=True)  # a place in the queue that came before it: the later one counts
     assert clock.stall_at(2.0) == pytest.approx(3.5)
-    clock.block(arrival_s=2.75, sent_s=2.0)  # 0.5 s from the place in line, not 0.75 s from its send
+    clock.block(arrival_s=2.75, sent_s=2.0)  # 0.5 s from the place in the queue, not 0.75 s from its send
     assert clock.bound_s() == pytest.approx(2.0)
     clock.restart()  # a new session: what the old one heard is no sign of its life; its first block adds 0.5 s
     assert clock.stall_at(2.6) == pytest.approx(2.6 + 2.0 + 0.5)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 import triton_python_backend_utils as pb_utils
 
 from ..model.layout import Setting
-from ..serving.line import LineCounts
+from ..serving.waits import QueueCounts
 
 LATENCY_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0]
 QUEUE_BUCKETS_S = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0]
@@ -40,9 +40,9 @@ class StreamMetrics:
                    family.COUNTER),
             family("lingbot_world_loop_cpu_seconds_total",
                    "CPU of the group loop's thread outside run_block (the control plane)", family.COUNTER),
-            family("lingbot_world_prompt_events_total", "world events (a steered step's new prompt) applied",
+            family("lingbot_world_prompt_events_total", "prompt events (a steered step's new prompt) applied",
                    family.COUNTER),
-            family("lingbot_world_prompt_cache_hits_total", "world events whose prompt the prompt cache held (no encode)",
+            family("lingbot_world_prompt_cache_hits_total", "prompt events whose prompt the prompt cache held (no encode)",
                    family.COUNTER),
             family("lingbot_world_sessions_ended_total", "sessions this instance owned that ended, by reason (as logged)",
                    family.COUNTER),
@@ -116,7 +116,7 @@ class StreamMetrics:
         self.blocks_run.increment(blocks)
 
     def prompts(self, events: int, hits: int) -> None:
-        """The group loop's report after a world event (LoopHooks.on_prompts)."""
+        """The group loop's report after a prompt event (LoopHooks.on_prompts)."""
         self.prompt_events.increment(events)
         self.prompt_cache_hits.increment(hits)
 
@@ -153,8 +153,8 @@ class StreamMetrics:
             self._key_metrics[index] = self._by_key[family].Metric(labels={**self._labels, "key": user, **labels})
         return self._key_metrics[index]
 
-    def line(self, counts: LineCounts) -> None:
-        """The group loop's report after a plan that changed the counts (LoopHooks.on_line)."""
+    def queue(self, counts: QueueCounts) -> None:
+        """The group loop's report after a plan that changed the counts (LoopHooks.on_queue)."""
         for waited in counts.waited_s:
             self.queue_seconds.observe(waited)
         if self.group:
@@ -174,7 +174,7 @@ class ParkMetrics:
             family("lingbot_world_parks_total", "this instance's worlds by event: parked (off their slot), unparked "
                    "(back on one), refused (past max_parked), failed (no room, or the copy not written)", family.COUNTER),
             family("lingbot_world_park_seconds", "a park: its decision to its copy durable", family.HISTOGRAM),
-            family("lingbot_world_unpark_seconds", "an unpark: the open from its copy on a slot (its wait in line: "
+            family("lingbot_world_unpark_seconds", "an unpark: the open from its copy on a slot (its wait in the queue: "
                    "lingbot_world_queue_seconds)", family.HISTOGRAM),
             family("lingbot_world_parked_bytes", "bytes of this instance's parked worlds' copies, by tier: memory, "
                    "disk", family.GAUGE),

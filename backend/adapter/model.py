@@ -13,11 +13,11 @@ from ..api.refusal import Refusal
 from ..api.request import SavesRequest, SessionRequest, StepRequest
 from ..parallel.host_claim import claim_for_this_host
 from ..serving.books import BooksAddress
-from ..serving.bootstrap import GroupMember, Hooks, Place
+from ..serving.bootstrap import GroupMember, Hooks, Location
 from ..serving.settings import split_parameters
 from ..serving.host_signals import HostSignals, StopWatch
 from ..serving.key_watch import KeyWatch, gate_of
-from ..serving.line import LineCounts
+from ..serving.waits import QueueCounts
 from ..serving.parent_watch import watch_parent
 from .metrics import ParkMetrics, StreamMetrics
 from .placement import instance_rank
@@ -37,19 +37,19 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         description, params = split_description(params)
         engine_settings, serving = split_parameters(params)
-        rank, world = instance_rank(args, model_config, serving.host_rank, serving.host_count)
+        rank, ranks = instance_rank(args, model_config, serving.host_rank, serving.host_count)
         on_gpu = args["model_instance_kind"] == "GPU"
-        place = Place(rank, world, f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu",
-                      world // serving.host_count)
+        location = Location(rank, ranks, f"cuda:{args['model_instance_device_id']}" if on_gpu else "cpu",
+                            ranks // serving.host_count)
         self.rank, self.host_rank, self._unload_claim = rank, serving.host_rank, None
         self.metrics = StreamMetrics(self.model_name, rank)
         self.park_metrics = ParkMetrics({"model": self.model_name, "rank": str(rank)})
-        self.metrics.line(LineCounts(0, 0, 0, 0, serving.max_sessions))  # Triton keeps a family's values: a reload
+        self.metrics.queue(QueueCounts(0, 0, 0, 0, serving.max_sessions))  # Triton keeps a family's values: a reload
         # starts from an empty group
-        self.member = GroupMember(engine_settings, serving, place, Hooks(
+        self.member = GroupMember(engine_settings, serving, location, Hooks(
             on_failure=self._on_group_failure, on_settings=self.metrics.show_settings,
             on_prompts=self.metrics.prompts, on_ended=self.metrics.session_ended,
-            on_loop_block=self.metrics.loop_block, on_line=self.metrics.line, on_snapshot=self.metrics.snapshot,
+            on_loop_block=self.metrics.loop_block, on_queue=self.metrics.queue, on_snapshot=self.metrics.snapshot,
             on_request=self.metrics.key_request, on_park=self.park_metrics.parks,
             on_parked_bytes=self.park_metrics.held, on_unpark=self.park_metrics.unparked,
         ), description, BooksAddress.from_environment())
@@ -98,7 +98,7 @@ class TritonPythonModel:
     def _on_group_failure(self, exc: BaseException) -> None:
         """The group failed: ask the launcher for a reload (it waits for the unload, see launch/heal.py) and
         Triton to unload the model so that it reads not ready meanwhile (the member then leaves the group and
-        releases the model at once, not in finalize: Triton 2.51 keeps a model loaded while a dead stub's response
+        frees the model at once, not in finalize: Triton 2.51 keeps a model loaded while a dead stub's response
         factory lives, forever, so finalize may never run here, and a reload needs this rank's rendezvous port and
         sockets back)."""
         self._unload_claim = claim_for_this_host(f"lingbot-unload-{self.member.load_id}-{self.host_rank}")

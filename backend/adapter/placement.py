@@ -1,4 +1,4 @@
-"""Where this instance sits in the SP group: its global rank and the world size.
+"""Where this instance sits in the SP group: its global rank and the number of ranks.
 
 Each server (one per host under mpirun) runs the same number of instances; an instance's global rank is
 host_rank x local instances + its local index, so the instances of server 0 hold ranks 0..n-1.
@@ -11,7 +11,7 @@ from ..api.errors import ConfigError
 
 
 def instance_rank(args: dict, model_config: dict, host_rank: int = 0, host_count: int = 1) -> tuple[int, int]:
-    """(global rank, world size) of this instance: its local position among this server's instances
+    """(global rank, the number of ranks) of this instance: its local position among this server's instances
     (by GPU id for KIND_GPU, by instance index for KIND_CPU), offset by the server's `host_rank`."""
     index, local = local_rank(args, model_config)
     return host_rank * local + index, host_count * local

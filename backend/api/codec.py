@@ -20,7 +20,7 @@ def _keys_array(keys: str) -> np.ndarray:
 
 
 def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
-    """The input arrays of one block's camera (and its world event's prompt)."""
+    """The input arrays of one block's camera (and its prompt event's prompt)."""
     if controls.keys is not None:
         arrays = {c.ACTION: _keys_array(controls.keys)}
     else:
@@ -31,7 +31,7 @@ def controls_arrays(controls: Controls) -> dict[str, np.ndarray]:
 
 
 def controls_parameters(controls: Controls) -> dict[str, bool | str]:
-    """The request parameters a step's camera adds (a world event's recache, a save after its block)."""
+    """The request parameters a step's camera adds (a prompt event's recache, a save after its block)."""
     return ({c.PARAM_RECACHE: True} if controls.recache else {}) | ({c.PARAM_SAVE: True} if controls.save else {}) \
         | ({c.PARAM_RELEASE: controls.release} if controls.release else {}) \
         | ({c.PARAM_SHARE: True} if controls.share else {})
@@ -164,10 +164,10 @@ def _saves(values: dict[str, np.ndarray], params: dict, action: str) -> SavesReq
     return SavesRequest(action, check_snapshot_id(snapshot_id, c.PARAM_SNAPSHOT) if snapshot_id else "")
 
 
-def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: bool, whole: bool) -> StepRequest:
+def _pause(values: dict[str, np.ndarray], sequence_id: str, start: bool, end: bool, whole: bool) -> StepRequest:
     """A pause: a request of a running steered session without a block, held open until the sequence's next."""
     name = f"request parameter '{c.PARAM_PAUSE}'"
-    if whole or not sequence_key:
+    if whole or not sequence_id:
         raise InputError(f"{name} pauses a steered session; a whole trajectory ('{c.NUM_FRAMES}' set) cannot pause")
     if start:
         raise InputError(f"{name} pauses a running steered session; a request with the start flag cannot pause "
@@ -176,11 +176,11 @@ def _pause(values: dict[str, np.ndarray], sequence_key: str, start: bool, end: b
         raise InputError(f"{name} and the end flag exclude each other; end the session with the end flag alone")
     if extra := [n for n in (c.CAMERA_POSES, c.ACTION, c.PROMPT) if n in values]:
         raise InputError(f"a pause ({name}) carries no block: send it without {extra}")
-    return StepRequest(sequence_key, None, pause=True)
+    return StepRequest(sequence_id, None, pause=True)
 
 
 def parse_request(
-    get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_key: str = "", flags: int = 0
+    get_input: Callable[[str], np.ndarray | None], parameters_json: str, sequence_id: str = "", flags: int = 0
 ) -> SessionRequest | ResumeRequest | StepRequest | SavesRequest:
     """A whole trajectory, a steered session's first request, or a step, from named input arrays (None when
     absent), the request's parameters and its Triton sequence (correlation id and start/end flags), each input
@@ -227,15 +227,15 @@ def parse_request(
         if save:
             raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: a pause carries "
                              "none (send it on a step)")
-        return _pause(values, sequence_key, start, end, whole)
+        return _pause(values, sequence_id, start, end, whole)
     if save and whole:
         raise InputError(f"request parameter '{c.PARAM_SAVE}' saves a steered session's world; a whole trajectory "
                          f"('{c.NUM_FRAMES}' set) is not saved")
     if start and (resume := _parameter(params, _RESUME)):
-        return _resume(values, params, sequence_key, resume, save, release, share, end, whole)
-    if sequence_key and not start and not whole:
+        return _resume(values, params, sequence_id, resume, save, release, share, end, whole)
+    if sequence_id and not start and not whole:
         # The session's own inputs (image, seed, ...) are ignored on a step: tools such as perf_analyzer
-        # repeat every input on every request of a sequence. A prompt on a step is a world event.
+        # repeat every input on every request of a sequence. A prompt on a step is a prompt event.
         controls = _controls(values)
         if controls is None and not end:
             raise InputError(f"a step needs '{c.CAMERA_POSES}' (the block's 12 new frames) or '{c.ACTION}'")
@@ -253,7 +253,7 @@ def parse_request(
         elif save:
             raise InputError(f"request parameter '{c.PARAM_SAVE}' saves the world after a block: send it with the "
                              f"step's '{c.CAMERA_POSES}' or '{c.ACTION}'")
-        return StepRequest(sequence_key, controls, end, step[c.PARAM_RETURN_LATENTS], step[c.PARAM_RETURN_USED])
+        return StepRequest(sequence_id, controls, end, step[c.PARAM_RETURN_LATENTS], step[c.PARAM_RETURN_USED])
     if whole and c.ACTION in values:
         raise InputError(f"input '{c.ACTION}' steers a session block by block; a whole trajectory "
                          f"('{c.NUM_FRAMES}' set) takes '{c.CAMERA_POSES}' for every frame instead")
@@ -280,7 +280,7 @@ def parse_request(
         return_latents=settings[c.PARAM_RETURN_LATENTS],
         on_starve=settings[c.PARAM_ON_STARVE],
         max_blocks=1 if end and not whole else settings[c.PARAM_MAX_BLOCKS],  # start and end at once: one block
-        session_key=None if whole else sequence_key,
+        sequence_id=None if whole else sequence_id,
         return_used=settings[c.PARAM_RETURN_USED],
         expect_settings=settings[c.PARAM_EXPECT_SETTINGS],
         pose_scale=settings[c.PARAM_POSE_SCALE],
@@ -294,12 +294,12 @@ def parse_request(
 RESUMED_INPUTS = (c.IMAGE, c.SEED, c.HEIGHT, c.WIDTH, c.CAMERA_INTRINSICS)  # the snapshot's own
 
 
-def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snapshot_id: str, save: bool,
+def _resume(values: dict[str, np.ndarray], params: dict, sequence_id: str, snapshot_id: str, save: bool,
             release: str, share: bool, end: bool, whole: bool) -> ResumeRequest:
-    """A steered session's start from a snapshot: its id and the next block's camera (with a world event's prompt,
+    """A steered session's start from a snapshot: its id and the next block's camera (with a prompt event's prompt,
     as a step's: a failover's replay may resume right before one); the rest is the snapshot's."""
     name = f"request parameter '{c.PARAM_RESUME}'"
-    if whole or not sequence_key:
+    if whole or not sequence_id:
         raise InputError(f"{name} opens a steered session from its snapshot; a whole trajectory ('{c.NUM_FRAMES}' "
                          "set) cannot resume")
     if end:
@@ -318,7 +318,7 @@ def _resume(values: dict[str, np.ndarray], params: dict, sequence_key: str, snap
     controls.save, controls.release, controls.recache = save, release, chosen[c.PARAM_RECACHE]
     controls.share = share
     controls.check()
-    return ResumeRequest(check_snapshot_id(snapshot_id), controls, sequence_key, chosen[c.PARAM_FORK_SEED],
+    return ResumeRequest(check_snapshot_id(snapshot_id), controls, sequence_id, chosen[c.PARAM_FORK_SEED],
                          chosen[c.PARAM_RETURN_LATENTS], chosen[c.PARAM_RETURN_USED])
 
 
@@ -349,7 +349,7 @@ def block_outputs(
 
 
 def place_outputs(position: int, wait_s: float) -> dict[str, np.ndarray]:
-    """The output tensors of a waiting session's place in line (a response without a block)."""
+    """The output tensors of a waiting session's place in the queue (a response without a block)."""
     return _typed({c.QUEUE_POSITION: [position], c.WAIT_S: [wait_s]})
 
 
@@ -388,7 +388,7 @@ def _typed(values: dict[str, object]) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True)
 class Place:
-    """A waiting session's place in line as its client reads it (position 0: it has its slot now)."""
+    """A waiting session's place in the queue as its client reads it (position 0: it has its slot now)."""
 
     position: int
     wait_s: float  # estimated seconds until its slot; negative: not estimated yet (no block measured)
@@ -414,7 +414,7 @@ def parse_snapshot(output: Callable[[str], np.ndarray | None]) -> SnapshotNotice
 
 
 def parse_place(output: Callable[[str], np.ndarray | None]) -> Place | None:
-    """The place in line of a response that carries one and no block; None for a block's response."""
+    """The place in the queue of a response that carries one and no block; None for a block's response."""
     position, wait = output(c.QUEUE_POSITION), output(c.WAIT_S)
     if position is None or output(c.BLOCK_INDEX) is not None:
         return None
@@ -432,7 +432,7 @@ class BlockUsed:
     prompt: str  # the prompt in force
     latents_sha256: str
     settings: str | None = None  # the server's settings_used (a session's first block)
-    recached: bool = False  # its cached history was recomputed under its prompt first (a world event's recache)
+    recached: bool = False  # its cached history was recomputed under its prompt first (a prompt event's recache)
 
 
 @dataclass(frozen=True)

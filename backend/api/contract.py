@@ -62,11 +62,11 @@ MAX_PROMPT_BYTES = 4096
 # A whole trajectory: image, prompt, camera_poses (every frame), num_frames, seed, height, width.
 # A steered session's first request: the same without num_frames, with the first block's camera (camera_poses
 # for its 9 frames, or action). Each later step: the next block's camera (12 frames' poses, or action), and
-# optionally a new prompt (a world event).
+# optionally a new prompt (a prompt event).
 INPUTS: tuple[TensorSpec, ...] = (
     _spec(IMAGE, np.uint8, (-1, -1, 3), "first frame, resized to height x width by the server", optional=True),
     _spec(PROMPT, np.object_, (1,), f"UTF-8 text prompt (at most {MAX_PROMPT_BYTES} bytes). On a steered step: a "
-          "world event, the session's prompt from that step's block on (its response is the first block under "
+          "prompt event, the session's prompt from that step's block on (its response is the first block under "
           "it; the history, camera and noise go on)", optional=True),
     _spec(CAMERA_POSES, np.float32, (-1, 4, 4), "camera-to-world poses, OpenCV axes: every frame of a whole "
           "trajectory, or a steered block's new frames", optional=True),
@@ -109,17 +109,17 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     # What the block was made from (request parameter return_used): what a recording keeps, a replay checks.
     _spec(CAMERA_USED, np.float32, (-1, 4, 4), "camera-to-world poses of the block's new video frames as the server "
           "ran them (a held block's included); with return_used"),
-    _spec(PROMPT_USED, np.object_, (1,), "the prompt in force for this block (after any world event); with "
+    _spec(PROMPT_USED, np.object_, (1,), "the prompt in force for this block (after any prompt event); with "
           "return_used"),
     _spec(LATENTS_SHA256, np.object_, (1,), "hex SHA-256 of the block's latents (float32 [z, block_frames, h, w], "
           "C order); with return_used"),
     _spec(SETTINGS_USED, np.object_, (1,), "the server settings the latents depend on, key=value;... (a session's "
           "first block only; with return_used)"),
     _spec(RECACHED, np.bool_, (1,), "the cached frames' self-attention K/V were recomputed under this block's prompt "
-          "before it (a world event with request parameter recache); with return_used"),
-    # A session waiting for a slot is told its place in line, at once and whenever it changes, by a response of
-    # these two alone (no block_index: not a block); 0 when it leaves the line for a slot.
-    _spec(QUEUE_POSITION, np.int32, (1,), "a waiting session's place in line (1: next), in a response without a "
+          "before it (a prompt event with request parameter recache); with return_used"),
+    # A session waiting for a slot is told its place in the queue, at once and whenever it changes, by a response of
+    # these two alone (no block_index: not a block); 0 when it leaves the queue for a slot.
+    _spec(QUEUE_POSITION, np.int32, (1,), "a waiting session's place in the queue (1: next), in a response without a "
           "block; 0: it has a slot now and its first block is being computed"),
     _spec(WAIT_S, np.float32, (1,), "with queue_position: the estimated seconds until a slot, from measured block "
           "times (sessions without a set length are counted at their lifetime limit, so it is an upper bound)"),
@@ -190,7 +190,7 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_POSE_SCALE, POSE_SCALES[0], "whole trajectory: divide camera translations by the clip's "
                   "largest ('clip', as the reference) or by the largest so far ('running', as a steered session "
                   "does: a steered recording replays bit for bit)", choices=POSE_SCALES),
-    ParameterSpec(PARAM_RECACHE, False, "steered: on a step with a world event ('prompt'), recompute the "
+    ParameterSpec(PARAM_RECACHE, False, "steered: on a step with a prompt event ('prompt'), recompute the "
                   "self-attention K/V of every cached frame (sink and window) under the new prompt before its block, "
                   "so the old prompt does not linger in the window; one forward per cached block, run as a block "
                   "boundary of its own (the group's other sessions wait for it once)"),
@@ -204,7 +204,7 @@ REQUEST_PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(PARAM_RESUME, "", "a steered session's start: open the world of this snapshot id where it was "
                   "saved, on any group with the same settings (its image, prompt, seed, size and session "
                   "parameters are the snapshot's: send none of them, only the next block's camera_poses (12 new "
-                  "frames at 3 latent frames a block) or action, and a world event's prompt and recache as a step "
+                  "frames at 3 latent frames a block) or action, and a prompt event's prompt and recache as a step "
                   "would); its first response is the block after the snapshot's"),
     ParameterSpec(PARAM_RELEASE, "", "with save: the id of an older snapshot of this world that it no longer needs "
                   "(a periodic save's predecessor): deleted once this save is durable, its bytes freed (nothing is "
@@ -296,8 +296,8 @@ SNAPSHOT_NOT_YOURS = "SNAPSHOT_NOT_YOURS"
 SNAPSHOT_KEY_FULL = "SNAPSHOT_KEY_FULL"
 
 ERROR_CODES: tuple[ErrorCode, ...] = (
-    ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the line is full (max_queue sessions wait)",
-              "retry after retry_after_s (the estimated wait of the line's last place)", retry_after=True),
+    ErrorCode(CAPACITY_EXHAUSTED, "every slot is taken and the queue is full (max_queue sessions wait)",
+              "retry after retry_after_s (the estimated wait of the queue's last place)", retry_after=True),
     ErrorCode(INVALID_INPUT, "an input or a request parameter is wrong (the sentence names it and what is "
               "expected), or the request does not fit this server's limits", "fix the request"),
     ErrorCode(SETTINGS_MISMATCH, "request parameter expect_settings differs from this server's settings_used (a "

@@ -36,12 +36,12 @@ def parse_key_script(script: str) -> list[str]:
     """A session's steps from a key script such as "w*6,wa*2,j*3" (one entry per block)."""
     steps = parse_play_script(script)
     if (event := next((c.prompt for c in steps if c.prompt is not None), None)) is not None:
-        raise InputError(f"key script: world event '@{event}' where only keys are taken")
+        raise InputError(f"key script: prompt event '@{event}' where only keys are taken")
     return [c.keys for c in steps]
 
 
 def parse_play_script(script: str, resumed: bool = False) -> list[Controls]:
-    """Each block's keys, and the world event riding on its step, from a key script such as
+    """Each block's keys, and the prompt event riding on its step, from a key script such as
     "w*6,@it starts to snow,w*4": an @entry (no comma in it) is a prompt event riding on the next block's step;
     "@!text" asks for the cached frames to be recomputed under it too (request parameter recache). resumed: the
     script goes on from a saved world, so its first block may carry an event too."""
@@ -50,7 +50,7 @@ def parse_play_script(script: str, resumed: bool = False) -> list[Controls]:
     for item in script.split(","):
         if item.strip().startswith("@"):
             if event is not None:
-                raise InputError(f"key script: two world events in a row ('@{event.prompt}', {item.strip()!r})")
+                raise InputError(f"key script: two prompt events in a row ('@{event.prompt}', {item.strip()!r})")
             if not steps and not resumed:
                 raise InputError(f"key script: {item.strip()!r} before the first block: the first block takes "
                                  f"the session's own prompt")
@@ -58,7 +58,7 @@ def parse_play_script(script: str, resumed: bool = False) -> list[Controls]:
             recache = text.startswith("!")
             event = Controls(prompt=text[1:].strip() if recache else text.strip(), recache=recache)
             if not event.prompt:
-                raise InputError(f"key script: an empty world event '{item.strip()}'")
+                raise InputError(f"key script: an empty prompt event '{item.strip()}'")
             continue
         keys, _, count = item.strip().partition("*")
         try:
@@ -73,7 +73,7 @@ def parse_play_script(script: str, resumed: bool = False) -> list[Controls]:
         steps += [first] + [Controls(keys=keys) for _ in range(blocks - 1)]
         event = None
     if event is not None:
-        raise InputError(f"key script: world event '@{event.prompt}' with no block after it")
+        raise InputError(f"key script: prompt event '@{event.prompt}' with no block after it")
     return steps
 
 

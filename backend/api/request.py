@@ -34,7 +34,7 @@ class Controls:
 
     poses: np.ndarray | None = None  # float32 [n, 4, 4] camera-to-world, OpenCV axes
     keys: str | None = None  # normalised held keys ("" holds none)
-    prompt: str | None = None  # a step's world event: the session's prompt from this block on
+    prompt: str | None = None  # a step's prompt event: the session's prompt from this block on
     recache: bool = False  # with the event: the cached frames' K/V are recomputed under it before this block
     save: bool = False  # save the world after this block (request parameter save)
     release: str = ""  # with save: an older snapshot of the world, deleted once this save is durable ("": none)
@@ -49,7 +49,7 @@ class Controls:
         if self.prompt is not None:
             check_prompt(self.prompt)
         elif self.recache:
-            raise InputError(f"request parameter '{PARAM_RECACHE}' rides on a world event: send it with '{PROMPT}'")
+            raise InputError(f"request parameter '{PARAM_RECACHE}' rides on a prompt event: send it with '{PROMPT}'")
 
     def check_frames(self, frames: int) -> None:
         """The block's poses against the video frames the server's block has (at admission)."""
@@ -72,7 +72,7 @@ class SessionRequest:
     keys: str | None = None  # steered: the keys held during the first block, instead of poses
     on_starve: str = ON_STARVE[0]
     max_blocks: int = 0  # steered: end after this many blocks (0: when the client ends it)
-    session_key: str | None = None  # steered: the Triton sequence (correlation id) that carries it
+    sequence_id: str | None = None  # steered: the Triton sequence (correlation id) that carries it
     return_used: bool = False  # send what each block was made from (api/provenance)
     expect_settings: str = ""  # refuse unless the server's settings_used equal these ("": no check)
     pose_scale: str = POSE_SCALES[0]  # a whole trajectory's translation scale: "clip" or "running" (as steered)
@@ -99,7 +99,7 @@ class StepRequest:
     """The next block's camera for a running steered session; `end` closes it after that block; a `pause`
     carries no camera and holds the session open until the sequence's next request."""
 
-    session_key: str
+    sequence_id: str
     controls: Controls | None  # None with `end` (close without another block) or `pause`
     end: bool = False
     return_latents: bool = True
@@ -114,7 +114,7 @@ class ResumeRequest:
 
     snapshot_id: str
     controls: Controls
-    session_key: str
+    sequence_id: str
     fork_seed: int = NO_FORK
     return_latents: bool = True
     return_used: bool = False

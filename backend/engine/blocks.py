@@ -22,7 +22,7 @@ class BlockOutput:
     held: bool = False  # a steered block run on its last motion because its step came late
     camera: np.ndarray | None = None  # float32 [n, 4, 4]: the camera-to-world poses of its new video frames, as run
     prompt: str = ""  # the prompt in force
-    recached: bool = False  # its cached history was recomputed under its prompt first (a world event's recache)
+    recached: bool = False  # its cached history was recomputed under its prompt first (a prompt event's recache)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ class WorldModelEngine:
         steps = config.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
-        self.prompt_events = 0  # world events applied (set_prompt calls)
+        self.prompt_events = 0  # prompt events applied (set_prompt calls)
 
     @classmethod
     def load(cls, config: EngineSettings, sp: SequenceParallel | None = None,
@@ -169,7 +169,7 @@ class WorldModelEngine:
 
     @torch.no_grad()
     def set_prompt(self, session: Session, prompt: str) -> None:
-        """A world event: the session's text conditioning is `prompt` from its next block on; its self-attention
+        """A prompt event: the session's text conditioning is `prompt` from its next block on; its self-attention
         history, camera and noise go on. A collective on a prompt the cache lacks (every rank calls it alike).
         Raises InputError on a bad prompt, leaving the session under its old one."""
         check_prompt(prompt)

@@ -67,7 +67,7 @@ class Session:
     camera: CameraTrack
     planned: list[np.ndarray]  # a whole trajectory's video poses per block; empty for a steered session
     condition: ConditionState | None  # the first-frame condition's encoder (on ENCODER_RANK only)
-    prompt: str  # the prompt in force (the request's, until a world event changes it)
+    prompt: str  # the prompt in force (the request's, until a prompt event changes it)
     text: TextCache  # its cross-attention K/V (this rank's head shard)
     cache: SelfAttentionCache
     decoding: Decoding  # its decode's (the decode thread's from its opening on)

@@ -8,7 +8,7 @@ fails a check leaves the rotation at once (one check interval) and its streams a
 shutdown-sessions`), so none of its clients waits on a stream nobody answers; it returns after two good checks.
 Every group is listed twice: the second line is a backup that tracks the first (its state: up, down, drained) but
 not its weight, used only while every first line is full, drained or down, so a session that meets every group
-full still reaches one and waits in its line (or gets CAPACITY_EXHAUSTED with a retry time when that line is full),
+full still reaches one and waits in its queue (or gets CAPACITY_EXHAUSTED with a retry time when that queue is full),
 and none reaches a draining group.
 
 Open to the internet, the balancer terminates TLS (`BalancerTls`: ALPN h2, optionally mutual) and speaks HTTP/2 to
@@ -116,7 +116,7 @@ def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, chec
         lines.append(f"    server {g.name} {g.grpc_url} {checked} port {g.http_port} weight 100 "
                      f"agent-check agent-addr {g.host} agent-port {g.agent_port} agent-inter {inter}")
     for g in groups:  # HAProxy passes an agent's drain (an admin state) on to a tracking line, not its weight
-        lines.append(f"    server {g.name}-line {g.grpc_url} proto h2 track {g.name} on-marked-down shutdown-sessions "
+        lines.append(f"    server {g.name}-queue {g.grpc_url} proto h2 track {g.name} on-marked-down shutdown-sessions "
                      "backup")
     return "\n".join(lines) + "\n"
 

@@ -8,8 +8,8 @@ HAProxy, one gRPC address for every client.
 
 Local groups bind loopback on ports of their own; each serves its capacity to the balancer (launch/agent.py) and is
 restarted when its launcher exits: at once when it was asked to (SIGTERM: it drained its worlds elsewhere first,
-launch/drain.py), else (its tritonserver died) bounded restarts with backoff. Every group must serve one world
-(fleet/one_world.py), checked before the balancer opens. The balancer (fleet/balancer.py) listens only on
+launch/drain.py), else (its tritonserver died) bounded restarts with backoff. Every group must serve one model
+(fleet/one_model.py), checked before the balancer opens. The balancer (fleet/balancer.py) listens only on
 `--address:--grpc-port`; SIGTERM drains and stops every group, then the balancer. What was started is written to
 `--out`/fleet.json (ports, pids, logs, the bounds a restart waits for) for operators, `restart` and tests.
 """
@@ -39,7 +39,7 @@ from ..parallel.ports import free_port, port_in_use
 from .fleet_books import FleetBooks
 from .balancer import (MAX_REQUEST_BYTES, BalancerTls, GroupAddress, check_config, render_haproxy, server_states,
                        start_haproxy)
-from .one_world import check_one_world, read_parameters
+from .one_model import check_one_model, read_parameters
 from .restart import COMMANDS as RESTART_COMMANDS, main as restart_main
 
 LOOPBACK = "127.0.0.1"
@@ -336,7 +336,7 @@ def serve(args: argparse.Namespace) -> int:
         if stop.is_set():
             return 143
         addresses = [g.address for g in groups] + remote
-        check_one_world({f"{a.name} ({a.grpc_url})": read_parameters(a.grpc_url) for a in addresses})
+        check_one_model({f"{a.name} ({a.grpc_url})": read_parameters(a.grpc_url) for a in addresses})
         config.write_text(render_haproxy(addresses, args.address, args.grpc_port, args.check_interval,
                                          args.out / "haproxy.sock", tls=balancer_tls(args),
                                          max_request_bytes=args.max_request_bytes))

@@ -1,7 +1,7 @@
 """A group's capacity agent: HAProxy's `agent-check` text protocol on a TCP port, so a balancer in front of several
 groups sends new sessions to those with free slots (the fleet: backend/fleet/).
 
-Each connection gets one line and is closed; what the peer sends is never read. The line is built from what the
+Each connection gets one line and is closed; what the peer sends is never read. The queue is built from what the
 group itself publishes: the model's readiness (HTTP `/v2/models/<model>/ready`), `max_sessions` from its model
 config (`described_max_sessions`, api/description) and the free slots from its metrics port
 (`lingbot_world_free_slots`, which rank 0 publishes: adapter/metrics.py):
@@ -9,7 +9,7 @@ config (`described_max_sessions`, api/description) and the free slots from its m
 - `ready up 75%`: free slots over max_sessions as the server's weight (1% at least while one is free); `ready`
   also ends a drain (a restarted launcher's, or one an operator set by hand).
 - `ready up 0%`: every slot is held: weight 0, so no new session is sent here while another group has room (a
-  session that meets every group full reaches one through its backup line and waits in that group's line:
+  session that meets every group full reaches one through its backup line and waits in that group's queue:
   balancer.py).
 - `drain`: the group drains (its launcher's SIGTERM: launch/drain.py): HAProxy's DRAIN state, which its backup line
   follows too, so no new session or resume reaches the group at all while its worlds move elsewhere.

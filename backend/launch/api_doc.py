@@ -110,8 +110,8 @@ def render() -> str:
         _table(["input", "type", "shape", "allowed", "what"], inputs),
         "\n## Outputs (one response per block)\n",
         f"A response is a block (it has `{contract.BLOCK_INDEX}`) or, for a session waiting for a slot, its place "
-        f"in line (`{contract.QUEUE_POSITION}` and `{contract.WAIT_S}` alone, never final): at once and whenever "
-        "the place changes, and 0 when it leaves the line for its slot.\n",
+        f"in the queue (`{contract.QUEUE_POSITION}` and `{contract.WAIT_S}` alone, never final): at once and whenever "
+        "the place changes, and 0 when it leaves the queue for its slot.\n",
         _table(["output", "type", "shape", "what"], outputs),
         "\n## Error codes\n",
         "Every error response's text starts with its code: `[CODE] sentence`, or `[CODE retry_after_s=N] "

@@ -37,7 +37,7 @@ LOAD_TIMEOUT_S = 600.0  # one load (a rendezvous and every rank's weights)
 # saw it reads not ready 0.3-0.4 s after the kill and asks for its own heal: bench/README, kill matrix).
 DEAD_STUB_GRACE_S = 1.5
 ADOPT_EVERY_S = 1.0  # how often the stub watch asks whether a model it watches no stubs of reads ready
-# A stub of the failed load lets its rank's claim go once it has left its group and released the model (its process
+# A stub of the failed load lets its rank's claim go once it has left its group and freed the model (its process
 # may linger after, its Triton instance never finalised). One that still holds its claim this long after the unload is
 # stuck (in an exchange or a join with a dead peer), and a load would be refused (RELOAD_REFUSED) or wait for it in the
 # rendezvous: the healer kills it before it loads.

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..api.errors import ConfigError
-from ..serving.keys import KeyRing, Quota, key_line, new_key
+from ..serving.keys import KeyRing, Quota, key_line, new_sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def add(path: Path, name: str, quota: Quota) -> str:
     text = read(path)
     if any(entry.name == name for entry in KeyRing.parse(text, str(path)).entries):
         raise ConfigError(f"{path} has a key named {name} already: remove it first, or choose another name")
-    key = new_key()
+    key = new_sequence()
     write(path, text + ("" if not text or text.endswith("\n") else "\n") + key_line(name, key, quota) + "\n")
     return key
 

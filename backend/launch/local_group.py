@@ -2,7 +2,7 @@
 requests reach a member as named arrays, as Triton hands them to the adapter (parse, admission, the group
 loop, the streams: everything but Triton's own machinery). For tests and benchmarks.
 
-    with LocalGroup(engine_settings, ServingSettings(), world=2) as group:
+    with LocalGroup(engine_settings, ServingSettings(), ranks=2) as group:
         blocks = group.stream(request, rank=1)  # a whole trajectory, owned by rank 1
         session = group.steered(first_request)  # a steered session: session.step(controls) -> its block
 
@@ -68,7 +68,7 @@ class LocalBlock:
 
 @dataclass(frozen=True)
 class LocalPlace:
-    """A waiting session's place in line (0: it has its slot), a response without a block."""
+    """A waiting session's place in the queue (0: it has its slot), a response without a block."""
 
     position: int
     wait_s: float
@@ -115,10 +115,10 @@ class _QueueResponder:
             self.outbox.put((kind, self.call, payload))
 
 
-def _member_main(rank: int, world: int, engine_settings: EngineSettings, serving: ServingSettings, secret: str,
+def _member_main(rank: int, ranks: int, engine_settings: EngineSettings, serving: ServingSettings, secret: str,
                  setup: str | None, keys: str | None, books: BooksAddress | None, inbox: mp.Queue,
                  outbox: mp.Queue) -> None:
-    from ..serving.bootstrap import GroupMember, Hooks, Place
+    from ..serving.bootstrap import GroupMember, Hooks, Location
     from ..serving.keys import Gate, KeyRing
 
     os.environ[SECRET_VARIABLE] = secret
@@ -126,7 +126,7 @@ def _member_main(rank: int, world: int, engine_settings: EngineSettings, serving
     try:
         if setup:
             _resolve(setup)(rank)
-        member = GroupMember(engine_settings, serving, Place(rank, world, "cpu", world),
+        member = GroupMember(engine_settings, serving, Location(rank, ranks, "cpu", ranks),
                              Hooks(on_failure=lambda exc: outbox.put(("failed", rank, repr(exc)))), books=books)
     except BaseException:
         outbox.put(("crashed", rank, traceback.format_exc()))
@@ -170,13 +170,13 @@ class LocalCall:
     def __init__(self, group: LocalGroup, rank: int, call: int) -> None:
         self.group, self.rank, self.call = group, rank, call
         self.responses: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.places: list[LocalPlace] = []  # the places in line it was told, in order
+        self.places: list[LocalPlace] = []  # the places in the queue it was told, in order
         self.notices: list[SnapshotNotice] = []  # the saves' outcomes it was told, in order
         self.done = False
 
     def next(self, timeout_s: float = DEFAULT_TIMEOUT_S, places: bool = False,
              notices: bool = False) -> LocalBlock | LocalPlace | SnapshotNotice | dict | None:
-        """The next block (or, with `places` or `notices`, the next place in line or save's outcome too); None when
+        """The next block (or, with `places` or `notices`, the next place in the queue or save's outcome too); None when
         the request ended without one. Raises LocalStreamError on an error."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -245,23 +245,23 @@ class LocalSteered:
 
 
 class LocalGroup:
-    """`world` members as local processes forming one serving group (gloo), started and loaded on entry."""
+    """`ranks` members as local processes forming one serving group (gloo), started and loaded on entry."""
 
-    def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, world: int = 1,
+    def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, ranks: int = 1,
                  setup: str | None = None, start_timeout_s: float = 300.0, keys: str | None = None,
                  books: BooksAddress | None = None) -> None:
         """setup: 'module:function', called with the rank in each member's process before it starts; keys: a keys
         file's text, whose keys alone open the door (a request carries its key as the parameter `lingbot-key`, as
         Triton forwards the header); books: the fleet's shared books."""
-        self.world = world
+        self.ranks = ranks
         ctx = process_context()
         serving = dataclasses.replace(serving, rendezvous_port=free_port())
         secret = secrets.token_hex(16)
         self._outbox: mp.Queue = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(world)]
+        self._inboxes = [ctx.Queue() for _ in range(ranks)]
         self._procs = [ctx.Process(target=_member_main, daemon=True,
-                                   args=(r, world, engine_settings, serving, secret, setup, keys, books,
-                                         self._inboxes[r], self._outbox)) for r in range(world)]
+                                   args=(r, ranks, engine_settings, serving, secret, setup, keys, books,
+                                         self._inboxes[r], self._outbox)) for r in range(ranks)]
         self._calls: dict[int, LocalCall] = {}
         self._control: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._ids = itertools.count()
@@ -286,7 +286,7 @@ class LocalGroup:
 
     def request(self, rank: int, arrays: dict[str, np.ndarray], parameters: dict, key: str = "",
                 flags: int = 0) -> LocalCall:
-        """One raw request to member `rank`: named input arrays, request parameters, sequence key and flags."""
+        """One raw request to member `rank`: named input arrays, request parameters, sequence id and flags."""
         call = LocalCall(self, rank, next(self._ids))
         self._calls[call.call] = call
         self._send(rank, ("request", call.call, arrays, json.dumps(parameters), key, flags))
@@ -294,7 +294,7 @@ class LocalGroup:
 
     def stream(self, request: SessionRequest, rank: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[LocalBlock]:
         """A whole trajectory's blocks (one sequence of one request, as the client sends it)."""
-        call = self.request(rank, request_arrays(request), request_parameters(request), self.new_key(),
+        call = self.request(rank, request_arrays(request), request_parameters(request), self.new_sequence(),
                             SEQUENCE_START | SEQUENCE_END)
         return call.blocks(timeout_s)
 
@@ -302,15 +302,15 @@ class LocalGroup:
         """user_key: the key its requests carry (a group with keys)."""
         if not request.steered:
             raise InputError("a steered session's first request has no num_frames")
-        return LocalSteered(self, rank, self.new_key(), request_arrays(request), request_parameters(request),
+        return LocalSteered(self, rank, self.new_sequence(), request_arrays(request), request_parameters(request),
                             request.return_used, user_key)
 
     def resumed(self, resume: ResumeRequest, rank: int = 0, user_key: str | None = None) -> LocalSteered:
-        """A steered session that opens the world of a snapshot (`resume.session_key` is this group's own)."""
-        return LocalSteered(self, rank, self.new_key(), controls_arrays(resume.controls), resume_parameters(resume),
+        """A steered session that opens the world of a snapshot (`resume.sequence_id` is this group's own)."""
+        return LocalSteered(self, rank, self.new_sequence(), controls_arrays(resume.controls), resume_parameters(resume),
                             resume.return_used, user_key)
 
-    def new_key(self) -> str:
+    def new_sequence(self) -> str:
         return str(next(self._keys))
 
     def call(self, rank: int, function: str, timeout_s: float = 60.0) -> Any:
@@ -363,7 +363,7 @@ class LocalGroup:
                 self._control.put((kind, tag, payload))
 
     def _await_all(self, kind: str, timeout_s: float) -> None:
-        for _ in range(self.world):
+        for _ in range(self.ranks):
             self._await(kind, None, timeout_s)
 
     def _await(self, kind: str, rank: int | None, timeout_s: float) -> Any:

@@ -18,7 +18,7 @@ class RankGrid:
     sp: int
 
     @property
-    def world(self) -> int:
+    def ranks(self) -> int:
         return self.tp * self.sp
 
     def tp_rank(self, rank: int) -> int:
@@ -31,13 +31,13 @@ class RankGrid:
         return [list(range(s * self.tp, (s + 1) * self.tp)) for s in range(self.sp)]
 
     def sp_groups(self) -> list[list[int]]:
-        return [list(range(t, self.world, self.tp)) for t in range(self.tp)]
+        return [list(range(t, self.ranks, self.tp)) for t in range(self.tp)]
 
     def check_hosts(self, host_count: int) -> None:
         """Every TP group on one host: each host's instance count must be a multiple of tp."""
-        per_host, left = divmod(self.world, host_count)
+        per_host, left = divmod(self.ranks, host_count)
         if left or per_host % self.tp:
             raise ConfigError(
-                f"tp_degree={self.tp} must divide the instances of each server ({self.world} instances over "
+                f"tp_degree={self.tp} must divide the instances of each server ({self.ranks} instances over "
                 f"host_count={host_count}): a TP group stays on one host"
             )

@@ -21,5 +21,5 @@ MEMBER = "lingbot-member"  # a group member's claim on its rank: MEMBER-<rendezv
 
 def member_claim(rendezvous_port: int, rank: int) -> str:
     """The claim a member holds on its rank of the group at `rendezvous_port`, from its start until it has left the
-    group and released the model."""
+    group and freed the model."""
     return f"{MEMBER}-{rendezvous_port}-{rank}"

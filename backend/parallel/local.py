@@ -28,14 +28,14 @@ def process_context() -> mp.context.BaseContext:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, secret: str, backend: str, fn: Callable, args: tuple, threads: int,
+    rank: int, ranks: int, port: int, secret: str, backend: str, fn: Callable, args: tuple, threads: int,
     results: mp.Queue,
 ) -> None:
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        groups = join_group(rank, world, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600,
+        groups = join_group(rank, ranks, "127.0.0.1", port, backend, init_timeout_s=600, collective_timeout_s=600,
                             secret=secret)
         results.put((rank, fn(groups, *args), None))
     except BaseException:  # report every failure to the parent instead of hanging it
@@ -46,7 +46,7 @@ def _rank_main(
 
 
 def run_group(
-    world: int,
+    ranks: int,
     fn: Callable[..., Any],
     args: tuple = (),
     timeout_s: float = 600,
@@ -62,14 +62,14 @@ def run_group(
     results: mp.Queue = ctx.Queue()
     port, secret = free_port(), secrets.token_hex(16)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, secret, backend, fn, args, threads, results))
-        for r in range(world)
+        ctx.Process(target=_rank_main, args=(r, ranks, port, secret, backend, fn, args, threads, results))
+        for r in range(ranks)
     ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     try:
-        for _ in range(world):
+        for _ in range(ranks):
             try:
                 rank, value, error = results.get(timeout=timeout_s)
             except queue.Empty:
@@ -82,4 +82,4 @@ def run_group(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return [out[r] for r in range(world)]
+    return [out[r] for r in range(ranks)]

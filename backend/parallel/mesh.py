@@ -21,19 +21,19 @@ class Mesh:
     tp: TensorParallel  # this rank's TP group: consecutive ranks
 
     @classmethod
-    def whole(cls, world: SequenceParallel) -> Mesh:
+    def whole(cls, group: SequenceParallel) -> Mesh:
         """No tensor parallelism: the whole group is the SP group."""
-        return cls(world, TensorParallel())
+        return cls(group, TensorParallel())
 
     @classmethod
-    def build(cls, world: SequenceParallel, tp_degree: int, timeout_s: float) -> Mesh:
-        """Split `world` into TP groups of tp_degree consecutive ranks. Every rank of `world` must call it alike
-        (each creates every subgroup, in the same order). tp_degree 1 makes no group: SP is `world` itself."""
+    def build(cls, group: SequenceParallel, tp_degree: int, timeout_s: float) -> Mesh:
+        """Split `group` into TP groups of tp_degree consecutive ranks. Every rank of `group` must call it alike
+        (each creates every subgroup, in the same order). tp_degree 1 makes no group: SP is `group` itself."""
         if tp_degree == 1:
-            return cls.whole(world)
-        if world.degree % tp_degree:
-            raise ValueError(f"tp_degree={tp_degree} does not divide the group's {world.degree} ranks")
-        grid = RankGrid(tp_degree, world.degree // tp_degree)
+            return cls.whole(group)
+        if group.degree % tp_degree:
+            raise ValueError(f"tp_degree={tp_degree} does not divide the group's {group.degree} ranks")
+        grid = RankGrid(tp_degree, group.degree // tp_degree)
         timeout = datetime.timedelta(seconds=timeout_s)
         rank = dist.get_rank()
         tp_group = sp_group = None

@@ -67,7 +67,7 @@ class Admission:
         if 0 < saved.request.max_blocks <= saved.block_index:
             raise InputError(f"snapshot {resume.snapshot_id} was saved after its session's last block "
                              f"(max_blocks={saved.request.max_blocks}): there is nothing left to play")
-        request = dataclasses.replace(saved.request, session_key=resume.session_key, save=False,
+        request = dataclasses.replace(saved.request, sequence_id=resume.sequence_id, save=False,
                                       return_latents=resume.return_latents, return_used=resume.return_used)
         check_limits(request, self.limits)
         geometry = request_geometry(self.spec, request)

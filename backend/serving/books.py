@@ -7,7 +7,7 @@ these besides, each name under `lingbot:books:`:
     keys            hash: a key's name -> its keys-file line (name, the key's SHA-256, its limits), never a key
     keys:version    the SHA-256 of those lines as the fleet pushed them: a reader reloads when it changes
     seats:NAME      sorted set: the leases of the key's sessions that may hold a slot (at most its `sessions`)
-    line:NAME       sorted set: the leases of the key's sessions waiting for a seat (at most its `queue`)
+    queue:NAME      sorted set: the leases of the key's sessions waiting for a seat (at most its `queue`)
     blocks:NAME     hash: a minute (unix time // 60) -> blocks its sessions received in it; the last 60 are its hour
 
 A lease is scored by its expiry in milliseconds of the store's own clock (Lua's TIME, so the hosts' clocks need not
@@ -47,7 +47,7 @@ _HOUR = """local function hour(key, now)
   return out
 end
 """
-# KEYS: seats, line, blocks; ARGV: lease id, lease ms, sessions, queue, blocks_per_hour (-1: no limit).
+# KEYS: seats, queue, blocks; ARGV: lease id, lease ms, sessions, queue, blocks_per_hour (-1: no limit).
 _TAKE = _NOW + _HOUR + """redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local limit = tonumber(ARGV[5])
@@ -61,13 +61,13 @@ local seats = redis.call('ZCARD', KEYS[1])
 if sessions < 0 or seats < sessions then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]); return {'seat'}
 end
-local line = redis.call('ZCARD', KEYS[2])
-if queue < 0 or line < queue then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1]); return {'line'}
+local waiting = redis.call('ZCARD', KEYS[2])
+if queue < 0 or waiting < queue then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1]); return {'queue'}
 end
-return {'full', seats, line}
+return {'full', seats, waiting}
 """
-# KEYS: seats, line; ARGV: lease id, lease ms, sessions. 1: seated now; 0: it waits on (its lease renewed).
+# KEYS: seats, queue; ARGV: lease id, lease ms, sessions. 1: seated now; 0: it waits on (its lease renewed).
 _PROMOTE = _NOW + """redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if tonumber(ARGV[3]) < 0 or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
   redis.call('ZREM', KEYS[2], ARGV[1]); redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]); return 1
@@ -92,11 +92,11 @@ class BooksUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Taken:
-    """A session's start in the books: a seat (it may hold a slot), a place in the key's line, or refused: the key's
+    """A session's start in the books: a seat (it may hold a slot), a place in the key's queue, or refused: the key's
     `sessions` and `queue` are all taken across the fleet ("full"), or its blocks_per_hour is used ("blocks", with
     the seconds until enough of its hour's blocks age out)."""
 
-    kind: str  # "seat", "line", "full" or "blocks"
+    kind: str  # "seat", "queue", "full" or "blocks"
     retry_after_s: float = 0.0
 
 
@@ -131,7 +131,7 @@ def seats_key(name: str) -> str:
 
 
 def line_key(name: str) -> str:
-    return f"{PREFIX}line:{name}"
+    return f"{PREFIX}queue:{name}"
 
 
 def blocks_key(name: str) -> str:
@@ -166,7 +166,7 @@ class Books:
         return Taken(kind)
 
     def promote(self, name: str, lease_id: str, sessions: int | None, lease_s: float) -> bool:
-        """Whether the waiting lease has a seat now (else its place in the key's line is renewed)."""
+        """Whether the waiting lease has a seat now (else its place in the key's queue is renewed)."""
         return bool(self._call(self._promote, [seats_key(name), line_key(name)],
                                [lease_id, int(lease_s * 1000), _limit(sessions)]))
 
@@ -187,7 +187,7 @@ class Books:
         return Hour.of(self._call(self._add, [blocks_key(name)], [blocks]))
 
     def held(self, name: str) -> tuple[int, int]:
-        """The key's live leases: (seats, places in line), for operators and tests."""
+        """The key's live leases: (seats, places in the queue), for operators and tests."""
         replies = self._pipeline(lambda pipe: [pipe.zcount(k, f"({self._now_ms()}", "+inf")
                                                for k in (seats_key(name), line_key(name))])
         return int(replies[0]), int(replies[1])

@@ -43,7 +43,7 @@ from .intake import Intake
 from .keys import ANONYMOUS, Principal
 from .loop import GroupLoop, LoopHooks
 from .description import check_description
-from .line import LineCounts
+from .waits import QueueCounts
 from .loop_cpu import LoopCpu, Report
 from .leases import Leases
 from .parks import Parks
@@ -56,11 +56,11 @@ log = logging.getLogger("backend")
 
 
 @dataclass(frozen=True)
-class Place:
-    """Where a member runs: its global rank among `world`, its device, and how many members share its host."""
+class Location:
+    """Where a member runs: its global rank among `ranks`, its device, and how many members share its host."""
 
     rank: int
-    world: int
+    ranks: int
     device: str = "cpu"  # "cpu" or "cuda:N"
     host_members: int = 1  # members on this host (a CPU member takes its share of the host's cores)
 
@@ -69,11 +69,11 @@ class Place:
 class Hooks:
     """What the host of a member (the Triton adapter, a test) learns from it; every hook is optional."""
 
-    on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed; the model is released
+    on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed; the model is freed
     on_settings: Callable[[dict], None] = lambda settings: None  # the resolved settings, before loading
     on_prompts: Callable[[int, int], None] | None = None  # see LoopHooks
     on_ended: Callable[[str], None] | None = None  # see LoopHooks
-    on_line: Callable[[LineCounts], None] | None = None  # see LoopHooks
+    on_queue: Callable[[QueueCounts], None] | None = None  # see LoopHooks
     on_snapshot: Callable[[str], None] | None = None  # see LoopHooks; also the saves' outcomes, on the intake's thread
     on_request: Callable[[str], None] = lambda name: None  # a request a key opened the door for (its name), on the
     # intake's thread
@@ -86,32 +86,32 @@ class Hooks:
 class GroupMember:
     """One rank, joined and loaded, its group loop running."""
 
-    def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, place: Place, hooks: Hooks,
+    def __init__(self, engine_settings: EngineSettings, serving: ServingSettings, location: Location, hooks: Hooks,
                  description: ServerDescription | None = None, books: BooksAddress | None = None) -> None:
         """Validate alone (before waiting for peers or reading weights), join the group, load, start the loop.
         description: what the model config says of this server (api/description), checked against it; books: the
         fleet's shared books (None: this group keeps its books in process)."""
-        rank, world = place.rank, place.world
+        rank, ranks = location.rank, location.ranks
         grid = RankGrid(engine_settings.tp_degree, engine_settings.sp_degree)
-        if grid.world != world:
+        if grid.ranks != ranks:
             raise ConfigError(
                 f"tp_degree x sp_degree = {engine_settings.tp_degree} x {engine_settings.sp_degree} must equal the number "
-                f"of model instances of all servers ({world} = host_count={serving.host_count} x "
-                f"{world // serving.host_count})"
+                f"of model instances of all servers ({ranks} = host_count={serving.host_count} x "
+                f"{ranks // serving.host_count})"
             )
         grid.check_hosts(serving.host_count)
-        engine_settings = dataclasses.replace(engine_settings, device=place.device)
-        spec = checked_spec(engine_settings, world)
+        engine_settings = dataclasses.replace(engine_settings, device=location.device)
+        spec = checked_spec(engine_settings, ranks)
         check_description(description, spec, serving)
-        on_gpu = place.device.startswith("cuda")
+        on_gpu = location.device.startswith("cuda")
         threads = None
         if on_gpu:
-            torch.cuda.set_device(place.device)
+            torch.cuda.set_device(location.device)
             # On an NCCL timeout abort the communicators but keep the process, so the loop's next
             # collective raises and the failure path answers the streams (PyTorch's default, 3, kills it).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         else:
-            cores = instance_cores(place.host_members)  # this host's cores shared among its own members
+            cores = instance_cores(location.host_members)  # this host's cores shared among its own members
             torch.set_num_threads(cores)  # this thread's (loading); the loop and the decode sender set their own
             threads = CoreSplit.of(cores)
         self.rank, self.hooks = rank, hooks
@@ -128,12 +128,12 @@ class GroupMember:
             raise RuntimeError(messages.RELOAD_REFUSED.message)
         groups = None
         try:
-            secret = group_secret() if world > 1 else ""
-            groups = join_group(rank, world, serving.rendezvous_host, serving.rendezvous_port,
+            secret = group_secret() if ranks > 1 else ""
+            groups = join_group(rank, ranks, serving.rendezvous_host, serving.rendezvous_port,
                                 "nccl" if on_gpu else "gloo", serving.init_timeout_s, serving.collective_timeout_s,
                                 secret, engine_settings.split_decode)
             self.load_id = groups.load_id
-            log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, world, place.device,
+            log.info("rank %d/%d on %s: loading %s (RSS before: %s)", rank, ranks, location.device,
                      engine_settings.checkpoint, rss())
             group = SequenceParallel(groups.data)
             mesh = Mesh.build(group, engine_settings.tp_degree, serving.collective_timeout_s)
@@ -144,28 +144,28 @@ class GroupMember:
                 clear_park_tier(serving)
             groups.all_arrived("loaded")  # every rank has loaded before the loop starts
             doorbell = StoreDoorbell(serving.rendezvous_host, serving.rendezvous_port, secret,
-                                     serving.collective_timeout_s) if world > 1 else None
+                                     serving.collective_timeout_s) if ranks > 1 else None
             intake_inbox: queue.SimpleQueue = queue.SimpleQueue()
             self.loop = GroupLoop(
                 engine, serving, groups.control, intake_inbox.put, LoopHooks(
                     on_failure=self._on_group_failure, on_prompts=hooks.on_prompts, on_ended=hooks.on_ended,
-                    on_line=hooks.on_line, on_snapshot=hooks.on_snapshot, on_unpark=hooks.on_unpark),
+                    on_queue=hooks.on_queue, on_snapshot=hooks.on_snapshot, on_unpark=hooks.on_unpark),
                 doorbell=doorbell, threads=threads,
                 cpu=LoopCpu(hooks.on_loop_block))
-            self.intake = owner_side(rank, world, serving, engine, self.loop.post, intake_inbox, hooks, books)
+            self.intake = owner_side(rank, ranks, serving, engine, self.loop.post, intake_inbox, hooks, books)
         except BaseException as exc:
             if groups is not None:
                 with contextlib.suppress(Exception):  # the store may be gone with rank 0
                     groups.fail_start(rank, exc)
             self._claim.close()
             raise
-        log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, world, engine.attention_name,
+        log.info("rank %d/%d ready (attention: %s; torch threads: %s)", rank, ranks, engine.attention_name,
                  f"DiT {threads.dit}, decode {threads.decode}" if threads else "as they are")
 
     def handle(self, get_input: Callable[[str], np.ndarray | None], parameters_json: str, key: str, flags: int,
                responder_for: Callable[[SessionRequest | StepRequest | None], Responder],
                principal: Principal = ANONYMOUS) -> None:
-        """One request as it arrives (named input arrays, its parameters without a key, its Triton sequence key and
+        """One request as it arrives (named input arrays, its parameters without a key, its Triton sequence id and
         flags), from `principal` (whose key the door let in); `responder_for(parsed)` makes its reply channel
         (parsed None: the request could not be parsed)."""
         try:
@@ -194,7 +194,7 @@ class GroupMember:
         self.loop.stop()
 
     def stop(self) -> None:
-        """The model is being unloaded: end every session, leave the group, release the model."""
+        """The model is being unloaded: end every session, leave the group, free the model."""
         self._unloading.set()  # a loop failing now must not ask for an unload of a later load
         self.loop.stop()
         self.intake.close()
@@ -209,12 +209,12 @@ class GroupMember:
             torch.cuda.empty_cache()
         with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap pages; give them back
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        log.info("rank %d: model released (RSS now %s)", self.rank, rss())
+        log.info("rank %d: model freed (RSS now %s)", self.rank, rss())
         self._claim.close()
 
     def _on_group_failure(self, exc: BaseException) -> None:
         """In-flight streams already got their error: tell the host (a hung peer can hold the group's teardown),
-        then leave the group and release the model now (a host may never get to stop this member: see the
+        then leave the group and free the model now (a host may never get to stop this member: see the
         adapter)."""
         if self._unloading.is_set():
             log.error("rank %d: sequence-parallel group failed (%r) while the model unloads", self.rank, exc)

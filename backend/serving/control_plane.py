@@ -18,8 +18,8 @@ from .scheduler import RankEvents
 
 
 class ControlPlane:
-    def __init__(self, world: int, group: dist.ProcessGroup | None, doorbell: Doorbell, heartbeat_s: float) -> None:
-        self.world = world
+    def __init__(self, ranks: int, group: dist.ProcessGroup | None, doorbell: Doorbell, heartbeat_s: float) -> None:
+        self.ranks = ranks
         self.group = group
         self.doorbell = doorbell
         self.heartbeat_s = heartbeat_s
@@ -27,11 +27,11 @@ class ControlPlane:
 
     def exchange(self, events: RankEvents, rings_seen: int) -> list[RankEvents]:
         """Every rank's events, in rank order; `rings_seen` is the doorbell count read before collecting."""
-        if self.world == 1:
+        if self.ranks == 1:
             self._next_ring = rings_seen + 1
             return [events]
         payload = pickle.dumps(events) if events else b""
-        headers = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+        headers = [torch.zeros(3, dtype=torch.int64) for _ in range(self.ranks)]
         clock_us = round(events.clock_s * 1e6)
         dist.all_gather(headers, torch.tensor([len(payload), rings_seen, clock_us]), group=self.group)
         sizes = [int(h[0]) for h in headers]
@@ -39,7 +39,7 @@ class ControlPlane:
         self._next_ring = min(int(h[1]) for h in headers) + 1
         if not any(sizes):  # no news: every rank's clock still travels (the scheduler's one clock)
             return [RankEvents(clock_s=int(h[2]) / 1e6) for h in headers]
-        buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.world)]
+        buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.ranks)]
         mine = torch.zeros(max(sizes), dtype=torch.uint8)
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

@@ -1,10 +1,10 @@
 """Fairness between keys, as the scheduler decides it (pure, and clock-free but for the boundary's time that travels
 in the events): who gets the next free slot, and how many blocks a key computed in the last hour.
 
-The line is fair between keys: a free slot goes to the key served least recently (a key never served, or not since
+The queue is fair between keys: a free slot goes to the key served least recently (a key never served, or not since
 its sessions all ended, first), to its oldest waiting session; a key at its `sessions` cap (its parked worlds count) is
 passed over until one of its own sessions ends. So one key's many waiting sessions do not starve another key's one.
-Without keys every session has the same (empty) name and the line is first come, first served.
+Without keys every session has the same (empty) name and the queue is first come, first served.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def at_cap(s: SharedSession, holding: Counter[str]) -> bool:
 
 
 def fair_order(waiting: list[SharedSession], live: list[SharedSession], last_served: dict[str, int], free: int,
-               whole_line: bool = False, parked: Iterable[SharedSession] = ()) -> list[SharedSession]:
+               whole_queue: bool = False, parked: Iterable[SharedSession] = ()) -> list[SharedSession]:
     """Who of the waiting sessions (arrival order) gets the `free` slots now (a capped key's wait for its own).
-    whole_line: the whole line in the order it gets slots if nothing else arrives, the slots of `live` freeing in
+    whole_queue: the whole queue in the order it gets slots if nothing else arrives, the slots of `live` freeing in
     their order (the round robin's: the best guess without a clock), then the parked ones' caps. `last_served`: each
     key's last turn. `parked`: worlds off their slot, which count against their key's sessions as `live` ones do."""
     arrival = {s.id: n for n, s in enumerate(waiting)}
@@ -49,10 +49,10 @@ def fair_order(waiting: list[SharedSession], live: list[SharedSession], last_ser
             served[name] = turn
             if not queues[name]:
                 del queues[name]
-        elif whole_line and releases:
+        elif whole_queue and releases:
             holding[releases.popleft().user] -= 1
             free += 1
-        elif whole_line and parked_ends:  # a parked world ends at last: its key's cap, no slot
+        elif whole_queue and parked_ends:  # a parked world ends at last: its key's cap, no slot
             holding[parked_ends.popleft().user] -= 1
         else:
             break

@@ -172,7 +172,7 @@ class Intake:
             self._submit(request, responder, who)
 
     def _submit(self, request: SessionRequest | ResumeRequest, responder: Responder, who: Principal) -> None:
-        key = request.session_key
+        key = request.sequence_id
         if request.steered and self._sequences.session_of(key) is not None:
             responder.send_error(messages.session_exists(key))
             return
@@ -203,7 +203,7 @@ class Intake:
 
     def _step(self, step: StepRequest, responder: Responder) -> None:
         """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""
-        key = step.session_key
+        key = step.sequence_id
         part = self._steered(key)
         if part is None:
             responder.send_error(messages.no_session(key, self._sequences.ending_of(key), step.pause))
@@ -231,7 +231,7 @@ class Intake:
         if step.controls is not None:  # it plays: a park under way is dropped, a parked world comes back
             self._parks.asked(sid)
         if step.end:  # no step may follow: the sequence's next request is told so
-            self._sequences.end(part.sequence_key, sid, messages.ENDED_BY_FLAG)
+            self._sequences.end(part.sequence_id, sid, messages.ENDED_BY_FLAG)
         sent = stream.sent
         if step.controls is not None:
             stream.add(responder)  # answered at once by a block computed ahead (held)
@@ -273,14 +273,14 @@ class Intake:
         del self._parts[sid]
         self._leases.ended(sid)
         self._parks.forget(sid)  # a parked world's copy goes with it (unless MOVED names it)
-        self._sequences.end(part.sequence_key, sid, told)
+        self._sequences.end(part.sequence_id, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
         self._answer_late(part, told)
 
     def _answer_late(self, part: OwnerPart, told: Refusal) -> None:
         """The steps of an ended session's sequence that came after its end: told how it ended."""
         for responder in part.late:
-            responder.send_error(messages.no_session(part.sequence_key, told))
+            responder.send_error(messages.no_session(part.sequence_id, told))
         part.late.clear()
 
     def _drain(self) -> None:
@@ -352,7 +352,7 @@ class Intake:
         for sid, part in self._parts.items():
             # A parked world whose copy is on disk goes on from it elsewhere: the copy is a durable snapshot.
             told = reason if (copy := self._parks.moved_from(sid)) is None else messages.moved(copy)
-            self._sequences.end(part.sequence_key, sid, told)
+            self._sequences.end(part.sequence_id, sid, told)
             part.stream.send_error(told)
             self._answer_late(part, told)
             self._parks.forget(sid)

@@ -6,7 +6,7 @@ the key's limits, never the key itself:
     # name  hash                 limits (each optional: without one, only the server's own limits bind)
     alice   sha256:9f86d08...    sessions=2 queue=4 session_s=1200 blocks_per_hour=20000 snapshot_bytes=200000000000
 
-A key is 32 random bytes (256 bits, `new_key`). A plain SHA-256 is enough for such a key: a slow or salted hash
+A key is 32 random bytes (256 bits, `new_sequence`). A plain SHA-256 is enough for such a key: a slow or salted hash
 defends guessable secrets (passwords) against a stolen file, and no list of guesses reaches 2^256. The check
 hashes what the request presents and compares it with every line's hash in constant time
 (`hmac.compare_digest`, no early exit), so its time tells nothing of which hash, or how much of one, matched.
@@ -95,7 +95,7 @@ def digest_of(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def new_key() -> str:
+def new_sequence() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
 
 

@@ -3,7 +3,7 @@ a limit the books count (`sessions`, `queue`, `blocks_per_hour`), the blocks tho
 books said of them. On the intake's thread, which owns it; what it learns enters the plan as news (a session seated,
 a session over its key's hour), so every rank's scheduler plans alike and none reads the store.
 
-- A start takes a lease: a seat (it may hold a slot), a place in its key's line (it waits in this group's line, its
+- A start takes a lease: a seat (it may hold a slot), a place in its key's queue (it waits in this group's queue, its
   slot given only once the books seat it), or a refusal (USER_SESSION_LIMIT, QUOTA_EXHAUSTED): before any work.
 - Every tick (the intake's half-second watch): the blocks delivered since the last are added to their key's hour, and
   a key past its blocks_per_hour ends its sessions here; each waiting lease asks for a seat; every lease is renewed

@@ -6,7 +6,7 @@ this rank's clients from its intake, and its decode sender's failures. At each b
 news with every rank (control_plane), plans the same plan as every rank from the same news with its own scheduler
 copy, and opens, runs and closes the same sessions in the same order. Its decode sender decodes each block while
 the group runs the next one and hands the owned sessions' frames to the intake; the loop tells the intake when an
-owned session opens, moves in line or ends, and hands it the files of its saves that the ranks report as news (the
+owned session opens, moves in the queue or ends, and hands it the files of its saves that the ranks report as news (the
 intake publishes them: serving/saves). An idle group sleeps until the doorbell rings (news from some rank) or the
 heartbeat is due.
 
@@ -40,7 +40,7 @@ from . import mail, messages
 from .settings import ServingSettings
 from .control_plane import ControlPlane
 from .decode_sender import DecodeSender
-from .line import Clocks, LineCounts, line_waits, retry_after_s
+from .waits import Clocks, QueueCounts, queue_waits, retry_after_s
 from .loop_cpu import LoopCpu
 from .news import FilesWritten, Park, Parked, RankEvents
 from .scheduler import Plan, Scheduler
@@ -60,14 +60,14 @@ class GroupFailure(RuntimeError):
 class LoopHooks:
     """What the loop reports to its host (the metrics port); each is called on the loop's thread."""
 
-    on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed (the model is released after)
-    on_prompts: Callable[[int, int], None] | None = None  # (world events applied, prompt cache hits) since the last
+    on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed (the model is freed after)
+    on_prompts: Callable[[int, int], None] | None = None  # (prompt events applied, prompt cache hits) since the last
     on_ended: Callable[[str], None] | None = None  # (why) when a session this rank owns ends, as logged
-    on_line: Callable[[LineCounts], None] | None = None  # the group's sessions by state, after a plan that changed them
+    on_queue: Callable[[QueueCounts], None] | None = None  # the group's sessions by state, after a plan that changed them
     # a snapshot of a session this rank owns: "saved" or "failed" (on the writer's thread), "resumed" (a session
     # opened from one)
     on_snapshot: Callable[[str], None] | None = None
-    # a parked world this rank owns back on a slot: (its session, its line wait from the boundary that saw its step,
+    # a parked world this rank owns back on a slot: (its session, its queue wait from the boundary that saw its step,
     # the open from its park copy), in seconds
     on_unpark: Callable[[str, float, float], None] | None = None
 
@@ -79,9 +79,9 @@ class Here:
     owned: bool  # this rank answers its client (its intake holds its stream)
     engine: Session | None = None  # its engine session (caches, noise, camera), from its opening on
     opened_s: float | None = None  # when it was opened here: a wait estimate's clock, never a plan's
-    submitted_s: float = 0.0  # owned: when it reached the loop, or its step a parked world's (its wait in line)
+    submitted_s: float = 0.0  # owned: when it reached the loop, or its step a parked world's (its wait in the queue)
     delivered: int = 0  # owned: blocks its client received, as the intake last said
-    told: int = 0  # owned: the place in line its client was last told (0: its slot)
+    told: int = 0  # owned: the place in the queue its client was last told (0: its slot)
     saved: SharedState | None = None  # owned and resumed: what admission read of its snapshot's shared file, until
     # it opens
 
@@ -102,7 +102,7 @@ class GroupLoop:
         self.scheduler = Scheduler(settings)  # a copy on every rank: all plan alike from the same events
         self.threads = threads
         self.cpu = cpu or LoopCpu()
-        self.clocks = Clocks()  # the line's wait estimates
+        self.clocks = Clocks()  # the queue's wait estimates
         self._to_intake = to_intake
         self._inbox: queue.SimpleQueue[mail.LoopLetter] = queue.SimpleQueue()
         self.decoder = DecodeSender(engine.vae, self.rank, to_intake, self.post, threads.decode if threads else None)
@@ -112,7 +112,7 @@ class GroupLoop:
         self.writer = SnapshotWriter(self.rank, self.post) if self.folders.snapshots or self.folders.parks else None
         self.here: dict[str, Here] = {}  # every session this rank holds, until it ends
         self._failed: list[tuple[str, Ending]] = []  # sessions that failed to open here: news for the next boundary
-        self._last_counts: LineCounts | None = None
+        self._last_counts: QueueCounts | None = None
         self._thread = threading.Thread(target=self._run, name="lingbot-group-loop", daemon=True)
         self._thread.start()
 
@@ -146,14 +146,14 @@ class GroupLoop:
                     self._close(messages.MODEL_UNLOADING)
                     return
                 self._apply(plan)
-                self._tell_line(plan)
+                self._tell_places(plan)
                 if plan.idle:
                     self.control.wait_idle()
         except BaseException as exc:  # a dead or silent peer, or a failed forward: the group is broken
             log.exception("sequence-parallel group loop failed on rank %d", self.rank)
             failure = GroupFailure(repr(exc))
         # Past the handler: its traceback's frames (a forward's, holding the engine and its tensors) are gone,
-        # so the failure handler can release the model's memory.
+        # so the failure handler can free the model's memory.
         self._close(messages.GROUP_FAILED)
         self.hooks.on_failure(failure)
 
@@ -162,7 +162,7 @@ class GroupLoop:
         events = RankEvents(failed=self._failed, clock_s=time.time())  # the boundary's clock: a key's blocks per hour
         self._failed = []
         now = time.monotonic()
-        for letter in drain(self._inbox):
+        for letter in take_all(self._inbox):
             match letter:
                 case mail.Submitted(shared, saved):
                     events.submissions.append(shared)
@@ -293,32 +293,32 @@ class GroupLoop:
             if owner == self.rank:
                 self._to_intake(mail.ParkRefused(snapshot_id, why))
 
-    def _tell_line(self, plan: Plan) -> None:
-        """After a plan: each session this rank owns whose place in line changed is told its new place (0: it has
+    def _tell_places(self, plan: Plan) -> None:
+        """After a plan: each session this rank owns whose place in the queue changed is told its new place (0: it has
         its slot) and its estimated wait; the group's counts go to the metrics hook when they changed."""
         now = time.monotonic()
         places = {s.id: n for n, s in enumerate(self.scheduler.waiting(), start=1)}
         moved = [(sid, here, places.get(sid, 0)) for sid, here in self.here.items() if here.owned]
         moved = [(sid, here, place) for sid, here, place in moved if place != here.told]
         if moved:
-            waits = line_waits(self.scheduler, self.clocks, self._opened_s(), now)
+            waits = queue_waits(self.scheduler, self.clocks, self._opened_s(), now)
             for sid, here, place in moved:
                 here.told = place
                 self._to_intake(mail.Placed(sid, place, waits[place - 1] if place else 0.0))
-        if self.hooks.on_line is not None:
+        if self.hooks.on_queue is not None:
             opened = {s.id for s in plan.opens}
             waited = [now - here.submitted_s for sid, here in self.here.items() if here.owned and sid in opened]
-            counts = LineCounts.of(self.scheduler, self.settings, waited)
+            counts = QueueCounts.of(self.scheduler, self.settings, waited)
             if waited or counts != self._last_counts:
                 self._last_counts = counts
-                self.hooks.on_line(counts)
+                self.hooks.on_queue(counts)
 
     def _with_retry(self, refusal: Refusal) -> Refusal:
-        """A full line's refusal gets its retry time here, from this rank's measured block times: the wait of the
+        """A full queue's refusal gets its retry time here, from this rank's measured block times: the wait of the
         place behind the line's last (the plan carries none: no plan depends on a clock)."""
         if refusal.code != c.CAPACITY_EXHAUSTED:
             return refusal
-        wait = line_waits(self.scheduler, self.clocks, self._opened_s(), time.monotonic(), extra=1)[-1]
+        wait = queue_waits(self.scheduler, self.clocks, self._opened_s(), time.monotonic(), extra=1)[-1]
         return dataclasses.replace(refusal, retry_after_s=retry_after_s(wait))
 
     def _opened_s(self) -> dict[str, float]:
@@ -326,13 +326,13 @@ class GroupLoop:
         return {sid: here.opened_s for sid, here in self.here.items() if here.opened_s is not None}
 
     def _set_prompt(self, session: Session, prompt: str) -> None:
-        """A world event, at the same block on every rank (its step travelled to all as news)."""
+        """A prompt event, at the same block on every rank (its step travelled to all as news)."""
         engine = self.engine
         hits, same = engine.prompts.hits, prompt == session.prompt
         try:
             engine.set_prompt(session, prompt)
         except Exception:  # the encode failed: every rank learns it in the same broadcast; the old prompt stays
-            log.warning("rank %d: the world event of session %s failed; its prompt stays", self.rank, session.id,
+            log.warning("rank %d: the prompt event of session %s failed; its prompt stays", self.rank, session.id,
                         exc_info=True)
             return
         log.info("rank %d: session %s from block %d on: prompt %r (prompt cache: %s)", self.rank, session.id,
@@ -364,7 +364,7 @@ class GroupLoop:
                 continue
             self._to_intake(mail.Opened(shared.id))
             if shared.resume is not None and shared.resume.park is not None:
-                log.info("rank %d: session %s unparked from %s after %.2f s in line, opened in %.2f s", self.rank,
+                log.info("rank %d: session %s unparked from %s after %.2f s in the queue, opened in %.2f s", self.rank,
                          shared.id, shared.resume.park.value, start - here.submitted_s, here.opened_s - start)
                 if self.hooks.on_unpark is not None:
                     self.hooks.on_unpark(shared.id, start - here.submitted_s, here.opened_s - start)
@@ -375,7 +375,7 @@ class GroupLoop:
         """A new session, or one resumed from its snapshot (a collective either way; `saved`: its shared file as its
         owner's admission read it, else read here)."""
         if (resume := shared.resume) is None:
-            # A steered session keeps what its cached blocks were made of, for a world event's recache.
+            # A steered session keeps what its cached blocks were made of, for a prompt event's recache.
             return self.engine.open_session(shared.request, shared.geometry, shared.id, shared.owner,
                                             keep_commits=shared.steered and self.keep_commits)
         session = snapshots.resume(self.engine, self.folders.opened(resume), shared.geometry, shared.id, shared.owner,
@@ -429,7 +429,7 @@ class GroupLoop:
 T = TypeVar("T")
 
 
-def drain(items: queue.SimpleQueue[T]) -> list[T]:
+def take_all(items: queue.SimpleQueue[T]) -> list[T]:
     """What the queue holds now, in order."""
     taken = []
     while True:

@@ -97,7 +97,7 @@ class Revoked:
 
 @dataclass(frozen=True)
 class Seated:
-    """The fleet's books seated these sessions this rank owns (they waited in their key's line): they may hold a
+    """The fleet's books seated these sessions this rank owns (they waited in their key's queue): they may hold a
     slot."""
 
     session_ids: tuple[str, ...]
@@ -143,7 +143,7 @@ class Opened:
 
 @dataclass(frozen=True)
 class Placed:
-    """The session's place in line changed (0: it has its slot) with its estimated wait."""
+    """The session's place in the queue changed (0: it has its slot) with its estimated wait."""
 
     session_id: str
     place: int

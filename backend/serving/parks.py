@@ -112,7 +112,7 @@ class Parks:
 
     def asked(self, sid: str) -> None:
         """A step of the session asks for a block: a park under way is dropped once its copy is over (a parked
-        world comes back through the group's line)."""
+        world comes back through the group's queue)."""
         if (park := self._parks.get(sid)) is not None and park.stage is Stage.SAVING:
             park.void = True
 

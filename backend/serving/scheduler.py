@@ -1,5 +1,5 @@
 """The group's decisions at a block boundary: slots (fair between keys), limits and each key's quotas, steering,
-fair round-robin batches of sessions, parked worlds (off their slot, back at the front of the line), and every change
+fair round-robin batches of sessions, parked worlds (off their slot, back at the front of the queue), and every change
 of a session's state.
 
 Pure logic on plain data. Every rank keeps its own copy and plans from the same events (every rank's, in rank
@@ -37,7 +37,7 @@ class Plan:
     batch: list[str] = field(default_factory=list)  # sessions that run their next block together
     controls: dict[str, BlockControls] = field(default_factory=dict)  # the steered sessions' of the batch
     finishing: list[tuple[str, Ending]] = field(default_factory=list)  # the batch's sessions that end after it
-    # (session id, its world event's prompt): set the prompt, then recompute the cache; a boundary of its own
+    # (session id, its prompt event's prompt): set the prompt, then recompute the cache; a boundary of its own
     recaches: list[tuple[str, str]] = field(default_factory=list)
     # (session id, snapshot id): save the session where it stands, first (its ending, MOVED, is in `ended`)
     moves: list[tuple[str, str]] = field(default_factory=list)
@@ -139,7 +139,7 @@ class Scheduler:
     def _move(self, sid: str, snapshot_id: str | None, plan: Plan) -> None:
         """The group drains: a session with a slot is saved where it stands and ends MOVED, carrying its snapshot's
         id; a parked one moves from its park copy (copied into the snapshot, no block run; a copy on disk is itself
-        the snapshot); one still in line (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued
+        the snapshot); one still in the queue (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued
         steps are its client's to send again where it resumes."""
         if (s := self.table.get(sid)) is None:
             return
@@ -218,7 +218,7 @@ class Scheduler:
         live = [s for s in self.table.values() if s.admitted]
         slots = settings.max_sessions - len(live)
         returning = [s for s in self.table.values() if s.returning]
-        for s in returning[:max(0, slots)]:  # the front of the line
+        for s in returning[:max(0, slots)]:  # the front of the queue
             self._unpark(s, plan)
         slots -= len(returning)
         live = [s for s in self.table.values() if s.admitted]
@@ -268,12 +268,12 @@ class Scheduler:
         return [s for s in self.table.values() if s.parked is not None]
 
     def waiting(self) -> list[SharedSession]:
-        """The line: sessions waiting for a slot, first first (in the order they get slots if nothing else arrives:
-        each one's true place): the parked worlds that asked for a block, then the fair line's."""
+        """The queue: sessions waiting for a slot, first first (in the order they get slots if nothing else arrives:
+        each one's true place): the parked worlds that asked for a block, then the fair queue's."""
         returning = [s for s in self.table.values() if s.returning]
         holders = [s for s in self.table.values() if s.admitted] + returning  # the returning take slots first
         return returning + fair_order(self._arrived(), holders, self.last_served,
-                                      self.settings.max_sessions - len(holders), whole_line=True,
+                                      self.settings.max_sessions - len(holders), whole_queue=True,
                                       parked=[s for s in self._parked_worlds() if not s.returning])
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> None:

@@ -2,7 +2,7 @@
 
 `SharedSession` is identical on every rank: it travels in the events of a block boundary and changes only in
 `Scheduler.plan`, which every rank runs on the same events; its `state` (with `Ending`, why it ended) is the one
-record of where the session stands. `OwnerPart` (the stream that answers the client, the sequence key, the
+record of where the session stands. `OwnerPart` (the stream that answers the client, the sequence id, the
 clocks of a steered session's limits) exists in the owning rank's intake only (serving/intake); it never writes
 the state.
 """
@@ -112,7 +112,7 @@ class SharedSession:
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
     resume: ResumeFrom | None = None  # opened from a snapshot, where it was saved
-    seated: bool = True  # the fleet's books let it hold a slot (False: it waits in its key's line across the fleet)
+    seated: bool = True  # the fleet's books let it hold a slot (False: it waits in its key's queue across the fleet)
     parking: Parking | None = None  # a park under way (it keeps its slot until its copy is durable)
     parked: ResumeFrom | None = None  # parked: off its slot (not admitted), its world in its park copy
 
@@ -159,7 +159,7 @@ class SharedSession:
 
     @property
     def returning(self) -> bool:
-        """Parked, and a step asks for its next block: it wants its slot back (the front of the line)."""
+        """Parked, and a step asks for its next block: it wants its slot back (the front of the queue)."""
         return self.parked is not None and self.has_camera()
 
     def lags(self, max_blocks_ahead: int) -> bool:
@@ -174,7 +174,7 @@ class SharedSession:
         return self.request.on_starve == "hold" and self.state is not State.ENDING and self.computed == self.requests
 
     def recache_due(self) -> bool:
-        """Its next step is a world event that asks for its cached frames to be recomputed first."""
+        """Its next step is a prompt event that asks for its cached frames to be recomputed first."""
         return bool(self.steps) and self.steps[0].controls.recache
 
     def last_block_planned(self) -> bool:
@@ -187,7 +187,7 @@ class OwnerPart:
     """Only in the intake of the rank that received the session's request."""
 
     stream: OwnerStream
-    sequence_key: str | None  # steered: the Triton sequence that carries it
+    sequence_id: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
     principal: Principal = ANONYMOUS  # whose key it runs on, with that key's limits
     request: SessionRequest | None = None  # steered: what a save's size is made of
@@ -197,13 +197,13 @@ class OwnerPart:
     late: list[Responder] = field(default_factory=list)  # steps of its sequence after its end, told `told` once its
     # saves are told (a snapshot is named only once durable: serving/saves); a pause then waits on its stream
     opened: bool = False  # it has its slot and caches: its limits' clocks apply
-    place: tuple[int, float, float] | None = None  # its place in line as last told, its wait, when (monotonic s)
+    place: tuple[int, float, float] | None = None  # its place in the queue as last told, its wait, when (monotonic s)
     cancel_told: bool = False  # the group loop was told its client went away
     expiry_told: bool = False  # the group loop was told it reached a limit
 
     @property
     def steered(self) -> bool:
-        return self.sequence_key is not None
+        return self.sequence_id is not None
 
     def lifetime_s(self, settings: ServingSettings) -> float:
         """How long it may run: the server's max_session_s, or its key's session_s where that is shorter."""

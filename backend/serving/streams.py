@@ -150,7 +150,7 @@ class SteeredStream(CountedStream):
         self._close(lambda r: r.send_error(refusal))
 
     def send_place(self, position: int, wait_s: float) -> None:
-        """The session's place in line, on its first request (the one a slot will answer)."""
+        """The session's place in the queue, on its first request (the one a slot will answer)."""
         if self._waiting:
             self._waiting[0].send_place(position, wait_s)
 

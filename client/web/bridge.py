@@ -105,7 +105,7 @@ class Player:
         self.lookahead, self.save_every = lookahead, save_every
         self.recording_path = recording_path(video_path)
         self.keys = ""
-        self.pending: Controls | None = None  # a world event not sent yet (its prompt, its recache)
+        self.pending: Controls | None = None  # a prompt event not sent yet (its prompt, its recache)
         self.save_asked = False  # the page asked for a save: the next step carries it
         self.stopping = False  # the page asked for the end: sent after the next block (the world's thread is busy)
         self._world: PlayedWorld | None = None
@@ -114,7 +114,7 @@ class Player:
         self.keys = parse_keys(keys or "-")
 
     def event(self, prompt: str, recache: bool = False) -> None:
-        """A world event: `prompt` rides on the next step (a newer one before it is sent replaces it); with
+        """A prompt event: `prompt` rides on the next step (a newer one before it is sent replaces it); with
         `recache`, the cached frames are recomputed under it first."""
         prompt = prompt.strip()
         check_prompt(prompt)  # InputError (a ValueError) names what is wrong
@@ -140,7 +140,7 @@ class Player:
             world.close()
 
     async def play(self, request: SessionRequest | ResumeStart) -> None:
-        """Run the session to its end, relaying every block, its place in line while it waits, its saves and its
+        """Run the session to its end, relaying every block, its place in the queue while it waits, its saves and its
         failovers; errors go to the page with their code."""
         loop = asyncio.get_running_loop()
 

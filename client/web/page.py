@@ -29,7 +29,7 @@ from client.web.schema import CHANNEL_MESSAGES, parse_message
 from client.web.watch import Watching
 
 CHANNEL_LABEL = "controls"
-MAX_CHANNEL_CHARS = 8192  # a data channel message: a world event's prompt and its fields
+MAX_CHANNEL_CHARS = 8192  # a data channel message: a prompt event's prompt and its fields
 
 
 class Page:

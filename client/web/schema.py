@@ -18,7 +18,7 @@ MESSAGES: dict[str, dict[str, type]] = {
     # resume: a saved world's snapshot id (the page's ?resume=ID), instead of a prompt and a first frame
     "start": {"prompt": str, "image": str, "height": int, "width": int, "seed": int, "keys": str, "resume": str},
     "keys": {"keys": str},
-    "event": {"prompt": str, "recache": bool},  # a world event: the prompt from the next step's block on
+    "event": {"prompt": str, "recache": bool},  # a prompt event: the prompt from the next step's block on
     "save": {},  # save the world after the next step's block ("Save world")
     "stop": {},
     "offer": {"sdp": str},  # the page's WebRTC offer: the world's video (client/web/rtc.py checks it)

@@ -23,7 +23,7 @@ from .files import Part
 from .manifest import CONDITION, DECODE, KV, SHARED
 
 REQUEST_ARRAYS = ("image", "poses", "intrinsics")
-REQUEST_NOT_KEPT = ("session_key", "save", "share")  # the resumed session's own: its sequence, a save of its first block
+REQUEST_NOT_KEPT = ("sequence_id", "save", "share")  # the resumed session's own: its sequence, a save of its first block
 MARKERS = ("Rep",)  # diffusers' Wan decoder marks an upsampler's cache slot "Rep" before its first frame
 TENSOR = "tensor"
 

@@ -1,4 +1,4 @@
-"""A snapshot's table of contents (`manifest.json`): its id, the settings and model it was made on, the layout
+"""A snapshot's table of contents (`manifest.json`): its id, the settings and model it was made on, the rank grid
 that saved it, and each file's role, size, SHA-256 and share (a kv file's global heads, a decode file's latent
 rows); and the checks a manifest passes before any of its files is read (torch-free).
 
@@ -16,7 +16,8 @@ from ...api.contract import SNAPSHOT_INVALID
 from ...api.refusal import Refusal
 
 FORMAT = "lingbot-world-snapshot"
-VERSION = 1
+VERSION = 2  # version 1 named the grid "layout"; it is read as well
+GRID_FIELD = {1: "layout", 2: "grid"}
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a few files per rank: kilobytes
 SUFFIX = ".safetensors"
@@ -84,12 +85,12 @@ class Manifest:
     created_unix_s: float
     settings_used: str  # the engine's (api/provenance): a resume on other settings is refused
     model: dict[str, int]  # num_layers, num_heads, head_dim (the K/V's geometry), z_dim (the latents')
-    layout: dict[str, int]  # tp_degree, sp_degree, latent_rows (the session's; decode bands split them)
+    grid: dict[str, int]  # tp_degree, sp_degree, latent_rows (the session's; decode bands split them)
     files: tuple[FileEntry, ...]
 
     def to_text(self) -> str:
         body = {"format": FORMAT, "version": VERSION, "id": self.snapshot_id, "created_unix_s": self.created_unix_s,
-                "settings_used": self.settings_used, "model": self.model, "layout": self.layout,
+                "settings_used": self.settings_used, "model": self.model, "grid": self.grid,
                 "files": [f.to_json() for f in self.files]}
         return json.dumps(body, indent=1, sort_keys=True)
 
@@ -117,14 +118,16 @@ class Manifest:
             raw = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise invalid(f"manifest: not JSON ({exc.__class__.__name__})") from None
-        top = _object(raw, "manifest", {"format", "version", "id", "created_unix_s", "settings_used", "model",
-                                        "layout", "files"})
-        if top["format"] != FORMAT or _integer(top["version"], "version") != VERSION:
-            raise invalid(f"manifest: not {FORMAT} version {VERSION}")
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT or type(version) is not int or version not in GRID_FIELD:
+            raise invalid(f"manifest: not {FORMAT} version {' or '.join(map(str, GRID_FIELD))}")
+        field = GRID_FIELD[version]
+        top = _object(raw, "manifest", {"format", "version", "id", "created_unix_s", "settings_used", "model", field,
+                                        "files"})
         if top["id"] != snapshot_id:
             raise invalid("manifest: its id is not its folder's")
         model = {k: _integer(v, f"model.{k}") for k, v in _object(top["model"], "model", MODEL_KEYS).items()}
-        layout = {k: _integer(v, f"layout.{k}") for k, v in _object(top["layout"], "layout", LAYOUT_KEYS).items()}
+        grid = {k: _integer(v, f"{field}.{k}") for k, v in _object(top[field], field, GRID_KEYS).items()}
         files = top["files"]
         if not isinstance(files, list):
             raise invalid("manifest: files is not a list")
@@ -132,7 +135,7 @@ class Manifest:
         created = top["created_unix_s"]
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise invalid("manifest: created_unix_s is not a number")
-        manifest = cls(snapshot_id, float(created), _string(top["settings_used"], "settings_used"), model, layout,
+        manifest = cls(snapshot_id, float(created), _string(top["settings_used"], "settings_used"), model, grid,
                        entries)
         manifest.check_whole()
         return manifest
@@ -142,14 +145,14 @@ class Manifest:
         names = [f.name for f in self.files]
         if len(set(names)) != len(names):
             raise invalid("manifest: a file is listed twice")
-        world = self.layout["tp_degree"] * self.layout["sp_degree"]
-        if world < 1 or any(not 0 <= f.rank < world for f in self.files):
-            raise invalid(f"manifest: a file of a rank outside its {world}-rank layout")
+        ranks = self.grid["tp_degree"] * self.grid["sp_degree"]
+        if ranks < 1 or any(not 0 <= f.rank < ranks for f in self.files):
+            raise invalid(f"manifest: a file of a rank outside its {ranks}-rank grid")
         if len(self.entries(SHARED)) != 1 or len(self.entries(CONDITION)) != 1:
             raise invalid("manifest: it needs exactly one shared and one condition file")
         _check_tiling([f.heads for f in self.entries(KV)], self.model["num_heads"], "kv heads")
         if decode := self.entries(DECODE):
-            _check_tiling([f.rows for f in decode], self.layout["latent_rows"], "decode rows")
+            _check_tiling([f.rows for f in decode], self.grid["latent_rows"], "decode rows")
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Snapshot:
 
 
 MODEL_KEYS = {"num_layers", "num_heads", "head_dim", "z_dim"}
-LAYOUT_KEYS = {"tp_degree", "sp_degree", "latent_rows"}
+GRID_KEYS = {"tp_degree", "sp_degree", "latent_rows"}
 
 
 def _check_tiling(spans: list[tuple[int, int]], end: int, what: str) -> None:

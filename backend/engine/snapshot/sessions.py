@@ -120,8 +120,8 @@ class SnapshotFacts:
     def manifest(self, snapshot_id: str, latent_rows: int, files: list[FileEntry]) -> Manifest:
         """The manifest of a session's snapshot from every rank's written files (on its owner, which publishes it)."""
         config = self.spec.config
-        layout = {"tp_degree": config.tp_degree, "sp_degree": config.sp_degree, "latent_rows": latent_rows}
-        return Manifest(snapshot_id, time.time(), settings_of(config), self.model(), layout, tuple(files))
+        grid = {"tp_degree": config.tp_degree, "sp_degree": config.sp_degree, "latent_rows": latent_rows}
+        return Manifest(snapshot_id, time.time(), settings_of(config), self.model(), grid, tuple(files))
 
     def check_fits(self, snapshot: Snapshot) -> None:
         """SnapshotError SETTINGS_MISMATCH naming each setting (and the model's geometry) that differs."""
@@ -183,7 +183,7 @@ class RankState:
 @torch.no_grad()
 def resume(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, session_id: str | None = None,
            owner: int = 0, fork_seed: int | None = None, shared: SharedState | None = None) -> Session:
-    """The saved session, where it stood, on this engine's layout (any TP x SP): its next block is the block the
+    """The saved session, where it stood, on this engine's grid (any TP x SP): its next block is the block the
     saved session would have made next. geometry: `engine.geometry_of(restore.read_request(...))`, checked once;
     fork_seed: draw the noise from this seed from the next block on (None: the saved generator's). A collective,
     every rank alike (the text K/V of the prompt in force is recomputed). `shared`: the snapshot's shared file as

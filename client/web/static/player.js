@@ -162,7 +162,7 @@ function onMessage(event) {
     answered = null;
   } else if (msg.type === "watch") {
     showWatch(msg);
-  } else if (msg.type === "place") {  // waiting for a slot: its place in line (0: it has one now)
+  } else if (msg.type === "place") {  // waiting for a slot: its place in the queue (0: it has one now)
     $("status").dataset.place = msg.position;
     show(msg.position ? "waiting" : "starting", msg.position ? ` · ${msg.text}` : "");
   } else if (msg.type === "block") {
@@ -298,7 +298,7 @@ async function start(event) {
 }
 
 $("setup").addEventListener("submit", start);
-// A world event: Enter sends the box's prompt; it rides on the next step (the status line shows it once in force).
+// A prompt event: Enter sends the box's prompt; it rides on the next step (the status line shows it once in force).
 $("event").addEventListener("keydown", (e) => {
   if (e.key !== "Enter") return;
   e.preventDefault();

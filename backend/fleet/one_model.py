@@ -1,4 +1,4 @@
-"""One world everywhere: every group behind one balancer serves the same checkpoint and settings, so a session that
+"""One model everywhere: every group behind one balancer serves the same checkpoint and settings, so a session that
 is retried or replayed on another group gets the same latents. Each group describes itself in its model config
 (its parameters and, from the launcher, api/description); the fleet compares them when it starts and refuses a
 difference, naming the setting."""
@@ -39,7 +39,7 @@ def world_of(parameters: Mapping[str, str], where: str) -> dict[str, str]:
     return world | {f"{SETTINGS_USED}.{k}": v for k, v in used.items()}
 
 
-def check_one_world(groups: Mapping[str, Mapping[str, str]]) -> None:
+def check_one_model(groups: Mapping[str, Mapping[str, str]]) -> None:
     """`groups`: each group's name (where it is) -> its model config parameters. ValueError names every setting in
     which a group differs from the first."""
     (first, reference), *others = ((name, world_of(p, name)) for name, p in groups.items())
@@ -49,5 +49,5 @@ def check_one_world(groups: Mapping[str, Mapping[str, str]]) -> None:
             if reference.get(key) != world.get(key):
                 problems.append(f"{key}: {world.get(key)!r} on {name}, {reference.get(key)!r} on {first}")
     if problems:
-        raise ValueError("the groups do not serve one world (a retry or replay on another group would differ): "
+        raise ValueError("the groups do not serve one model (a retry or replay on another group would differ): "
                          + "; ".join(problems) + ". Start every group with the same checkpoint and --param values")

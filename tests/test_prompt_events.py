@@ -1,4 +1,4 @@
-"""World events: a steered step's new prompt, in the direct engine and through real servers (tiny checkpoint)."""
+"""Prompt events: a steered step's new prompt, in the direct engine and through real servers (tiny checkpoint)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +31,7 @@ def steered(controls: Controls, seed: int = 42) -> SessionRequest:
 
 
 def keys(script: str) -> list[Controls]:
-    """One block's Controls per entry of a `client play` key script with world events."""
+    """One block's Controls per entry of a `client play` key script with prompt events."""
     return parse_play_script(script)
 
 

@@ -1,4 +1,4 @@
-"""The line for a slot, as its clients and the metrics see it: how long each waiting session waits, estimated
+"""The queue for a slot, as its clients and the metrics see it: how long each waiting session waits, estimated
 from measured block times, and the group's counts. For clients and operators only: no plan depends on a clock."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from .scheduler import Scheduler
 from .sessions import SharedSession, State
 
 UNKNOWN_WAIT_S = -1.0  # no block measured yet since the model loaded
-UNMEASURED_RETRY_S = 5.0  # a full line's retry hint before any block was measured
+UNMEASURED_RETRY_S = 5.0  # a full queue's retry hint before any block was measured
 MAX_RETRY_S = 60.0  # a refused client is asked back at least this often: slots may free sooner than estimated
 
 
 def retry_after_s(wait_s: float) -> float:
-    """A full line's retry hint from the estimated wait of the place behind its last (UNKNOWN_WAIT_S: none yet)."""
+    """A full queue's retry hint from the estimated wait of the place behind its last (UNKNOWN_WAIT_S: none yet)."""
     return min(wait_s, MAX_RETRY_S) if wait_s > 0 else UNMEASURED_RETRY_S
 
 
@@ -33,14 +33,14 @@ class Average:
 
 @dataclass
 class Clocks:
-    """What the line's estimates are made of, measured on this rank."""
+    """What the queue's estimates are made of, measured on this rank."""
 
     batch: Average = field(default_factory=Average)  # one batch's wall time (its forwards, the exchanges)
     life: Average = field(default_factory=Average)  # an open-ended steered session's life, from its opening
 
 
 def slot_waits(held_s: list[float], free: int, queued_s: list[float]) -> list[float]:
-    """When each waiting session gets a slot (seconds from now), in line order: the slots' holders release them
+    """When each waiting session gets a slot (seconds from now), in queue order: the slots' holders release them
     after `held_s` (`free` slots are free now), and each waiting session, once it has a slot, holds it for its own
     entry of `queued_s`."""
     slots = [0.0] * free + list(held_s)
@@ -53,9 +53,9 @@ def slot_waits(held_s: list[float], free: int, queued_s: list[float]) -> list[fl
     return waits
 
 
-def line_waits(scheduler: Scheduler, clocks: Clocks, opened_s: dict[str, float], now: float,
+def queue_waits(scheduler: Scheduler, clocks: Clocks, opened_s: dict[str, float], now: float,
                extra: int = 0) -> list[float]:
-    """The estimated wait of each session in `scheduler`'s line, and of `extra` more behind it (a refused
+    """The estimated wait of each session in `scheduler`'s queue, and of `extra` more behind it (a refused
     session's retry time); UNKNOWN_WAIT_S each until a batch was timed. `opened_s`: when each live session was
     opened here. A session with a set length holds its slot for its blocks left; an open-ended one for the
     measured life of those that ended (before any: session_idle_timeout_s), less its age."""
@@ -79,19 +79,19 @@ def line_waits(scheduler: Scheduler, clocks: Clocks, opened_s: dict[str, float],
 
 
 @dataclass(frozen=True)
-class LineCounts:
+class QueueCounts:
     """The group's sessions by state (the same on every rank), for the metrics port."""
 
     pending: int
     active: int  # on their slot (a parked one counts as parked)
     ending: int
-    waiting: int  # the line's length (a session whose client ended it before its slot waits too)
+    waiting: int  # the queue's length (a session whose client ended it before its slot waits too)
     free_slots: int
-    waited_s: list[float] = field(default_factory=list)  # this rank's sessions that left the line since the last
+    waited_s: list[float] = field(default_factory=list)  # this rank's sessions that left the queue since the last
     parked: int = 0  # worlds parked off their slot (docs/serving.md, "Parking")
 
     @classmethod
-    def of(cls, scheduler: Scheduler, settings: ServingSettings, waited_s: list[float]) -> LineCounts:
+    def of(cls, scheduler: Scheduler, settings: ServingSettings, waited_s: list[float]) -> QueueCounts:
         states = [s.state for s in scheduler.table.values() if s.parked is None]
         parked = sum(s.parked is not None for s in scheduler.table.values())
         holding = sum(s.admitted for s in scheduler.table.values())

@@ -1,4 +1,4 @@
-"""The fair line and the keys' quotas, as every rank's scheduler plans them: slots round-robin between keys, each
+"""The fair queue and the keys' quotas, as every rank's scheduler plans them: slots round-robin between keys, each
 waiting session told its true place, a key's caps on sessions and places, its blocks per hour on the boundary's
 clock, and a revoked key's sessions ending. Pure: no engine."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from backend.api import contract as c
 from backend.serving.settings import ServingSettings
 from backend.serving.fair import HOUR_S, HourlyUsage
 from backend.serving.keys import Principal, Quota
-from backend.serving.line import Clocks, line_waits
+from backend.serving.waits import Clocks, queue_waits
 from backend.serving.news import RankEvents
 from backend.serving.scheduler import Scheduler
 from backend.serving.sessions import EndReason, SharedSession
@@ -105,7 +105,7 @@ def test_a_free_slot_no_key_may_take_waits_and_each_release_counts_once() -> Non
 
 
 def test_each_slot_that_frees_seats_one_waiting_session() -> None:
-    """The line full (C's and B's sessions hold both slots), B at its cap of one, C at two: C's first waiting session
+    """The queue full (C's and B's sessions hold both slots), B at its cap of one, C at two: C's first waiting session
     gets the first slot that frees; the next goes to B (not served since), C's second waits for a third."""
     s = Scheduler(ServingSettings(max_sessions=2, max_queue=8))
     s.plan([RankEvents(submissions=[of("C", "cr", sessions=2), of("B", "br", sessions=1)])])
@@ -125,7 +125,7 @@ def test_the_line_waits_follow_the_fair_order() -> None:
     clocks = Clocks()
     clocks.batch.observe(2.0)  # a0 has one block left (2 s); each waiting session holds its slot for two (4 s)
     assert ids(s.waiting()) == ["b0", "a1", "a2"]
-    assert line_waits(s, clocks, {}, 0.0) == [2.0, 6.0, 10.0]
+    assert queue_waits(s, clocks, {}, 0.0) == [2.0, 6.0, 10.0]
 
 
 def test_blocks_per_hour_ends_a_running_session_and_refuses_new_ones_until_blocks_age_out() -> None:
