@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up the venv and run the whole test suite (engine, real tritonserver over gRPC, client, multi-host under
-# mpirun, the browser player, the fleet behind HAProxy on its books in Redis). The Debian packages some tests need
-# (openmpi-bin, chromium, iproute2, haproxy, redis-server) are installed when missing (as root with apt-get), else
-# the run stops naming them; then a test skipped for a missing tool fails (LINGBOT_REQUIRE_TOOLS=1). LINGBOT_REQUIRE_TOOLS=0 bash scripts/test.sh tests/test_x.py lets them skip.
+# Set up the venv and run the test suite but its slow tier (--slow adds it: docs/testing.md): the engine, real
+# tritonservers over gRPC, the client, the browser player, the fleet behind HAProxy on its books in Redis. The
+# Debian packages some tests need (openmpi-bin, chromium, iproute2, haproxy, redis-server) are installed when
+# missing (as root with apt-get), else the run stops naming them; then a test skipped for a missing tool fails
+# (LINGBOT_REQUIRE_TOOLS=1). LINGBOT_REQUIRE_TOOLS=0 bash scripts/test.sh tests/test_x.py lets them skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh || exit 1

@@ -32,11 +32,23 @@ def starts_servers(item: pytest.Item) -> bool:
         hasattr(module, name) for name in SERVER_STARTERS)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test on a real server must carry the `server` marker, or `-m "not server"` would start one."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", help="run the slow tier too (tests marked slow), as a run of "
+                     "named test files does; a run of the whole suite leaves it out (docs/testing.md, Tiers)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test on a real server must carry the `server` marker, or `-m "not server"` would start one. A run of the
+    whole suite (no test named) leaves the slow tier out unless --slow says otherwise."""
     unmarked = [i.nodeid for i in items if starts_servers(i) and i.get_closest_marker("server") is None]
     if unmarked:
         raise pytest.UsageError(f"tests on a real server without the `server` marker: {unmarked}")
+    if config.getoption("slow") or config.args_source is not pytest.Config.ArgsSource.TESTPATHS:
+        return
+    slow = [i for i in items if i.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if i.get_closest_marker("slow") is None]
 
 
 @pytest.fixture(scope="module")

@@ -196,6 +196,7 @@ def diffusers_recording() -> Recording:
     return Recording(sample_image(), "a castle", 42, 64, 64, settings, None, [RecordedBlock(forward_poses(9), "0" * 64)])
 
 
+@pytest.mark.slow  # the official layout's engine is also tested in this module, on one rank
 def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts, tmp_path: Path, capsys) -> None:
     """The official layout's own settings (4 latent frames a block, shift 10, window 18, sink 6): through Triton
     at SP1 (its metrics say them, a replay on other settings is refused), and in a group of two at SP2."""

@@ -131,6 +131,7 @@ def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
         from_parameters(EngineSettings, {"checkpoint": tiny_checkpoint, "sp_degree": "two"})
 
 
+@pytest.mark.slow  # inductor's C++ build; test_model_transformer compiles the blocks with a counting backend
 def test_compiled_blocks_stay_close_to_eager(tiny_checkpoint: str, engine: WorldModelEngine) -> None:
     request = tiny_request(num_frames=21)  # two blocks: the first (no history) and one that attends to it
     compiled = WorldModelEngine.load(tiny_settings(tiny_checkpoint, compile=True))

@@ -464,6 +464,7 @@ def blocks_after(arrivals: list[tuple[int, float]], at: float) -> float:
     return min(t for _, t in arrivals if t > at) - at
 
 
+@pytest.mark.slow  # bench.soak repeats this fault; the group's heal is tested in this module
 def test_a_killed_stub_s_world_goes_on_on_the_other_group_bit_for_bit(fleet) -> None:
     """Only group 0's model stub is SIGKILLed (Triton keeps that stream open): the world is resumed on group 1,
     its blocks those of an uninterrupted run of the same steps."""
@@ -505,6 +506,7 @@ def test_a_killed_stub_s_world_goes_on_on_the_other_group_bit_for_bit(fleet) -> 
     wait_until(lambda: fleet.state(group0) == "UP", 60, "group 0 back in rotation")
 
 
+@pytest.mark.slow  # bench.soak repeats this fault; the group's return is tested in this module
 def test_a_killed_tritonserver_s_worlds_go_on_on_the_other_group_bit_for_bit(fleet, tmp_path: Path, capsys,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 48: `play` and a page (the bridge, in Chromium), both with --save-every 2, on group 0; its

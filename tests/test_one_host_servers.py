@@ -16,7 +16,7 @@ from backend.parallel.ports import free_port
 from factories import TINY_SIZE
 from polling import wait_until
 
-pytestmark = pytest.mark.server  # starts real tritonservers
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # starts real tritonservers
 
 
 def ready(http_port: int) -> bool:

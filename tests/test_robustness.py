@@ -53,6 +53,7 @@ def idle_cpu(server, seconds: float) -> list[float]:
     return [(cpu_seconds(p) - b) / (time.monotonic() - start) for p, b in zip(pids, before)]
 
 
+@pytest.mark.slow  # a CPU count over an idle stretch; the idle wait is also tested in test_local_group
 def test_idle_sp2_instances_block_instead_of_polling(sp2_server) -> None:
     """The shared SP2 server (heartbeat every 10 s): idle, and while a steered session waits for its step (its
     client's pause keeps it past the server's 4 s idle limit), the instances sleep."""

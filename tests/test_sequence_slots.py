@@ -49,6 +49,7 @@ def flood_answer(error) -> Refusal:
     return refusal
 
 
+@pytest.mark.slow  # one refused start's code is also tested in test_triton_server
 def test_a_flood_of_starts_gets_codes_at_once_and_locks_nobody_out(tmp_path: Path, tiny_checkpoint: str) -> None:
     """While 4 sessions play (every slot), REFUSED_STARTS starts arrive at once on one stream: half are bad input
     (INVALID_INPUT), half valid whole clips, of which max_queue wait their turn (told their place) and the rest

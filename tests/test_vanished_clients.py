@@ -96,6 +96,7 @@ def test_a_killed_player_ends_its_session_as_cancelled_within_5_s(sp2_server, tm
         assert session.next_block(60).block_index == 1
 
 
+@pytest.mark.slow  # three idle limits' wait; the pause's renewal is also tested in test_one_rank
 def test_a_quiet_player_keeps_its_session_past_the_idle_limit(sp2_server, monkeypatch) -> None:
     server = sp2_server
     monkeypatch.setattr(client.steer, "RENEW_S", 2.0)  # its pause is renewed several times meanwhile

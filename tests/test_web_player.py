@@ -287,6 +287,7 @@ def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, brows
     page.close()
 
 
+@pytest.mark.slow  # the queue's places are also told in test_group_sessions, the page's in test_a_refused_start
 def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_order(player_url, browser) -> None:
     """The shared server has 3 slots and 4 places in the queue: of 10 pages started at once, within 2 s the 3 with a
     slot play or compute their first block, the 4 in the queue show their places 1-4, and the 3 beyond are refused at
@@ -464,6 +465,7 @@ def test_a_watcher_sees_the_world_cannot_steer_and_a_revoked_link_ends_its_strea
 WATCHERS = 20  # the bridge's default --max-watchers-per-world
 
 
+@pytest.mark.slow  # one watcher's frames are also tested in test_a_watcher_sees_the_world
 def test_twenty_watchers_see_the_world_and_the_player_s_pace_holds(player_url, new_page, first_frame: Path) -> None:
     """The player in Chromium, its 20 watchers aiortc peers in this process (20 Chromium pages would spend the two
     cores on decoding video, the player's server's cores): each watcher decodes frames; one more is refused with
