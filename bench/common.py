@@ -28,7 +28,7 @@ from backend.api.contract import BLOCK_FRAMES, video_frames_for
 from backend.api.request import SessionRequest
 from backend.api.errors import ConfigError
 from backend.api.settings import to_parameters
-from backend.model.layouts import resolve_layout
+from backend.model.grids import resolve_layout
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
 
@@ -204,36 +204,36 @@ def sp_parser(doc: str, default: Workload, preset: str) -> argparse.ArgumentPars
     return parser
 
 
-Layout = tuple[int, int]  # (tp, sp)
+Grid = tuple[int, int]  # (tp, sp): a TP x SP rank grid
 
 
-def layout_label(layout: Layout) -> str:
-    tp, sp = layout
+def grid_label(grid: Grid) -> str:
+    tp, sp = grid
     return f"SP{sp}" if tp == 1 else f"TP{tp}xSP{sp}"
 
 
 def sweep_sp(
-    layouts: Sequence[Layout],
+    grids: Sequence[Grid],
     run: Callable[..., list],
     checkpoint: Path,
     w: Workload,
     warmup_blocks: int,
     device: str = "cpu",
-) -> dict[Layout, list[RankResult]]:
-    """The same request at each (tp, sp) layout, one group of tp x sp ranks after another; `run` is
+) -> dict[Grid, list[RankResult]]:
+    """The same request at each (tp, sp) grid, one group of tp x sp ranks after another; `run` is
     run_cpu_group or run_cuda_group."""
     request = make_request(w)
-    results: dict[Layout, list[RankResult]] = {}
-    for tp, sp in layouts:
+    results: dict[Grid, list[RankResult]] = {}
+    for tp, sp in grids:
         config = engine_settings(checkpoint, w, sp, device, tp)
         results[tp, sp] = run(tp * sp, rollout, (config, request, warmup_blocks))
         lead = results[tp, sp][0]
-        print(f"{layout_label((tp, sp))} done: {lead.request_s:.2f} s, attention {lead.attention}", flush=True)
+        print(f"{grid_label((tp, sp))} done: {lead.request_s:.2f} s, attention {lead.attention}", flush=True)
     print()
     return results
 
 
-def layouts_of(args: argparse.Namespace, most_ranks: int | None = None) -> list[Layout]:
+def grids_of(args: argparse.Namespace, most_ranks: int | None = None) -> list[Grid]:
     """Every --tp x --sp pair (TP outer), those with more than `most_ranks` ranks left out."""
     return [(tp, sp) for tp in args.tp for sp in args.sp if most_ranks is None or tp * sp <= most_ranks]
 
@@ -268,34 +268,34 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int
     return "\n".join([line(cells[0]), rule, *map(line, cells[1:])])
 
 
-def sp_table(results: dict[Layout, list[RankResult]]) -> str:
-    """Per-block ms (rank 0), mean, request s, speedups vs the first layout, bytes per rank (weights, one
+def sp_table(results: dict[Grid, list[RankResult]]) -> str:
+    """Per-block ms (rank 0), mean, request s, speedups vs the first grid, bytes per rank (weights, one
     session's caches), exchange bytes per block (all-to-all sent; TP all-reduce and all-gather payload), peak
     CUDA memory. Columns in the order run."""
-    layouts = list(results)
-    lead = {k: results[k][0] for k in layouts}
-    base = layout_label(layouts[0])
-    base_mean = statistics.fmean(lead[layouts[0]].block_ms)
-    base_request = lead[layouts[0]].request_s
-    rows = [[f"block {i} (ms)", *[f"{lead[k].block_ms[i]:.1f}" for k in layouts]]
-            for i in range(len(lead[layouts[0]].block_ms))]
-    rows.append(["mean block (ms)", *[f"{statistics.fmean(lead[k].block_ms):.1f}" for k in layouts]])
+    grids = list(results)
+    lead = {k: results[k][0] for k in grids}
+    base = grid_label(grids[0])
+    base_mean = statistics.fmean(lead[grids[0]].block_ms)
+    base_request = lead[grids[0]].request_s
+    rows = [[f"block {i} (ms)", *[f"{lead[k].block_ms[i]:.1f}" for k in grids]]
+            for i in range(len(lead[grids[0]].block_ms))]
+    rows.append(["mean block (ms)", *[f"{statistics.fmean(lead[k].block_ms):.1f}" for k in grids]])
     rows.append([f"speedup vs {base} (mean block)",
-                 *[f"{base_mean / statistics.fmean(lead[k].block_ms):.2f}x" for k in layouts]])
-    rows.append(["VAE decode per block, mean (ms)", *[f"{statistics.fmean(lead[k].decode_ms):.1f}" for k in layouts]])
-    rows.append(["whole request (s)", *[f"{lead[k].request_s:.2f}" for k in layouts]])
-    rows.append([f"speedup vs {base} (request)", *[f"{base_request / lead[k].request_s:.2f}x" for k in layouts]])
-    rows.append(["DiT weights per rank", *[_bytes_cell([r.weight_bytes] for r in results[k]) for k in layouts]])
+                 *[f"{base_mean / statistics.fmean(lead[k].block_ms):.2f}x" for k in grids]])
+    rows.append(["VAE decode per block, mean (ms)", *[f"{statistics.fmean(lead[k].decode_ms):.1f}" for k in grids]])
+    rows.append(["whole request (s)", *[f"{lead[k].request_s:.2f}" for k in grids]])
+    rows.append([f"speedup vs {base} (request)", *[f"{base_request / lead[k].request_s:.2f}x" for k in grids]])
+    rows.append(["DiT weights per rank", *[_bytes_cell([r.weight_bytes] for r in results[k]) for k in grids]])
     rows.append(["one session's KV + text cache per rank", *[_bytes_cell([r.cache_bytes] for r in results[k])
-                                                             for k in layouts]])
+                                                             for k in grids]])
     for name, field in (("all-to-all sent", "a2a_bytes"), ("TP all-reduce", "all_reduce_bytes"),
                         ("TP all-gather", "all_gather_bytes")):
         rows.append([f"{name} per rank per block", *[_bytes_cell((getattr(r, field) for r in results[k]), per_block=True)
-                                                     for k in layouts]])
-    if lead[layouts[0]].peak_cuda_bytes is not None:
+                                                     for k in grids]])
+    if lead[grids[0]].peak_cuda_bytes is not None:
         rows.append(["peak CUDA MiB per rank", *["/".join(f"{(r.peak_cuda_bytes or 0) / 2**20:.0f}" for r in results[k])
-                                                 for k in layouts]])
-    return format_table(["", *map(layout_label, layouts)], rows)
+                                                 for k in grids]])
+    return format_table(["", *map(grid_label, grids)], rows)
 
 
 def _bytes_cell(per_rank: Iterable[list[int]], per_block: bool = False) -> str:

@@ -20,8 +20,8 @@ from bench.common import (
     GPU,
     cuda_device_count,
     ensure_checkpoint,
-    layout_label,
-    layouts_of,
+    grid_label,
+    grids_of,
     run_cuda_group,
     sp_parser,
     sp_table,
@@ -40,18 +40,18 @@ def main(argv: list[str] | None = None) -> None:
         return gpu_random_weights.main(rest)
     args = sp_parser(__doc__, GPU, preset="mid").parse_args(rest)
     gpus = cuda_device_count()  # exits first where CUDA is absent
-    layouts = layouts_of(args, most_ranks=gpus)
-    if skipped := [layout_label(k) for k in layouts_of(args) if k not in layouts]:
+    grids = grids_of(args, most_ranks=gpus)
+    if skipped := [grid_label(k) for k in grids_of(args) if k not in grids]:
         print(f"skipping {', '.join(skipped)}: {gpus} GPU(s) visible, NCCL needs one GPU per rank")
-    if not layouts:
-        raise SystemExit("error: no layout fits the visible GPUs")
+    if not grids:
+        raise SystemExit("error: no grid fits the visible GPUs")
     w = workload_from_args(args)
     checkpoint = ensure_checkpoint(args.checkpoint, args.preset)
     flash = importlib.util.find_spec("flash_attn") is not None
     print(f"checkpoint {checkpoint}, {w.height}x{w.width}, {w.num_frames} frames = {w.blocks} blocks, {w.dtype}, "
           f"window {w.window_frames}; {gpus} x {torch.cuda.get_device_name(0)}, "
           f"flash-attn {'installed' if flash else 'not installed'}", flush=True)
-    print(sp_table(sweep_sp(layouts, run_cuda_group, checkpoint, w, args.warmup_blocks, "cuda")))
+    print(sp_table(sweep_sp(grids, run_cuda_group, checkpoint, w, args.warmup_blocks, "cuda")))
 
 
 if __name__ == "__main__":

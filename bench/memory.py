@@ -1,4 +1,4 @@
-"""Memory per GPU of the 14B model and one session at each TP x SP layout (bf16, 480x832), from the manifest.
+"""Memory per GPU of the 14B model and one session at each TP x SP grid (bf16, 480x832), from the manifest.
 
     python -m bench.memory [--window-frames 18] [--height 480] [--width 832]
 

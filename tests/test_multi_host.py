@@ -28,7 +28,8 @@ from triton_harness import latents_of, stream, stream_in_background
 
 SEEDS = (0, 1)  # one request per server
 TIMEOUT_S = 5  # collective_timeout_s of the groups under test
-pytestmark = [pytest.mark.server, pytest.mark.slow, requires_tool(shutil.which("mpirun") is not None, "Open MPI's mpirun (Debian's openmpi-bin)")]
+pytestmark = [pytest.mark.server, pytest.mark.slow,
+              requires_tool(shutil.which("mpirun") is not None, "Open MPI's mpirun (Debian's openmpi-bin)")]
 
 
 @pytest.fixture(scope="module")

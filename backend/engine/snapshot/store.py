@@ -69,7 +69,7 @@ class Ownership:
 
 
 @dataclass(frozen=True)
-class Saved:
+class KeySnapshot:
     """One of a key's published snapshots, as its key lists them."""
 
     snapshot_id: str
@@ -201,11 +201,11 @@ class SnapshotStore:
                 raise not_yours(snapshot_id, "only its owner shares it")
             _write_owner(folder, Ownership(key, shared))
 
-    def saves_of(self, key: str) -> tuple[list[Saved], int]:
+    def saves_of(self, key: str) -> tuple[list[KeySnapshot], int]:
         """A key's published snapshots, oldest first, and the bytes it holds (its saves under way too)."""
         with self._locked():
             self._sweep()
-            saved = [Saved(p.name, _folder_bytes(p), p.stat().st_mtime, owner.shared) for p in self._published()
+            saved = [KeySnapshot(p.name, _folder_bytes(p), p.stat().st_mtime, owner.shared) for p in self._published()
                      if (owner := _read_owner(p)).key == key]
             return sorted(saved, key=lambda s: s.created_unix_s), self._usage(key)
 
