@@ -28,7 +28,7 @@ from backend.api.contract import BLOCK_FRAMES, video_frames_for
 from backend.api.request import SessionRequest
 from backend.api.errors import ConfigError
 from backend.api.settings import to_parameters
-from backend.model.grids import resolve_layout
+from backend.model.layouts import resolve_layout
 from backend.model.tiny_checkpoint import PRESETS, ensure_current
 from client.camera import camera_preset
 

@@ -25,7 +25,7 @@ from backend.model.checkpoint import load_transformer
 from backend.model.config import read_checkpoint_configs
 from backend.model.dtypes import TORCH_DTYPES
 from backend.model.layout_official import load_pth_umt5, load_pth_vae
-from backend.model.grids import resolve_layout
+from backend.model.layouts import resolve_layout
 from backend.model.official_names import UMT5_TIED, umt5_names, vae_names
 from bench.common import ensure_checkpoint
 
