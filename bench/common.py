@@ -110,10 +110,10 @@ def engine_settings(checkpoint: Path, w: Workload, sp: int, device: str = "cpu",
     )
 
 
-def server_parameters(config: EngineSettings) -> dict[str, str]:
-    """config.pbtxt parameters serving exactly `config`, on a free rendezvous port (the instance group sets the
+def server_parameters(settings: EngineSettings) -> dict[str, str]:
+    """config.pbtxt parameters serving exactly `settings`, on a free rendezvous port (the instance group sets the
     device)."""
-    return to_parameters(config) | to_parameters(ServingSettings(rendezvous_port=free_port()))
+    return to_parameters(settings) | to_parameters(ServingSettings(rendezvous_port=free_port()))
 
 
 def make_request(w: Workload, decode: bool = True) -> SessionRequest:
@@ -139,13 +139,13 @@ class RankResult:
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated over the process (weights included)
 
 
-def rollout(groups: GroupHandles, config: EngineSettings, request: SessionRequest, warmup_blocks: int) -> RankResult:
-    """One warm-up session of `warmup_blocks`, then one timed full request (on config.tp_degree x sp_degree
+def rollout(groups: GroupHandles, settings: EngineSettings, request: SessionRequest, warmup_blocks: int) -> RankResult:
+    """One warm-up session of `warmup_blocks`, then one timed full request (on settings.tp_degree x sp_degree
     ranks). Importable for spawned ranks."""
-    if config.device == "cuda":
-        config = dataclasses.replace(config, device=f"cuda:{torch.cuda.current_device()}")
+    if settings.device == "cuda":
+        settings = dataclasses.replace(settings, device=f"cuda:{torch.cuda.current_device()}")
     sp = SequenceParallel(groups.data)
-    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=900))
+    engine = WorldModelEngine.load(settings, sp, groups.decode, Mesh.build(sp, settings.tp_degree, timeout_s=900))
     with engine.session(request) as warm:
         for _ in zip(range(warmup_blocks), engine.blocks(warm, decode=False)):
             pass
@@ -225,8 +225,8 @@ def sweep_sp(
     request = make_request(w)
     results: dict[Grid, list[RankResult]] = {}
     for tp, sp in grids:
-        config = engine_settings(checkpoint, w, sp, device, tp)
-        results[tp, sp] = run(tp * sp, rollout, (config, request, warmup_blocks))
+        settings = engine_settings(checkpoint, w, sp, device, tp)
+        results[tp, sp] = run(tp * sp, rollout, (settings, request, warmup_blocks))
         lead = results[tp, sp][0]
         print(f"{grid_label((tp, sp))} done: {lead.request_s:.2f} s, attention {lead.attention}", flush=True)
     print()

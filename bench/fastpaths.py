@@ -57,7 +57,7 @@ class FastPath:
     window_frames: int = GPU.window_frames
     sink_frames: int = GPU.sink_frames
 
-    def config(self, base: EngineSettings) -> EngineSettings:
+    def settings(self, base: EngineSettings) -> EngineSettings:
         return dataclasses.replace(base, kv_reuse=self.kv_reuse, window_frames=self.window_frames,
                                    sink_frames=self.sink_frames)
 
@@ -83,15 +83,15 @@ class BlockCost:
     kv_read_bytes: int  # the cached K/V every forward's self-attention reads, summed over the block's forwards
 
 
-def full_window_cost(cfg: TransformerConfig, config: EngineSettings) -> BlockCost:
+def full_window_cost(cfg: TransformerConfig, settings: EngineSettings) -> BlockCost:
     """One block whose history fills the window (the steady state of a long session) at the 14B geometry."""
     tokens = BLOCK_FRAMES * TOKENS_PER_FRAME_14B
-    keys = config.window_frames * TOKENS_PER_FRAME_14B
-    forwards = config.forwards_per_block
+    keys = settings.window_frames * TOKENS_PER_FRAME_14B
+    forwards = settings.forwards_per_block
     return BlockCost(
         forwards=forwards,
         flop=forward_flops(cfg, tokens, keys).block(forwards),
-        cache_bytes=self_cache_bytes(cfg, config.window_frames * TOKENS_PER_FRAME_14B, 1, BF16_BYTES),
+        cache_bytes=self_cache_bytes(cfg, settings.window_frames * TOKENS_PER_FRAME_14B, 1, BF16_BYTES),
         kv_read_bytes=forwards * self_cache_bytes(cfg, keys, 1, BF16_BYTES),
     )
 
@@ -106,7 +106,7 @@ class PathRun:
     latents: np.ndarray  # [1, z, frames, h, w], every block
 
 
-def base_config(w: Workload) -> EngineSettings:
+def base_settings(w: Workload) -> EngineSettings:
     return dataclasses.replace(gpu_random_weights.engine_settings(w, "cpu", False), block_frames=BLOCK_FRAMES)
 
 
@@ -115,8 +115,8 @@ def measure(preset: str, w: Workload, paths: tuple[FastPath, ...]) -> list[PathR
     block of each path in turn."""
     transformer, vae = gpu_random_weights.model_configs(preset)
     parts = gpu_random_weights.build_parts(transformer, vae, TORCH_DTYPES[w.dtype], torch.device("cpu"), w.seed)
-    base = base_config(w)
-    engines = [gpu_random_weights.build_engine(p.config(base), transformer, vae, parts) for p in paths]
+    base = base_settings(w)
+    engines = [gpu_random_weights.build_engine(p.settings(base), transformer, vae, parts) for p in paths]
     request = make_request(w, decode=False)
     for engine in engines:
         with engine.session(request) as warm:
@@ -147,7 +147,7 @@ def measure(preset: str, w: Workload, paths: tuple[FastPath, ...]) -> list[PathR
 
 def table(paths: tuple[FastPath, ...], base: EngineSettings, runs: list[PathRun]) -> str:
     cfg = TransformerConfig.lingbot_14b()
-    costs = [full_window_cost(cfg, p.config(base)) for p in paths]
+    costs = [full_window_cost(cfg, p.settings(base)) for p in paths]
     exact_cost, exact_run = costs[0], runs[0]
     exact_ms = sum(exact_run.dit_ms)
     rows = []
@@ -193,7 +193,7 @@ def main() -> None:
           f"{BLOCK_FRAMES} latent frames, SP1, {torch.get_num_threads()} torch threads, the paths taking turns "
           f"block by block ({time.perf_counter() - begin:.0f} s); exact latents' mean abs "
           f"{np.abs(runs[0].latents).mean():.3g}. 14B: one full-window block at 480x832.")
-    print(table(PATHS, base_config(w), runs))
+    print(table(PATHS, base_settings(w), runs))
 
 
 if __name__ == "__main__":

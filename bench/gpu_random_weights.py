@@ -106,9 +106,10 @@ def build_parts(transformer: TransformerConfig, vae: dict, dtype: torch.dtype, d
     )
 
 
-def build_engine(config: EngineSettings, transformer: TransformerConfig, vae: dict, parts: EngineParts) -> WorldModelEngine:
+def build_engine(settings: EngineSettings, transformer: TransformerConfig, vae: dict,
+                 parts: EngineParts) -> WorldModelEngine:
     ckpt = CheckpointConfigs(transformer, VaeConfig.from_dict(vae), None, DIFFUSERS.source_defaults)
-    return WorldModelEngine(spec_from_configs(config, ckpt, world_size=1), parts=parts)
+    return WorldModelEngine(spec_from_configs(settings, ckpt, world_size=1), parts=parts)
 
 
 # ---------------------------------------------------------------- one request, timed

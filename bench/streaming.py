@@ -169,10 +169,10 @@ class Timings:
 _engine: WorldModelEngine | None = None  # the direct engine process's own
 
 
-def _load_direct(config: EngineSettings, threads: int, request: SessionRequest) -> None:
+def _load_direct(settings: EngineSettings, threads: int, request: SessionRequest) -> None:
     global _engine
     torch.set_num_threads(threads)
-    _engine = WorldModelEngine.load(config)
+    _engine = WorldModelEngine.load(settings)
     _engine.generate(request)  # warm-up
 
 

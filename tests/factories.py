@@ -1,4 +1,4 @@
-"""Builders for the tiny model's engine configs and requests (64x64 video, 8x8 latents, 16 tokens a frame)."""
+"""Builders for the tiny model's engine settings and requests (64x64 video, 8x8 latents, 16 tokens a frame)."""
 from __future__ import annotations
 
 import dataclasses

@@ -13,11 +13,11 @@ from backend.parallel.sequence import SequenceParallel
 from backend.api.request import SessionRequest
 
 
-def rollout(groups: GroupHandles, config: EngineSettings, request: SessionRequest) -> dict:
+def rollout(groups: GroupHandles, settings: EngineSettings, request: SessionRequest) -> dict:
     """Full rollout on every rank (split tp_degree x sp_degree); returns latents, per-block forwards and exchange
     bytes, the final cache shards, this rank's weight and cache bytes and each camera modulation it made."""
     sp = SequenceParallel(groups.data)
-    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    engine = WorldModelEngine.load(settings, sp, groups.decode, Mesh.build(sp, settings.tp_degree, timeout_s=600))
     calls: list[int] = []  # one entry per transformer forward
     engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
     camera_made: list[int] = []  # bytes of each camera modulation made (transformer.CameraModulation)
@@ -57,17 +57,17 @@ def rollout(groups: GroupHandles, config: EngineSettings, request: SessionReques
         }
 
 
-def prompt_states(groups: GroupHandles, config: EngineSettings, prompts: list[str]) -> dict:
+def prompt_states(groups: GroupHandles, settings: EngineSettings, prompts: list[str]) -> dict:
     """Each prompt's states on this rank, whether it holds the text encoder and how many prompts it encoded."""
-    engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
+    engine = WorldModelEngine.load(settings, SequenceParallel(groups.data), groups.decode)
     states = [engine.prompts.states(p).float().numpy() for p in prompts]
     return {"states": states, "has_encoder": engine.prompts.encoder is not None, "encoded": engine.prompts.encoded}
 
 
-def split_decode(groups: GroupHandles, config: EngineSettings, request: SessionRequest) -> dict:
+def split_decode(groups: GroupHandles, settings: EngineSettings, request: SessionRequest) -> dict:
     """A session's blocks decoded split across the ranks (frames on rank 0), and on rank 0 the same latents
     decoded whole by a VAE without a decode group."""
-    engine = WorldModelEngine.load(config, SequenceParallel(groups.data), groups.decode)
+    engine = WorldModelEngine.load(settings, SequenceParallel(groups.data), groups.decode)
     whole = StreamingVae(engine.vae.vae, engine.device)  # the same weights; no group: whole frames
     whole_state = whole.new_decode_state()
     with engine.session(request) as session:
@@ -81,13 +81,13 @@ def split_decode(groups: GroupHandles, config: EngineSettings, request: SessionR
     return {"shared": shared, "blocks": blocks}
 
 
-def steered_events(groups: GroupHandles, config: EngineSettings, request: SessionRequest, steps: list) -> dict:
+def steered_events(groups: GroupHandles, settings: EngineSettings, request: SessionRequest, steps: list) -> dict:
     """A steered session through `steps` (Controls; a step's prompt set as a prompt event before its block) on
     every rank; returns the latents, this rank's text K/V bytes after each block and its final text K/V shards."""
     from backend.engine.blocks import BlockControls
 
     sp = SequenceParallel(groups.data)
-    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    engine = WorldModelEngine.load(settings, sp, groups.decode, Mesh.build(sp, settings.tp_degree, timeout_s=600))
     with engine.session(request) as session:
         latents, text_bytes = [], []
         for controls in steps:
@@ -104,14 +104,14 @@ def steered_events(groups: GroupHandles, config: EngineSettings, request: Sessio
         }
 
 
-def recache_event(groups: GroupHandles, config: EngineSettings, request: SessionRequest, prompt: str, blocks: int,
+def recache_event(groups: GroupHandles, settings: EngineSettings, request: SessionRequest, prompt: str, blocks: int,
                   at: int) -> dict:
     """On every rank: a session whose event `prompt` before block `at` is recached, and its teacher-forced ground
     truth (bench.recache): each with its latents and this rank's cache shards as the event left them."""
     from bench.recache import event_rollout, ground_truth
 
     sp = SequenceParallel(groups.data)
-    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    engine = WorldModelEngine.load(settings, sp, groups.decode, Mesh.build(sp, settings.tp_degree, timeout_s=600))
     recached = event_rollout(engine, request, blocks, at, prompt, recache=True)
     return {"recached": recached, "truth": ground_truth(engine, request, blocks, at, prompt, recached)}
 
@@ -244,14 +244,14 @@ def resume_and_play(engine: WorldModelEngine, store, snapshot_id: str, steps: li
         engine.close_session(session)
 
 
-def snapshot_roundtrip(groups: GroupHandles, config: EngineSettings, request: SessionRequest, steps: list,
+def snapshot_roundtrip(groups: GroupHandles, settings: EngineSettings, request: SessionRequest, steps: list,
                        save_after: int, store_root: str, resume_ids: list[str]) -> dict:
     """On every rank of a tp_degree x sp_degree group: the steered session through `steps`, saved after block
     `save_after`; then its own snapshot and each of `resume_ids` resumed and played to the end."""
     from backend.engine.snapshot.store import SnapshotStore
 
     sp = SequenceParallel(groups.data)
-    engine = WorldModelEngine.load(config, sp, groups.decode, Mesh.build(sp, config.tp_degree, timeout_s=600))
+    engine = WorldModelEngine.load(settings, sp, groups.decode, Mesh.build(sp, settings.tp_degree, timeout_s=600))
     store = SnapshotStore(store_root, quota_bytes=1 << 30, ttl_s=3600)
     with engine.session(request, keep_commits=True) as session:
         whole = play(engine, session, steps, 0, save_after, lambda s: save_in_group(engine, s, store))

@@ -142,21 +142,21 @@ def test_the_same_weights_in_both_layouts_load_alike_and_give_bit_identical_late
 def test_each_layout_defaults_to_its_own_source_and_a_parameter_wins(both_layouts) -> None:
     diffusers, official = (str(p) for p in both_layouts)
     spec = checked_spec(tiny_settings(official, **UNSET), 1)
-    assert {k: (s.value, s.source.split(" (")[0]) for k, s in spec.settings.items()} == {
+    assert {k: (s.value, s.source.split(" (")[0]) for k, s in spec.sources.items()} == {
         "block_frames": (4, "official script default"), "timestep_shift": (10.0, "official script default"),
         "window_frames": (18, "official script default"), "sink_frames": (6, "official script default"),
     }
-    assert "run_fast.sh --sink_size" in spec.settings["sink_frames"].source
-    assert (spec.config.block_frames, spec.shift, spec.window_frames, spec.sink_frames) == (4, 10.0, 18, 6)
+    assert "run_fast.sh --sink_size" in spec.sources["sink_frames"].source
+    assert (spec.settings.block_frames, spec.shift, spec.window_frames, spec.sink_frames) == (4, 10.0, 18, 6)
     spec = checked_spec(tiny_settings(diffusers, **UNSET), 1)
-    assert {k: s.value for k, s in spec.settings.items()} == {
+    assert {k: s.value for k, s in spec.sources.items()} == {
         "block_frames": 3, "timestep_shift": 5.0, "window_frames": 9, "sink_frames": 3}
-    assert spec.settings["window_frames"].source.endswith("transformer/config.json local_attn_size")
-    assert spec.settings["timestep_shift"].source.endswith("scheduler/scheduler_config.json shift")
-    assert spec.settings["block_frames"].source.startswith("diffusers layout default")
+    assert spec.sources["window_frames"].source.endswith("transformer/config.json local_attn_size")
+    assert spec.sources["timestep_shift"].source.endswith("scheduler/scheduler_config.json shift")
+    assert spec.sources["block_frames"].source.startswith("diffusers layout default")
     spec = checked_spec(tiny_settings(official, **{**UNSET, "block_frames": 3, "sink_frames": 3}), 1)
-    assert (spec.settings["block_frames"].source, spec.settings["sink_frames"].source) == ("parameter", "parameter")
-    assert spec.config.block_frames == 3 and spec.settings["window_frames"].value == 18
+    assert (spec.sources["block_frames"].source, spec.sources["sink_frames"].source) == ("parameter", "parameter")
+    assert spec.settings.block_frames == 3 and spec.sources["window_frames"].value == 18
     assert describe_settings(spec)[0] == "block_frames = 3 (parameter)"
 
 
@@ -168,7 +168,7 @@ def test_a_global_window_in_the_checkpoint_is_served_as_global_attention(tiny_ch
     assert read_checkpoint_configs(resolve_layout(str(root))).settings["window_frames"].value == -1
     engine = WorldModelEngine.load(tiny_settings(str(root), window_frames=0, sink_frames=-1))
     assert engine.window_frames == -1 and any("global attention" in line for line in describe_settings(
-        checked_spec(engine.config, 1)))
+        checked_spec(engine.settings, 1)))
     request = tiny_request(num_frames=45, decode=False)  # 4 blocks, 12 latent frames
     session = engine.open_session(request, engine.geometry_of(request))
     assert session.cache.capacity == 12 * 16
@@ -212,8 +212,8 @@ def test_the_official_download_serves_4_frame_blocks_at_sp1_and_sp2(both_layouts
         assert client_main(["--url", server.grpc_url, "--prompt", "a castle", "--camera", "forward", "--no-decode",
                             "--out", str(tmp_path / "cli.mp4"), "--timeout", "240"]) == 0
         assert "77 frames at 64x64" in capsys.readouterr().out
-    config = tiny_settings(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
-    with LocalGroup(config, ServingSettings(max_batch=1), ranks=2) as group:
+    settings = tiny_settings(str(both_layouts[1]), sp_degree=2, window_frames=0, sink_frames=-1)
+    with LocalGroup(settings, ServingSettings(max_batch=1), ranks=2) as group:
         blocks[2] = group.stream(request, rank=1, timeout_s=240)
     for sp, served in blocks.items():
         assert [b.frames.shape[0] for b in served] == [13, 16, 16, 16, 16], sp

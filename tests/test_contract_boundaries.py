@@ -282,7 +282,7 @@ def still_poses(frames: int) -> np.ndarray:
 ])
 def test_each_server_limit_admits_its_value_and_refuses_one_more(engine, name: str, at_limit: dict,
                                                                  past_it: dict) -> None:
-    """The limits' defaults (serving/config) at admission; an image is judged by its shape alone (a broadcast
+    """The limits' defaults (serving/settings) at admission; an image is judged by its shape alone (a broadcast
     view here), and the size in whole patches (the next size up is 16 pixels more)."""
 
     def admitted(changes: dict) -> None:
@@ -300,7 +300,7 @@ def test_each_server_limit_admits_its_value_and_refuses_one_more(engine, name: s
 def test_num_frames_takes_whole_blocks_and_height_and_width_the_patch_factor(engine) -> None:
     """The engine's geometry (admission's): whole AR blocks of num_frames, each side a multiple of 16 (VAE 8 x
     patch 2), at the server's first valid value, one below and one above."""
-    block = engine.config.block_frames
+    block = engine.settings.block_frames
     for blocks in (1, 2):
         frames = c.whole_block_frames(blocks, block)
         engine.geometry_of(dataclasses.replace(whole(), num_frames=frames, poses=still_poses(frames)))
@@ -316,7 +316,7 @@ def test_num_frames_takes_whole_blocks_and_height_and_width_the_patch_factor(eng
 def test_a_steered_block_takes_exactly_its_video_frames_of_poses(engine, first: bool) -> None:
     """9 poses for a session's first block, 12 for each later one (contract.block_video_frames): one fewer or more
     is refused at admission, naming camera_poses."""
-    frames = c.block_video_frames(engine.config.block_frames, first)
+    frames = c.block_video_frames(engine.settings.block_frames, first)
     def admitted(n: int) -> None:
         poses = still_poses(n)
         if first:

@@ -20,8 +20,8 @@ HEADS = 4  # tiny preset
 @pytest.fixture(scope="module")
 def rollouts(tiny_checkpoint: str) -> dict[int, list[dict]]:
     request = tiny_request()
-    config = tiny_settings(tiny_checkpoint, decode_frames=False)
-    return {sp: run_group(sp, rollout, (dataclasses.replace(config, sp_degree=sp), request)) for sp in (1, 2, 4)}
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False)
+    return {sp: run_group(sp, rollout, (dataclasses.replace(settings, sp_degree=sp), request)) for sp in (1, 2, 4)}
 
 
 def test_window_fills_and_slides(rollouts: dict[int, list[dict]]) -> None:
@@ -78,8 +78,8 @@ def test_kv_reuse_runs_4_forwards_a_block_and_sp2_matches_sp1_bit_for_bit(
     """kv_reuse keeps the K/V of each block's last DMD step (each rank its head shard) instead of running the
     commit forward: 4 forwards a block on every rank, SP2 == SP1, and only the blocks after the first (the first
     has no history) differ from the exact path."""
-    config = tiny_settings(tiny_checkpoint, decode_frames=False, kv_reuse=True)
-    reuse = {sp: run_group(sp, rollout, (dataclasses.replace(config, sp_degree=sp), tiny_request())) for sp in (1, 2)}
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False, kv_reuse=True)
+    reuse = {sp: run_group(sp, rollout, (dataclasses.replace(settings, sp_degree=sp), tiny_request())) for sp in (1, 2)}
     single, exact = reuse[1][0], rollouts[1][0]
     assert exact["forwards"] == [5] * 5 and single["forwards"] == [4] * 5
     block_tokens, dim, layers = 48, 64, 2
@@ -113,20 +113,20 @@ def test_float32_gemm_bits_depend_on_neither_rows_nor_threads() -> None:
 
 
 def test_bfloat16_sp2_matches_sp1(tiny_checkpoint: str) -> None:
-    config = tiny_settings(tiny_checkpoint, dtype="bfloat16", decode_frames=False)
+    settings = tiny_settings(tiny_checkpoint, dtype="bfloat16", decode_frames=False)
     request = tiny_request(num_frames=33)
-    single = run_group(1, rollout, (config, request))[0]["latents"]
-    double = run_group(2, rollout, (dataclasses.replace(config, sp_degree=2), request))[0]["latents"]
+    single = run_group(1, rollout, (settings, request))[0]["latents"]
+    double = run_group(2, rollout, (dataclasses.replace(settings, sp_degree=2), request))[0]["latents"]
     assert np.isfinite(single).all()
     print(f"bf16 SP1 vs SP2: max abs diff {np.abs(single - double).max():.3g}")
     assert np.array_equal(single, double)
 
 
 def test_prompt_states_equal_on_every_rank_while_one_rank_encodes(tiny_checkpoint: str) -> None:
-    config = dataclasses.replace(tiny_settings(tiny_checkpoint, decode_frames=False), sp_degree=2)
+    settings = dataclasses.replace(tiny_settings(tiny_checkpoint, decode_frames=False), sp_degree=2)
     prompts = ["a castle", "a street at night", "a castle"]  # the repeat is an LRU hit on every rank
-    ranks = run_group(2, prompt_states, (config, prompts))
-    (single,) = run_group(1, prompt_states, (dataclasses.replace(config, sp_degree=1), prompts))
+    ranks = run_group(2, prompt_states, (settings, prompts))
+    (single,) = run_group(1, prompt_states, (dataclasses.replace(settings, sp_degree=1), prompts))
     assert [r["has_encoder"] for r in ranks] == [True, False]  # rank 1 never loads the text encoder
     assert [r["encoded"] for r in ranks] == [2, 0]
     for rank in ranks:

@@ -51,7 +51,7 @@ def test_each_condition_changes_the_blocks_it_conditions(engine: WorldModelEngin
     translation does not reach back)."""
     base = {"pose_scale": "running"} if "pose_scale" in overrides else {}
     before, after = latents_of(engine, **base), latents_of(engine, **overrides)
-    blocks = before.shape[2] // engine.config.block_frames
+    blocks = before.shape[2] // engine.settings.block_frames
     moved = [float(np.abs(a - b).max()) for a, b in zip(np.split(before, blocks, 2), np.split(after, blocks, 2))]
     assert moved[:same_blocks] == [0.0] * same_blocks and min(moved[same_blocks:]) > 1e-2, moved
 
@@ -118,13 +118,14 @@ def test_close_session_frees_caches(engine: WorldModelEngine) -> None:
     assert session.cache_bytes() == 0
 
 
-def test_config_from_triton_parameters(tiny_checkpoint: str) -> None:
+def test_settings_from_triton_parameters(tiny_checkpoint: str) -> None:
     from backend.api.settings import from_parameters
     from backend.engine.settings import EngineSettings
     from backend.api.errors import ConfigError
 
-    config = from_parameters(EngineSettings, {"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
-    assert dataclasses.astuple(config)[:2] == (tiny_checkpoint, 2) and config.decode_frames is False
+    settings = from_parameters(EngineSettings,
+                               {"checkpoint": tiny_checkpoint, "sp_degree": "2", "decode_frames": "false"})
+    assert dataclasses.astuple(settings)[:2] == (tiny_checkpoint, 2) and settings.decode_frames is False
     with pytest.raises(ConfigError, match=r"unknown EngineSettings parameter\(s\) \['sp'\]"):
         from_parameters(EngineSettings, {"checkpoint": tiny_checkpoint, "sp": "2"})
     with pytest.raises(ConfigError, match=r"parameter sp_degree='two': expected int"):
@@ -147,7 +148,7 @@ def test_an_open_ended_session_keeps_constant_memory(engine: WorldModelEngine) -
     from backend.engine.blocks import BlockControls
 
     request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
-    window_blocks = engine.window_frames // engine.config.block_frames
+    window_blocks = engine.window_frames // engine.settings.block_frames
     with engine.session(request) as session:
         sizes = []
         for _ in range(10 * window_blocks):

@@ -35,10 +35,10 @@ FLOAT32 = 4
 @pytest.fixture(scope="module")
 def rollouts(tiny_checkpoint: str) -> dict[tuple[int, int], list[dict]]:
     request = tiny_request()
-    config = tiny_settings(tiny_checkpoint, decode_frames=False)
-    runs = {(1, 1): run_group(1, rollout, (config, request))}
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False)
+    runs = {(1, 1): run_group(1, rollout, (settings, request))}
     for tp, sp in LAYOUTS:
-        runs[tp, sp] = run_group(tp * sp, rollout, (dataclasses.replace(config, tp_degree=tp, sp_degree=sp), request))
+        runs[tp, sp] = run_group(tp * sp, rollout, (dataclasses.replace(settings, tp_degree=tp, sp_degree=sp), request))
     return runs
 
 
@@ -204,10 +204,10 @@ def test_a_tp_rank_reads_only_its_slices(tiny_checkpoint: str, tiny_transformer,
 def test_tp2_x_sp2_ranks_rebuild_only_their_head_shards(tiny_checkpoint: str) -> None:
     """Two events under TP2 x SP2: the latents match SP1 to float32 rounding, each rank's text K/V after the events
     is its heads' slice of SP1's, and its size never changes."""
-    config = tiny_settings(tiny_checkpoint, decode_frames=False)
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False)
     args = (steered(Controls(keys="w")), keys(TWO_EVENTS))
-    single = run_group(1, steered_events, (config,) + args)[0]
-    split = run_group(4, steered_events, (dataclasses.replace(config, tp_degree=2, sp_degree=2),) + args)
+    single = run_group(1, steered_events, (settings,) + args)[0]
+    split = run_group(4, steered_events, (dataclasses.replace(settings, tp_degree=2, sp_degree=2),) + args)
     layout, local = RankGrid(2, 2), HEADS // 4
     for rank, result in enumerate(split):
         assert float(np.abs(result["latents"] - single["latents"]).max()) < 1e-5

@@ -92,7 +92,7 @@ def test_config_errors_before_weights(
 def test_the_smallest_block_and_the_fewest_or_most_steps_are_accepted(unreadable_checkpoint: str,
                                                                        overrides: dict) -> None:
     spec = checked_spec(tiny_settings(unreadable_checkpoint, **overrides), 1)
-    assert all(getattr(spec.config, name) == value for name, value in overrides.items())
+    assert all(getattr(spec.settings, name) == value for name, value in overrides.items())
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
@@ -213,12 +213,12 @@ def test_the_sp_size_error_names_near_sizes_that_work(sp: int) -> None:
 def test_one_latent_frame_a_block_takes_every_1_plus_4k_frames(engine: WorldModelEngine, num_frames: int,
                                                                 blocks: int | None) -> None:
     """block_frames=1, the smallest block: a 1-frame clip is one block, each 4 frames more another."""
-    config = dataclasses.replace(engine.config, block_frames=1)
+    settings = dataclasses.replace(engine.settings, block_frames=1)
     if blocks is None:
         with pytest.raises(InputError, match=f"num_frames={num_frames} must be 1 \\+ 4 x k"):
-            VideoGeometry.build(config, engine.ckpt, 64, 64, num_frames, error=InputError)
+            VideoGeometry.build(settings, engine.ckpt, 64, 64, num_frames, error=InputError)
     else:
-        assert VideoGeometry.build(config, engine.ckpt, 64, 64, num_frames, error=InputError).num_blocks == blocks
+        assert VideoGeometry.build(settings, engine.ckpt, 64, 64, num_frames, error=InputError).num_blocks == blocks
 
 
 @pytest.mark.parametrize(("width", "height", "sp"), [(48, 48, 8), (16, 16, 8), (16, 112, 8), (112, 16, 8), (112, 80, 16),

@@ -24,7 +24,7 @@ EXACT_SETTINGS = "block_frames=3;denoise_steps=4;dtype=float32;sink_frames=3;tim
 @pytest.fixture(scope="module")
 def reuse(engine: WorldModelEngine) -> WorldModelEngine:
     """The shared engine's models under kv_reuse."""
-    spec = checked_spec(dataclasses.replace(engine.config, kv_reuse=True), 1)
+    spec = checked_spec(dataclasses.replace(engine.settings, kv_reuse=True), 1)
     return WorldModelEngine(spec, parts=EngineParts(engine.transformer, engine.prompts.encoder, engine.vae.vae))
 
 
@@ -53,8 +53,8 @@ def test_kv_reuse_runs_4_forwards_a_block_where_the_exact_path_runs_5(
         engine: WorldModelEngine, reuse: WorldModelEngine) -> None:
     exact, exact_forwards = rollout(engine, num_frames=21)
     fast, fast_forwards = rollout(reuse, num_frames=21)
-    assert exact_forwards == [5, 5] and engine.config.forwards_per_block == 5
-    assert fast_forwards == [4, 4] and reuse.config.forwards_per_block == 4
+    assert exact_forwards == [5, 5] and engine.settings.forwards_per_block == 5
+    assert fast_forwards == [4, 4] and reuse.settings.forwards_per_block == 4
     assert np.array_equal(fast[:, :, :3], exact[:, :, :3])  # the first block has no history to differ in
     assert np.abs(fast[:, :, 3:] - exact[:, :, 3:]).max() > 1e-3
 
@@ -81,8 +81,8 @@ def test_kv_reuse_is_in_settings_used_and_a_replay_on_the_other_value_is_refused
     assert parse_settings(engine.settings_used)["kv_reuse"] == "False"
     request = tiny_request(num_frames=9, decode=False)
     for server, recorded in ((reuse, engine.settings_used), (engine, reuse.settings_used)):
-        with pytest.raises(InputError, match=rf"kv_reuse: expected {not server.config.kv_reuse}, this server "
-                                             rf"{server.config.kv_reuse}") as refused:
+        with pytest.raises(InputError, match=rf"kv_reuse: expected {not server.settings.kv_reuse}, this server "
+                                             rf"{server.settings.kv_reuse}") as refused:
             server.geometry_of(dataclasses.replace(request, expect_settings=recorded))
         assert refused.value.code == "SETTINGS_MISMATCH"
     # A recording made before the setting existed names no kv_reuse (nor decoder): it was made on the exact path.
@@ -114,7 +114,7 @@ def test_the_fast_path_table_s_14b_block_costs() -> None:
     from bench.fastpaths import EXACT, PATHS, full_window_cost
 
     cfg, base = TransformerConfig.lingbot_14b(), EngineSettings(checkpoint="(none)")
-    costs = {p.name: full_window_cost(cfg, p.config(base)) for p in PATHS}
+    costs = {p.name: full_window_cost(cfg, p.settings(base)) for p in PATHS}
     exact, reuse = costs[EXACT.name], costs["kv_reuse"]
     assert (exact.forwards, reuse.forwards) == (5, 4)
     assert exact.flop / 1e12 == pytest.approx(1147, abs=2) and reuse.flop / 1e12 == pytest.approx(926, abs=2)

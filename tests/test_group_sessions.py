@@ -138,8 +138,8 @@ def test_bad_steps_get_clear_errors_and_the_session_goes_on(sp2_group) -> None:
 
 
 def test_a_session_lives_at_most_max_session_s(tiny_checkpoint: str) -> None:
-    config = tiny_settings(tiny_checkpoint, decode_frames=False)
-    with LocalGroup(config, ServingSettings(max_session_s=3.0), ranks=1) as group:
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False)
+    with LocalGroup(settings, ServingSettings(max_session_s=3.0), ranks=1) as group:
         session = group.steered(steered(Controls(keys="w")))
         session.next_block()
         deadline = time.monotonic() + 30
@@ -187,8 +187,8 @@ def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_gr
     with pytest.raises(LocalStreamError, match=r"'recache' rides on a prompt event: send it with 'prompt'"):
         session.step(Controls(keys="w"), recache=True).next()
     session.step(None, end=True).next()
-    config = tiny_settings(tiny_checkpoint, decode_frames=False, window_frames=-1)
-    with LocalGroup(config, ServingSettings(), ranks=1) as group:
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False, window_frames=-1)
+    with LocalGroup(settings, ServingSettings(), ranks=1) as group:
         bounded = group.steered(steered(Controls(keys="w"), max_blocks=4))
         bounded.next_block()
         with pytest.raises(LocalStreamError, match=r"'recache' needs a sliding window: this server runs "

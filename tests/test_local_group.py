@@ -24,8 +24,8 @@ pytestmark = pytest.mark.server  # starts groups of processes
 
 @pytest.fixture(scope="module")
 def counted_sp2(tiny_checkpoint: str):
-    config = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
-    with LocalGroup(config, ServingSettings(max_batch=1, collective_timeout_s=30.0), ranks=2,
+    settings = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
+    with LocalGroup(settings, ServingSettings(max_batch=1, collective_timeout_s=30.0), ranks=2,
                     setup="sp_workers:count_admissions") as group:
         yield group
 
@@ -71,8 +71,8 @@ def test_tp2_x_sp2_serves_two_owners_at_once_within_float32_rounding(tiny_checkp
     direct = engine.generate(request)
     expected = np.concatenate([out.latents[0].numpy() for out, _ in direct], axis=1)
     expected_frames = np.concatenate([f for _, f in direct]).astype(int)
-    config = tiny_settings(tiny_checkpoint, sp_degree=2, tp_degree=2)
-    with LocalGroup(config, ServingSettings(max_batch=1, collective_timeout_s=60.0), ranks=4) as group:
+    settings = tiny_settings(tiny_checkpoint, sp_degree=2, tp_degree=2)
+    with LocalGroup(settings, ServingSettings(max_batch=1, collective_timeout_s=60.0), ranks=4) as group:
         calls = [group.request(rank, *whole_trajectory(group, request)) for rank in (1, 3)]
         results = [call.blocks(240) for call in calls]
         weights = [group.call(r, "sp_workers:weight_bytes") for r in range(4)]
@@ -92,8 +92,8 @@ def whole_trajectory(group: LocalGroup, request) -> tuple:
 def test_a_hung_rank_is_detected_in_bounded_time_and_the_survivor_errors_its_streams(tiny_checkpoint: str) -> None:
     """SIGSTOP: the peer neither answers nor closes its sockets (a dead one: test_robustness, through Triton)."""
     timeout_s = 5.0
-    config = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
-    with LocalGroup(config, ServingSettings(collective_timeout_s=timeout_s), ranks=2) as group:
+    settings = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
+    with LocalGroup(settings, ServingSettings(collective_timeout_s=timeout_s), ranks=2) as group:
         calls = [group.request(rank, *whole_trajectory(group, tiny_request(num_frames=129, seed=rank)))
                  for rank in (0, 1)]
         assert all(call.next(60).block_index == 0 for call in calls)  # both ranks own a running stream
@@ -116,8 +116,8 @@ def test_an_idle_group_whose_store_host_dies_fails_at_once_not_at_its_heartbeat(
     within seconds (its sockets closed), not at its next heartbeat (collective_timeout_s / 2 = 60 s here). A group
     that waited out its heartbeat held a reload back for a minute: the healer unloaded rank 0's dead model while
     rank 1 still lived, and the new rank 1 was refused its host claim."""
-    config = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
-    with LocalGroup(config, ServingSettings(collective_timeout_s=120.0), ranks=2) as group:
+    settings = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
+    with LocalGroup(settings, ServingSettings(collective_timeout_s=120.0), ranks=2) as group:
         assert len(group.stream(tiny_request(num_frames=9), rank=1)) == 1  # served, then idle
         wait_until(lambda: group.call(1, "sp_workers:loop_sleeps"), 10, "rank 1 asleep on the doorbell")
         try:

@@ -259,10 +259,10 @@ def test_a_world_parks_and_comes_back_bit_for_bit_at_sp2_and_tp2_x_sp2(tiny_chec
     from backend.launch.local_group import LocalGroup
     from factories import tiny_settings
 
-    config = tiny_settings(tiny_checkpoint, sp_degree=world // tp, tp_degree=tp, decode_frames=False)
+    settings = tiny_settings(tiny_checkpoint, sp_degree=world // tp, tp_degree=tp, decode_frames=False)
     serving = dataclasses.replace(parking(tmp_path), park_after_s=1.0, collective_timeout_s=60.0)
     owner = world - 1
-    with LocalGroup(config, serving, ranks=world) as group:
+    with LocalGroup(settings, serving, ranks=world) as group:
         def parked() -> bool:
             return group.call(0, "sp_workers:parked_sessions") == 1
 

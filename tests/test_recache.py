@@ -134,8 +134,8 @@ HEADS = 4  # tiny preset
 def groups(tiny_checkpoint: str) -> dict[tuple[int, int], list[dict]]:
     from backend.parallel.local import run_group
 
-    config = tiny_settings(tiny_checkpoint, decode_frames=False)
-    return {(tp, sp): run_group(tp * sp, recache_event, (dataclasses.replace(config, tp_degree=tp, sp_degree=sp),
+    settings = tiny_settings(tiny_checkpoint, decode_frames=False)
+    return {(tp, sp): run_group(tp * sp, recache_event, (dataclasses.replace(settings, tp_degree=tp, sp_degree=sp),
                                                           request_of(BLOCKS), SNOW, BLOCKS, AT))
             for tp, sp in LAYOUTS}
 

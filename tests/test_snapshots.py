@@ -394,10 +394,10 @@ def layouts(saved: Saved, tiny_checkpoint: str) -> dict[str, dict]:
     from backend.parallel.local import run_group
     from sp_workers import snapshot_roundtrip
 
-    config, request, root = tiny_settings(tiny_checkpoint), steered_request(saved.steps), str(saved.store.root)
-    sp2 = run_group(2, snapshot_roundtrip, (dataclasses.replace(config, sp_degree=2), request, saved.steps,
+    settings, request, root = tiny_settings(tiny_checkpoint), steered_request(saved.steps), str(saved.store.root)
+    sp2 = run_group(2, snapshot_roundtrip, (dataclasses.replace(settings, sp_degree=2), request, saved.steps,
                                            SAVE_AFTER, root, [saved.snapshot_id]))[0]
-    tp2_sp2 = run_group(4, snapshot_roundtrip, (dataclasses.replace(config, tp_degree=2, sp_degree=2), request,
+    tp2_sp2 = run_group(4, snapshot_roundtrip, (dataclasses.replace(settings, tp_degree=2, sp_degree=2), request,
                                                saved.steps, SAVE_AFTER, root, [sp2["snapshot_id"]]))[0]
     return {"sp2": sp2, "tp2_sp2": tp2_sp2}
 

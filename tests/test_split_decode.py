@@ -30,9 +30,9 @@ def test_bands_are_balanced_and_cover_every_row() -> None:
 # SP2 splits 64x64 frames' 8 latent rows 4/4, SP4 48x64 frames' 6 rows unevenly 2/2/1/1.
 @pytest.mark.parametrize("sp, height", [(2, 64), (4, 48)])
 def test_split_decode_equals_whole_frame_decode(tiny_checkpoint: str, sp: int, height: int) -> None:
-    config = dataclasses.replace(tiny_settings(tiny_checkpoint), sp_degree=sp)
+    settings = dataclasses.replace(tiny_settings(tiny_checkpoint), sp_degree=sp)
     request = tiny_request(height=height)  # 57 frames: 5 blocks, the decoder's causal cache carried across
-    results = run_group(sp, split_decode, (config, request), timeout_s=300)
+    results = run_group(sp, split_decode, (settings, request), timeout_s=300)
     owner = results[0]
     assert all(r["shared"] for r in results)
     assert len(owner["blocks"]) == 5

@@ -104,8 +104,8 @@ def wan21_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.timeout(120)
 def test_the_engine_decodes_with_it_and_records_it(wan21_checkpoint: str, tiny_checkpoint: str, weights: Path,
                                                    tiny: StreamingTinyDecoder) -> None:
-    config = tiny_settings(wan21_checkpoint, decoder="tiny", tiny_decoder_path=str(weights))
-    engine = WorldModelEngine.load(config)
+    settings = tiny_settings(wan21_checkpoint, decoder="tiny", tiny_decoder_path=str(weights))
+    engine = WorldModelEngine.load(settings)
     assert engine.conditions.vae.decoder is None  # the VAE keeps its encoder only
     assert parse_settings(engine.settings_used, "settings_used")["decoder"] == "tiny"
     request = tiny_request(num_frames=21, height=32, width=32, image=sample_image(32))  # 2 blocks
@@ -122,4 +122,4 @@ def test_the_engine_decodes_with_it_and_records_it(wan21_checkpoint: str, tiny_c
                          ({"checkpoint": tiny_checkpoint}, "this checkpoint's VAE has z_dim 4"),
                          ({"decoder": "taehv"}, "supported")):
         with pytest.raises(ConfigError, match=why):
-            WorldModelEngine.load(dataclasses.replace(config, **changes))
+            WorldModelEngine.load(dataclasses.replace(settings, **changes))

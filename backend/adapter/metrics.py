@@ -99,13 +99,13 @@ class StreamMetrics:
             self.queue_depth = depth.Metric(labels=labels)
             self.free_slots = free.Metric(labels=labels)
 
-    def show_settings(self, settings: Mapping[str, Setting]) -> None:
+    def show_settings(self, sources: Mapping[str, Setting]) -> None:
         """One gauge per resolved setting, its value, labelled with where it came from."""
         family = pb_utils.MetricFamily("lingbot_world_setting", "a resolved engine setting; source: where it came from",
                                        pb_utils.MetricFamily.GAUGE)
         self._families.append(family)
         self._settings = []
-        for name, setting in settings.items():
+        for name, setting in sources.items():
             metric = family.Metric(labels={**self._labels, "setting": name, "source": setting.source})
             metric.set(float(setting.value))
             self._settings.append(metric)

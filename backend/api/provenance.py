@@ -25,9 +25,9 @@ ADDED_SETTINGS = {"decoder": "vae", "kv_reuse": "False"}
 MAX_SETTINGS_BYTES = 512
 
 
-def settings_of(config: object) -> str:
-    """The settings_used of an engine configuration (any object with the RESULT_SETTINGS as attributes)."""
-    return format_settings({name: getattr(config, name) for name in RESULT_SETTINGS})
+def settings_of(settings: object) -> str:
+    """The settings_used of an engine's settings (any object with the RESULT_SETTINGS as attributes)."""
+    return format_settings({name: getattr(settings, name) for name in RESULT_SETTINGS})
 
 
 def format_settings(values: dict[str, object]) -> str:

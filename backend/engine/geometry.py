@@ -39,7 +39,7 @@ class VideoGeometry:
 
     @staticmethod
     def build(
-        config: EngineSettings,
+        settings: EngineSettings,
         ckpt: CheckpointConfigs,
         height: int,
         width: int,
@@ -58,15 +58,15 @@ class VideoGeometry:
         latent_frames = 0
         if num_frames is not None:
             t = ckpt.vae.temporal_factor
-            block_video = config.block_frames * t
+            block_video = settings.block_frames * t
             if num_frames < 1 or (num_frames - 1) % t != 0:
                 raise error(f"num_frames={num_frames} must be 1 + {t} x k (causal VAE, temporal factor {t})")
             latent_frames = 1 + (num_frames - 1) // t
-            if latent_frames % config.block_frames != 0:
-                first = t * config.block_frames - t + 1
+            if latent_frames % settings.block_frames != 0:
+                first = t * settings.block_frames - t + 1
                 raise error(
                     f"num_frames={num_frames} gives {latent_frames} latent frames, not a multiple of "
-                    f"block_frames={config.block_frames}; use {first} + {block_video} x k frames (e.g. 81)"
+                    f"block_frames={settings.block_frames}; use {first} + {block_video} x k frames (e.g. 81)"
                 )
         geometry = VideoGeometry(
             height=height,
@@ -75,17 +75,17 @@ class VideoGeometry:
             latent_width=width // ckpt.vae.spatial_factor,
             grid_height=height // factor_h,
             grid_width=width // factor_w,
-            block_frames=config.block_frames,
+            block_frames=settings.block_frames,
             latent_frames=latent_frames,
-            sp_degree=config.sp_degree,
+            sp_degree=settings.sp_degree,
         )
-        if geometry.block_tokens % config.sp_degree != 0:
+        if geometry.block_tokens % settings.sp_degree != 0:
             near = ", ".join(f"{w} x {h}" for w, h in sizes_near(width, height, factor_w, factor_h,
-                                                                   config.block_frames, config.sp_degree))
+                                                                   settings.block_frames, settings.sp_degree))
             raise error(
-                f"block token count {geometry.block_tokens} ({config.block_frames} frames x "
+                f"block token count {geometry.block_tokens} ({settings.block_frames} frames x "
                 f"{geometry.grid_height} x {geometry.grid_width} tokens at width x height = {width} x {height}) is "
-                f"not divisible by sp_degree={config.sp_degree}; sizes near it that are: {near}"
+                f"not divisible by sp_degree={settings.sp_degree}; sizes near it that are: {near}"
             )
         return geometry
 

@@ -30,12 +30,12 @@ class EngineParts:
 def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> EngineParts:
     """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
     checkpoint, as its layout reads them, and the tiny decoder when the settings choose it."""
-    config, layout = spec.config, spec.checkpoint.layout
-    device, dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
+    settings, layout = spec.settings, spec.checkpoint.layout
+    device, dtype = torch.device(settings.device), TORCH_DTYPES[settings.dtype]
     transformer = load_transformer(layout.transformer, spec.checkpoint.transformer, dtype, device, part)
     prompts = None
     if rank == ENCODER_RANK:
         encoder, tokenizer = layout.load_text_encoder(dtype, device)
         prompts = PromptEncoder(encoder, tokenizer, spec.checkpoint.transformer.text_len, device)
-    tiny = load_tiny_decoder(config.tiny_decoder_path, device) if config.decoder == "tiny" else None
+    tiny = load_tiny_decoder(settings.tiny_decoder_path, device) if settings.decoder == "tiny" else None
     return EngineParts(transformer, prompts, layout.load_vae(torch.float32, device), tiny)

@@ -59,30 +59,30 @@ class WorldModelEngine:
         tp_degree > 1 (else the group is the SP group). decode_group: the group's ranks again, for each block's
         decode split by image rows (its band exchanges run on the decode thread); None: the owner decodes whole
         frames."""
-        config = spec.config
+        settings = spec.settings
         self.spec = spec
-        self.config = config
+        self.settings = settings
         self.sp = sp or SequenceParallel()
         self.mesh = mesh or Mesh.whole(self.sp)
-        if self.mesh.tp.degree != config.tp_degree:
-            raise ValueError(f"tp_degree={config.tp_degree} needs a Mesh of that degree, got {self.mesh.tp.degree}")
+        if self.mesh.tp.degree != settings.tp_degree:
+            raise ValueError(f"tp_degree={settings.tp_degree} needs a Mesh of that degree, got {self.mesh.tp.degree}")
         self.ckpt = spec.checkpoint
-        self.device = torch.device(config.device)
-        self.dtype = TORCH_DTYPES[config.dtype]
+        self.device = torch.device(settings.device)
+        self.dtype = TORCH_DTYPES[settings.dtype]
         self.window_frames, self.sink_frames = spec.window_frames, spec.sink_frames
-        self.attention_name, self.attention = select_attention(config.attention_backend, self.device, self.dtype)
+        self.attention_name, self.attention = select_attention(settings.attention_backend, self.device, self.dtype)
         parts = parts or load_parts(spec, self.sp.rank, TensorPart(self.mesh.tp.rank, self.mesh.tp.degree))
         self.transformer: LingBotTransformer = parts.transformer
         log.info("rank %d: transformer weights %d bytes on this rank (tp_degree=%d, tp rank %d)", self.sp.rank,
                  self.transformer.weight_bytes(), self.mesh.tp.degree, self.mesh.tp.rank)
-        if config.compile:
+        if settings.compile:
             self.transformer.compile_blocks()
         tcfg = self.ckpt.transformer
         # One rank encodes prompts (the others receive the states and never load the text encoder).
         self.prompts = SharedPrompts(parts.prompts if self.sp.rank == ENCODER_RANK else None, self.sp,
                                      (1, tcfg.text_len, tcfg.text_dim), self.dtype, self.device)
         # The block decoder: the Wan VAE's, or the tiny decoder's (decoder=tiny), which decodes on the owner alone.
-        fast_cpu = config.cpu_vae_kernels == "onednn"  # the VAE's float32 CPU kernels (model/cpu_vae)
+        fast_cpu = settings.cpu_vae_kernels == "onednn"  # the VAE's float32 CPU kernels (model/cpu_vae)
         self.vae: StreamingVae | StreamingTinyDecoder
         if parts.tiny_decoder is not None:
             self.vae = StreamingTinyDecoder(parts.tiny_decoder, self.device)
@@ -97,17 +97,17 @@ class WorldModelEngine:
         self.vae_config = dict(parts.vae.config)  # the VAE's architecture (a snapshot's size: snapshot/size)
         # What a snapshot's size and fit depend on, for callers that hold no engine (the owner's admission).
         self.snapshot_facts = snapshots.SnapshotFacts(spec, self.vae_config, self.sp.degree, self.dtype.itemsize)
-        steps = config.denoise_steps
+        steps = settings.denoise_steps
         self.schedule = dmd_schedule(spec.shift, tuple(range(0, 1000, 1000 // steps))[:steps])
         self._ids = itertools.count()
         self.prompt_events = 0  # prompt events applied (set_prompt calls)
 
     @classmethod
-    def load(cls, config: EngineSettings, sp: SequenceParallel | None = None,
+    def load(cls, settings: EngineSettings, sp: SequenceParallel | None = None,
              decode_group: dist.ProcessGroup | None = None, mesh: Mesh | None = None) -> WorldModelEngine:
         """Validate the settings against the checkpoint's configs, then load its weights."""
         sp = sp or SequenceParallel()
-        return cls(checked_spec(config, sp.degree), sp, decode_group=decode_group, mesh=mesh)
+        return cls(checked_spec(settings, sp.degree), sp, decode_group=decode_group, mesh=mesh)
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -118,7 +118,7 @@ class WorldModelEngine:
     @property
     def settings_used(self) -> str:
         """The settings a block's latents depend on (api/provenance), as this engine runs them."""
-        return settings_of(self.config)
+        return settings_of(self.settings)
 
     @torch.no_grad()
     def open_session(self, request: SessionRequest, geometry: VideoGeometry, session_id: str | None = None,
@@ -145,7 +145,7 @@ class WorldModelEngine:
             dtype=self.dtype,
             device=self.device,
         )
-        decode_state = self.vae.new_decode_state() if self.config.decode_frames and request.decode else None
+        decode_state = self.vae.new_decode_state() if self.settings.decode_frames and request.decode else None
         session_id = session_id or f"session-{next(self._ids)}"
         return Session(
             id=session_id,
@@ -235,12 +235,12 @@ class WorldModelEngine:
         geometry = sessions[0].geometry
         if any(s.geometry.block_shape != geometry.block_shape or s.done for s in sessions):
             raise ValueError("run_block: sessions must share one block shape and have blocks left")
-        if teacher and self.config.kv_reuse:
+        if teacher and self.settings.kv_reuse:
             raise ValueError("run_block: a teacher replaces the commit forward's latents; kv_reuse runs none")
         start = time.perf_counter()
         self.mesh.sp.stats.reset()
         self.mesh.tp.stats.reset()
-        bf = self.config.block_frames
+        bf = self.settings.block_frames
         z = self.ckpt.vae.z_dim
         starts = [s.block_index * bf for s in sessions]
         for s in sessions:
@@ -266,7 +266,7 @@ class WorldModelEngine:
             clean = flow_to_x0(x, self._predict(x, condition, camera, timesteps, geometry, ctx), sigma)
             if k < len(schedule.renoise_sigmas):
                 x = renoise(clean, noise(), schedule.renoise_sigmas[k])
-        if self.config.kv_reuse:  # the last step's forward has written the block's K/V: they are its history
+        if self.settings.kv_reuse:  # the last step's forward has written the block's K/V: they are its history
             committed, commit_t = x, float(t)
         else:
             if teacher:

@@ -46,7 +46,7 @@ class Admission:
             self._check_controls(step.controls)
 
     def _check_controls(self, controls: Controls) -> None:
-        controls.check_frames(block_video_frames(self.spec.config.block_frames, first=False))
+        controls.check_frames(block_video_frames(self.spec.settings.block_frames, first=False))
         if controls.recache and self.spec.window_frames == GLOBAL_WINDOW:
             raise InputError(f"request parameter '{PARAM_RECACHE}' needs a sliding window: this server runs "
                              f"window_frames={GLOBAL_WINDOW} (global attention), where a recache would recompute "

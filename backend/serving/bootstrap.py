@@ -70,7 +70,8 @@ class Hooks:
     """What the host of a member (the Triton adapter, a test) learns from it; every hook is optional."""
 
     on_failure: Callable[[BaseException], None] = lambda exc: None  # the group failed; the model is freed
-    on_settings: Callable[[dict], None] = lambda settings: None  # the resolved settings, before loading
+    on_settings: Callable[[dict], None] = lambda sources: None  # the resolved settings and where each came from
+    # (EngineSpec.sources), before loading
     on_prompts: Callable[[int, int], None] | None = None  # see LoopHooks
     on_ended: Callable[[str], None] | None = None  # see LoopHooks
     on_queue: Callable[[QueueCounts], None] | None = None  # see LoopHooks
@@ -116,7 +117,7 @@ class GroupMember:
             threads = CoreSplit.of(cores)
         self.rank, self.hooks = rank, hooks
         self._unloading = threading.Event()  # set by Triton's finalize thread, read by the loop's failure path
-        hooks.on_settings(spec.settings)
+        hooks.on_settings(spec.sources)
         if rank == 0:
             log.info("checkpoint %s: %s layout", engine_settings.checkpoint, spec.checkpoint.layout.kind.name)
             for line in describe_settings(spec):

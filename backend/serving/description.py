@@ -10,13 +10,13 @@ from .settings import ServingSettings
 
 
 def describe(spec: EngineSpec, serving: ServingSettings) -> ServerDescription:
-    config = spec.config
+    settings = spec.settings
     return ServerDescription(
-        layout=spec.checkpoint.layout.kind.name, block_frames=config.block_frames,
-        settings_used=settings_of(config),
+        layout=spec.checkpoint.layout.kind.name, block_frames=settings.block_frames,
+        settings_used=settings_of(settings),
         max_frames=serving.max_frames, max_pixels=serving.max_pixels, max_input_pixels=serving.max_input_pixels,
-        max_sessions=serving.max_sessions, max_queue=serving.max_queue, default_height=config.default_height,
-        default_width=config.default_width,
+        max_sessions=serving.max_sessions, max_queue=serving.max_queue, default_height=settings.default_height,
+        default_width=settings.default_width,
     )
 
 

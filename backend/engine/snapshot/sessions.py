@@ -44,7 +44,7 @@ class Engine(Protocol):
     a session's opening."""
 
     spec: EngineSpec
-    config: EngineSettings
+    settings: EngineSettings
     ckpt: CheckpointConfigs
     sp: SequenceParallel
     mesh: Mesh
@@ -119,16 +119,16 @@ class SnapshotFacts:
 
     def manifest(self, snapshot_id: str, latent_rows: int, files: list[FileEntry]) -> Manifest:
         """The manifest of a session's snapshot from every rank's written files (on its owner, which publishes it)."""
-        config = self.spec.config
-        grid = {"tp_degree": config.tp_degree, "sp_degree": config.sp_degree, "latent_rows": latent_rows}
-        return Manifest(snapshot_id, time.time(), settings_of(config), self.model(), grid, tuple(files))
+        settings = self.spec.settings
+        grid = {"tp_degree": settings.tp_degree, "sp_degree": settings.sp_degree, "latent_rows": latent_rows}
+        return Manifest(snapshot_id, time.time(), settings_of(settings), self.model(), grid, tuple(files))
 
     def check_fits(self, snapshot: Snapshot) -> None:
         """SnapshotError SETTINGS_MISMATCH naming each setting (and the model's geometry) that differs."""
         saved = snapshot.manifest
         with faults_as_invalid("the manifest's settings_used"):
             theirs = parse_settings(saved.settings_used, "the snapshot's settings_used")
-        differ = setting_differences(theirs, parse_settings(settings_of(self.spec.config), "settings_used"))
+        differ = setting_differences(theirs, parse_settings(settings_of(self.spec.settings), "settings_used"))
         if saved.model != (ours := self.model()):
             differ.append(f"model: the snapshot's {saved.model}, this server's {ours}")
         if differ:
@@ -146,8 +146,8 @@ class SnapshotFacts:
                                     spec.sink_frames * g.tokens_per_frame) if keep_commits else 0
         encoder_bytes, encoder_tensors = condition_encoder_state(self.vae_config, g.height, g.width)
         decode_bytes, decode_tensors = 0, 0
-        if spec.config.decode_frames and request.decode:
-            if spec.config.decoder == "tiny":
+        if spec.settings.decode_frames and request.decode:
+            if spec.settings.decoder == "tiny":
                 decode_bytes, decode_tensors = tiny_decoder_state(g.latent_height, g.latent_width)
             else:
                 decode_bytes, decode_tensors = vae_decoder_state(self.vae_config, g.latent_height, g.latent_width)
@@ -239,7 +239,7 @@ def read_rank(engine: Engine, snapshot: Snapshot, geometry: VideoGeometry, owner
     if engine.conditions is not None:
         vae_device = next(engine.conditions.vae.parameters()).device
         condition = _to(read_condition(snapshot), vae_device)
-    decodes = bool(snapshot.manifest.entries(DECODE)) and engine.config.decode_frames and request.decode
+    decodes = bool(snapshot.manifest.entries(DECODE)) and engine.settings.decode_frames and request.decode
     split = decodes and engine.vae.splits(geometry.latent_height)
     rows = decode_rows(engine.vae, engine.sp.rank, geometry.latent_height, decodes, split, owner)
     decode = None
