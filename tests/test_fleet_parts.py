@@ -562,3 +562,62 @@ def test_a_stub_whose_servers_launcher_dies_exits_though_its_parent_lives() -> N
         for pid in (server, stub):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_group_restarts_after_each_crash_of_a_long_life_and_stays_down_after_a_crash_loop() -> None:
+    """Exits of a launcher whose group never served count in a row: the fleet backs off, then leaves it down after
+    RESTARTS. A group that served STABLE_S clears the count, so the same crashes spread over its life (a soak's
+    faults, with drains between) restart it every time."""
+    from backend.fleet import supervisor
+
+    class Group(supervisor.SupervisedGroup):
+        def __init__(self) -> None:
+            super().__init__(GroupAddress("g", "127.0.0.1", 1, 2, 3), 4, [], {}, Path("launcher.log"))
+            self.rc: int | None = None
+            self.serves = False
+
+        def start(self) -> None:
+            self.starts += 1
+            self.serving_since, self.rc = None, None
+
+        def exited(self) -> int | None:
+            return self.rc
+
+        def ready(self) -> bool:
+            return self.serves
+
+    def crash_and_restart(group: Group, now: float) -> float:
+        group.rc = 1
+        group.supervise(now)
+        if group.given_up:
+            return now
+        assert group.next_start_s is not None and group.next_start_s > now
+        group.supervise(group.next_start_s)
+        assert group.starts > 0 and group.rc is None
+        return group.next_start_s or now
+
+    long_lived = Group()
+    long_lived.start()
+    now = 0.0
+    for _ in range(3 * supervisor.RESTARTS):  # each crash after the group served its stable stretch
+        long_lived.serves = True
+        long_lived.supervise(now)
+        now += supervisor.STABLE_S
+        now = crash_and_restart(long_lived, now) + 1.0
+    assert not long_lived.given_up and long_lived.starts == 1 + 3 * supervisor.RESTARTS
+
+    looping = Group()
+    looping.start()
+    now = 0.0
+    for _ in range(supervisor.RESTARTS + 1):  # it never serves
+        now = crash_and_restart(looping, now) + 1.0
+    assert looping.given_up and looping.starts == 1 + supervisor.RESTARTS
+
+    brief = Group()  # serves, but dies within its stable stretch each time: still a loop
+    brief.start()
+    now = 0.0
+    for _ in range(supervisor.RESTARTS + 1):
+        brief.serves = True
+        brief.supervise(now)
+        now = crash_and_restart(brief, now + 1.0) + 1.0
+    assert brief.given_up

@@ -46,7 +46,7 @@ LOOPBACK = "127.0.0.1"
 RESTARTS = 5  # a group's restarts in a row before the fleet leaves it down
 FIRST_BACKOFF_S = 1.0  # doubles with each restart in a row, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 30.0
-STABLE_S = 120.0  # a group up this long has its restart count cleared
+STABLE_S = 30.0  # a group that has served this long since its start is no longer in a crash loop: its count clears
 SUPERVISE_S = 0.5  # how often the fleet looks at its groups and its balancer
 STOP_S = 10.0  # a launcher's stop after its drain (it takes at most ~4 s: docs/serving.md, "Stopping")
 # A launcher's exit on SIGTERM (launcher.Termination; killed by it before its handler was set): asked for, no crash.
@@ -64,8 +64,8 @@ class SupervisedGroup:
                                                                                   log_path)
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
-        self.started_s = 0.0
-        self.restarts = 0  # in a row
+        self.restarts = 0  # in a row: exits of a launcher whose group had not served STABLE_S since its start
+        self.serving_since: float | None = None  # when its group first read ready since its start
         self.next_start_s: float | None = None  # a restart waiting out its backoff
         self.given_up = False
 
@@ -75,7 +75,7 @@ class SupervisedGroup:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True, preexec_fn=terminate_with_parent)
         self.starts += 1
-        self.started_s = time.monotonic()
+        self.serving_since = None
 
     def ready(self) -> bool:
         url = f"http://{self.address.host}:{self.address.http_port}/v2/models/{MODEL_NAME}/ready"
@@ -90,7 +90,8 @@ class SupervisedGroup:
 
     def supervise(self, now: float) -> None:
         """Restart a launcher that exited: at once when it was asked to (a restart), else (its tritonserver died)
-        after its backoff; give up after RESTARTS of those in a row."""
+        after its backoff; give up after RESTARTS of those in a row. A group that served STABLE_S since its start
+        (however it ended: a drain, a kill) clears the count, so faults spread over a group's life never add up."""
         if self.given_up:
             return
         if self.next_start_s is not None:
@@ -101,9 +102,11 @@ class SupervisedGroup:
                 self.start()
             return
         rc = self.exited()
+        if self.serving_since is None and rc is None and self.ready():
+            self.serving_since = now
+        if self.serving_since is not None and now - self.serving_since >= STABLE_S:
+            self.restarts = 0
         if rc is None:
-            if now - self.started_s > STABLE_S:
-                self.restarts = 0
             return
         if rc in ASKED_EXITS:  # the fleet's own stop gives up on the group first
             log.warning("%s: its launcher drained and stopped on SIGTERM; starting it again", self.address.name)
