@@ -63,7 +63,7 @@ def books(store: BooksServer) -> Books:
     return books
 
 
-def test_a_key_s_seats_and_line_hold_across_owners_and_a_silent_owner_s_leases_expire(store: BooksServer,
+def test_a_key_s_seats_and_queue_hold_across_owners_and_a_silent_owner_s_leases_expire(store: BooksServer,
                                                                                       books: Books) -> None:
     """Two clients of the store (two groups): sessions=2 queue=1 gives two seats, then one place, then none, whoever
     asks; a freed seat goes to the waiting lease that asks; leases not renewed expire after their life."""
@@ -124,6 +124,9 @@ def test_a_store_that_stops_answering_is_named_within_its_bound_and_serves_again
     assert time.monotonic() - began < 3 * CALL_TIMEOUT_S
     store.start()
     assert books.take("alice", "l1", quota, 10.0).kind == "seat"  # a restart keeps nothing: the renewals bring it back
+    store.stop()  # restarted while the client's pooled connection was idle: its next call is served, not refused
+    store.start()
+    assert books.take("alice", "l2", Quota(sessions=2), 10.0).kind == "seat"
 
 
 def test_a_store_over_tls_with_a_password_and_its_refusals(tmp_path: Path) -> None:

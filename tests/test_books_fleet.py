@@ -243,7 +243,8 @@ def test_the_books_stopped_refuse_new_sessions_running_ones_go_on_and_started_se
                 assert running.next_block(30) is not None
         finally:
             fleet.books.start()  # on its port, empty: the fleet pushes the keys again, the leases renew themselves
-        wait_until(lambda: refused(group1, alice) is None, 20, "a new session served by the books again")
+        for url in fleet.groups:  # each group asks again within RETRY_S of its last unanswered call
+            wait_until(lambda u=url: refused(u, alice) is None, 20, f"a new session served on {url} by the books again")
         running.step(Controls(keys="d"))
         assert running.next_block(30) is not None
 

@@ -61,7 +61,7 @@ class Leases:
         self._renewed_s = clock()
 
     def take(self, session_id: str, who: Principal) -> bool:
-        """A new session's lease: True seated, False waiting in its key's line. Refused (its refusal) past the key's
+        """A new session's lease: True seated, False waiting in its key's queue. Refused (its refusal) past the key's
         limits across the fleet, or while the books do not answer."""
         if self.books is None or not counted(who.quota):
             return True
