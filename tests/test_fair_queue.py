@@ -60,7 +60,7 @@ def test_a_key_whose_sessions_all_ended_counts_as_not_served_recently() -> None:
     assert ids(s.plan([RankEvents(cancelled=["c0"])]).opens) == ["a1"]
 
 
-def test_without_keys_the_line_is_first_come_first_served() -> None:
+def test_without_keys_the_queue_is_first_come_first_served() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("", f"s{i}") for i in range(4)])])
     assert ids(s.waiting()) == ["s1", "s2", "s3"]
@@ -118,7 +118,7 @@ def test_each_slot_that_frees_seats_one_waiting_session() -> None:
     assert served == ["c1", "b0", "c2"]
 
 
-def test_the_line_waits_follow_the_fair_order() -> None:
+def test_the_queue_waits_follow_the_fair_order() -> None:
     s = Scheduler(ServingSettings(max_sessions=1, max_queue=8))
     s.plan([RankEvents(submissions=[of("A", "a0", blocks=2)])])
     s.plan([RankEvents(submissions=[of("A", f"a{i}", blocks=2) for i in (1, 2)] + [of("B", "b0", blocks=2)])])

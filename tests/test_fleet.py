@@ -214,7 +214,7 @@ def free_slots(fleet: Fleet) -> list[float]:
     return [gauge(g, "lingbot_world_free_slots") for g in fleet.groups]
 
 
-def test_sessions_land_evenly_one_more_waits_in_line_and_a_full_group_spills_to_the_one_with_room(fleet) -> None:
+def test_sessions_land_evenly_one_more_waits_in_the_queue_and_a_full_group_spills_to_the_one_with_room(fleet) -> None:
     # Four players through the balancer: two on each group (leastconn over open streams).
     with holding(fleet.url, 4):
         assert free_slots(fleet) == [0, 0]

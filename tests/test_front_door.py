@@ -190,7 +190,7 @@ def request_inputs_of(values: dict[str, str]) -> list:
     return pack_inputs({name: np.array([text.encode()], dtype=np.object_) for name, text in values.items()})
 
 
-def test_the_line_is_fair_between_keys_a_later_key_gets_the_next_slot(door, pki: Pki) -> None:
+def test_the_queue_is_fair_between_keys_a_later_key_gets_the_next_slot(door, pki: Pki) -> None:
     """carol takes both slots and queues three more; bob queues one after them: he is told he is next, and the
     slot carol frees is his."""
     carol = trusted(pki, KEYS["carol"])

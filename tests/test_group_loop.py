@@ -49,7 +49,7 @@ def loop(engine: WorldModelEngine):
     group.stop()
 
 
-def test_sessions_stream_wait_in_line_and_end_through_the_inbox(loop) -> None:
+def test_sessions_stream_wait_in_the_queue_and_end_through_the_inbox(loop) -> None:
     group, answers, admission = loop
     for sid, frames in (("a", 21), ("b", 9), ("c", 9)):
         group.post(mail.Submitted(admission.session(tiny_request(decode=False, num_frames=frames), sid, 0)))

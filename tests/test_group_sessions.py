@@ -196,7 +196,7 @@ def test_a_recache_without_its_event_or_under_global_attention_is_refused(sp2_gr
             bounded.step(Controls(keys="w", prompt="rain", recache=True)).next()
 
 
-def test_waiting_sessions_are_told_their_place_at_once_and_as_it_moves_and_a_full_line_refuses(sp2_group) -> None:
+def test_waiting_sessions_are_told_their_place_at_once_and_as_it_moves_and_a_full_queue_refuses(sp2_group) -> None:
     """3 slots (sp2_group's max_sessions), 16 places (max_queue): each waiting session hears its place as soon as
     it is in the queue, a client that leaves is out of the queue at once and those behind move up, a freed slot goes to
     the first in the queue (place 0, then its first block), and the 20th start is refused with its retry time."""

@@ -146,7 +146,7 @@ def test_a_bad_keys_file_is_refused_naming_its_line(text: str, words: str) -> No
         KeyRing.parse("# a comment\n\n" + text if "line 2" not in words else text)
 
 
-def test_a_key_may_be_kept_out_of_the_line_with_queue_0() -> None:
+def test_a_key_may_be_kept_out_of_the_queue_with_queue_0() -> None:
     (entry,) = KeyRing.parse(f"alice sha256:{'0' * 64} sessions=1 queue=0").entries
     assert entry.quota == Quota(sessions=1, queue=0)
 

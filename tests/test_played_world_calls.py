@@ -56,7 +56,7 @@ def test_a_world_ended_with_every_block_read_ends_in_next_block_at_once() -> Non
     assert world.next_block(5) is None
 
 
-def test_on_place_hears_each_place_in_line_and_nothing_else() -> None:
+def test_on_place_hears_each_place_in_the_queue_and_nothing_else() -> None:
     server, places = StandIn(), []
 
     def session_in_line(*args: object, **kwargs: object):

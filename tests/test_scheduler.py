@@ -263,7 +263,7 @@ def test_a_recache_event_runs_at_a_boundary_of_its_own_then_its_block_says_so() 
     assert not s.plan([RankEvents(steps=[StepEvent("a", Controls(keys="d"))])]).controls["a"].recached
 
 
-def test_the_line_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it() -> None:
+def test_the_queue_waits_for_slots_in_order_and_a_refusal_for_the_place_behind_it() -> None:
     """Each waiting session takes the slot that frees first, and holds it for its own length."""
     assert slot_waits([30.0, 10.0], free=0, queued_s=[5.0, 5.0, 5.0]) == [10.0, 15.0, 20.0]
     assert slot_waits([30.0], free=1, queued_s=[8.0, 4.0]) == [0.0, 8.0]
@@ -290,7 +290,7 @@ def test_a_drain_moves_each_playing_world_with_its_snapshot_and_ends_the_rest() 
     assert s.table == {}
 
 
-def test_a_full_line_asks_back_after_its_wait_at_most_a_minute_and_after_5_s_before_any_block() -> None:
+def test_a_full_queue_asks_back_after_its_wait_at_most_a_minute_and_after_5_s_before_any_block() -> None:
     assert retry_after_s(UNKNOWN_WAIT_S) == UNMEASURED_RETRY_S == 5.0
     assert retry_after_s(0.25) == 0.25 and retry_after_s(59.5) == 59.5
     assert retry_after_s(MAX_RETRY_S) == retry_after_s(3600.0) == MAX_RETRY_S == 60.0
@@ -305,7 +305,7 @@ def test_the_measured_times_move_30_percent_towards_each_new_one() -> None:
     assert average.value == pytest.approx(13.0)
 
 
-def test_the_line_counts_how_far_each_playing_session_has_come() -> None:
+def test_the_queue_counts_how_far_each_playing_session_has_come() -> None:
     """A slot frees after its holder's blocks left (a clip) or its expected life less its age (open-ended), not
     after a whole session from the start: the wait told to the line and a full queue's retry time alike."""
     s = Scheduler(ServingSettings(max_sessions=2, max_queue=1, max_batch=2))
@@ -337,7 +337,7 @@ def test_a_round_serves_every_slot_in_batches_and_a_waiting_open_ended_session_h
     assert queue_waits(s, clocks, {"a": 0.0, "b": 0.0}, 0.0, extra=1) == [12.0, 42.0]
 
 
-def test_the_line_s_counts_for_the_metrics_port() -> None:
+def test_the_queue_s_counts_for_the_metrics_port() -> None:
     s = Scheduler(ServingSettings(max_sessions=3, max_queue=2))
     s.plan([RankEvents(submissions=[sub("a"), steered("b"), sub("c", size=32), sub("d"), sub("e")])])
     s.plan([RankEvents(steps=[StepEvent("b", Controls(keys="d"), end=True)])])  # "b" ends after its steps

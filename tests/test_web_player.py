@@ -288,7 +288,7 @@ def test_the_event_box_changes_the_prompt_in_force(player_url, sp1_server, brows
 
 
 @pytest.mark.slow  # the queue's places are also told in test_group_sessions, the page's in test_a_refused_start
-def test_ten_pages_at_once_each_know_where_they_stand_and_the_line_drains_in_order(player_url, browser) -> None:
+def test_ten_pages_at_once_each_know_where_they_stand_and_the_queue_drains_in_order(player_url, browser) -> None:
     """The shared server has 3 slots and 4 places in the queue: of 10 pages started at once, within 2 s the 3 with a
     slot play or compute their first block, the 4 in the queue show their places 1-4, and the 3 beyond are refused at
     once with the capacity code and a retry time. Stopping the players hands the slots down the line in order.

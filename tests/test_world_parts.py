@@ -149,7 +149,7 @@ def test_the_bound_is_blocks_times_the_longest_of_the_last_samples_and_a_first_b
     assert clock.first_pending and clock.bound_s() == pytest.approx(1.2 + 3.0)
 
 
-def test_a_place_in_line_or_a_save_s_outcome_is_a_sign_of_life_and_a_block_s_time_runs_from_a_place_in_line() -> None:
+def test_a_place_in_the_queue_or_a_save_s_outcome_is_a_sign_of_life_and_a_block_s_time_runs_from_a_place_in_the_queue() -> None:
     clock = StallClock(floor_s=1.0, blocks=4, samples=8)
     clock.block(arrival_s=0.5, sent_s=0.0)
     clock.block(arrival_s=1.2, sent_s=1.0)
