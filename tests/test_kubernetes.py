@@ -7,6 +7,9 @@ import contextlib
 import dataclasses
 import signal
 import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,9 @@ from backend.fleet.balancer import HAPROXY, check_config, server_states, start_h
 from backend.parallel.ports import free_port
 from polling import wait_until
 from system_tools import requires_tool
+from triton_harness import tiny_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MANIFESTS = sorted((Path(__file__).resolve().parent.parent / "deploy" / "kubernetes").glob("*.yaml"))
 VERSION = kubernetes_validate.latest_version()
@@ -148,3 +154,97 @@ def test_a_pod_s_name_published_takes_its_slot_into_the_checks_and_one_removed_l
         finally:
             haproxy.terminate()
             haproxy.wait(5)
+
+
+@contextlib.contextmanager
+def group_pod(address: str, ports: tuple[int, int, int, int], parameters: dict[str, str], out: Path
+              ) -> Iterator[subprocess.Popen[bytes]]:
+    """A group as its pod runs it (groups.yaml's launcher), on its own loopback address with the pods' ports."""
+    grpc, http, metrics, agent = ports
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "launcher.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.launch", "--sp", "1", "--kind", "cpu", "--address", address,
+             "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics), "--agent-port",
+             str(agent), "--repository-out", str(out / "repo"), "--log-file", str(out / "tritonserver.log"),
+             "--drain-timeout-s", "30", *(a for k, v in parameters.items() for a in ("--param", f"{k}={v}"))],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.mark.server
+@requires_tool(Path(HAPROXY).is_file(), f"HAProxy at {HAPROXY} (Debian's haproxy)")
+@requires_tool(Path(DNSMASQ).is_file(), f"dnsmasq at {DNSMASQ} (Debian's dnsmasq)")
+def test_groups_found_by_dns_come_and_go_and_a_drained_group_s_world_goes_on_elsewhere_bit_for_bit(
+        tmp_path: Path, tiny_checkpoint: str) -> None:
+    """Two SP1 group pods (127.0.0.2 and 127.0.0.3, the same ports) behind the manifests' HAProxy render, a real
+    dnsmasq as the cluster's DNS. A world plays on group 0 alone; group 1's name published takes it into rotation;
+    group 0 SIGTERMed (the kubelet's stop) drains: the world ends MOVED and goes on on group 1 at its next block, the
+    launcher exits well within the grace period; its name removed, it leaves the rotation. The world's blocks are
+    those of an uninterrupted run of the same steps, bit for bit."""
+    from bench.drain import Player, same_world
+    from factories import tiny_request
+
+    parameters = tiny_parameters(tiny_checkpoint, 1, max_sessions="2", max_queue="1", max_batch="1")
+    parameters["snapshot_dir"] = str(tmp_path / "snapshots")  # the shared store (the PVC)
+    ports = (free_port(), free_port(), free_port(), free_port())
+    with running_dns(tmp_path) as dns, contextlib.ExitStack() as stack:
+        groups = dataclasses.replace(k8s.dns_groups(nameservers=(f"127.0.0.1:{dns.port}",), slots=2),
+                                     grpc_port=ports[0], http_port=ports[1], agent_port=ports[3])
+        # Each its own rendezvous port: on one machine a server claims its rank by it host-wide (a pod has its own)
+        pods = [stack.enter_context(group_pod(f"127.0.0.{2 + i}", ports, parameters | {"rendezvous_port": str(
+            free_port())}, tmp_path / f"pod{i}")) for i in range(2)]
+        config, sock, port = tmp_path / "haproxy.cfg", tmp_path / "haproxy.sock", free_port()
+        config.write_text(k8s.haproxy_config(groups, "127.0.0.1", port, sock))
+        haproxy = start_haproxy(config, tmp_path / "haproxy.log")
+        stack.callback(haproxy.wait, 5)
+        stack.callback(haproxy.terminate)
+        url = f"127.0.0.1:{port}"
+
+        def states() -> dict[str, str]:
+            try:
+                return server_states(sock)
+            except OSError:
+                return {}
+
+        for i in range(2):  # as the readiness probe reads it (a name resolved is UP until its first check)
+            wait_until(lambda i=i: model_ready(f"127.0.0.{2 + i}", ports[1]) or pods[i].poll() is not None, 120,
+                       f"pod {i} ready")
+            assert pods[i].poll() is None, (tmp_path / f"pod{i}" / "launcher.log").read_text()
+        dns.publish({groups.host(0): "127.0.0.2"})
+        wait_until(lambda: states().get("group0") == "UP", 20, "group 0 in rotation")
+        world = Player(url, tiny_request(num_frames=9, decode=False, seed=3), 0.5).start()
+        wait_until(lambda: len(world.latents) >= 2 or world.error, 60, "the world playing on group 0")
+        assert world.error is None, world.error
+        dns.publish({groups.host(0): "127.0.0.2", groups.host(1): "127.0.0.3"})
+        wait_until(lambda: states().get("group1") == "UP", 120, "group 1 taken into rotation")
+        pods[0].send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        wait_until(lambda: world.moves, 30, "the world moved")
+        assert pods[0].wait(30) == 143
+        took = time.monotonic() - stopped
+        dns.publish({groups.host(1): "127.0.0.3"})
+        wait_until(lambda: states()["group0"].startswith("MAINT"), 10, "group 0 out of rotation")
+        world.finish(more=3)
+        assert world.error is None and len(world.moves) == 1 and world.moves[0].replayed == 0, world.moves
+        alone = Player(url, world.first, 0.0, len(world.latents)).start().finish()
+        assert alone.error is None and same_world(alone, world)
+        assert took < k8s_grace_s()
+        print(f"group 0 drained and exited {took:.1f} s after SIGTERM (grace period {k8s_grace_s()} s)")
+
+
+def model_ready(host: str, http_port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://{host}:{http_port}/v2/models/lingbot_world/ready", timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def k8s_grace_s() -> int:
+    return by_kind("StatefulSet", k8s.GROUP)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
