@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the venv and run the test suite but its slow tier (--slow adds it: docs/testing.md): the engine, real
 # tritonservers over gRPC, the client, the browser player, the fleet behind HAProxy on its books in Redis. The
-# Debian packages some tests need (openmpi-bin, chromium, iproute2, haproxy, redis-server) are installed when
+# Debian packages some tests need (openmpi-bin, chromium, iproute2, haproxy, redis-server, dnsmasq) are installed when
 # missing (as root with apt-get), else the run stops naming them; then a test skipped for a missing tool fails
 # (LINGBOT_REQUIRE_TOOLS=1). LINGBOT_REQUIRE_TOOLS=0 bash scripts/test.sh tests/test_x.py lets them skip.
 set -uo pipefail
@@ -15,6 +15,7 @@ if [ "$LINGBOT_REQUIRE_TOOLS" = 1 ]; then
   command -v ip >/dev/null || missing+=(iproute2)
   [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
   command -v redis-server >/dev/null || missing+=(redis-server)
+  [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
       echo "installing the Debian packages the tests need: ${missing[*]}..." >&2

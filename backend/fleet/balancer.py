@@ -77,14 +77,54 @@ class GroupAddress:
         return f"{self.host}:{self.grpc_port}"
 
 
-def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, check_interval_s: float,
+@dataclass(frozen=True)
+class DnsGroups:
+    """Groups found by DNS (Kubernetes: deploy/kubernetes/): group i answers at `<prefix>-i.<domain>` (a
+    StatefulSet's pod behind its headless Service), every one on the same ports; `slots` names are listed, each
+    resolved again every check interval: a name that resolves is a group in the rotation, one that stops resolving
+    (its pod gone) leaves it. `nameservers` ("HOST:PORT"); empty: the pod's own (/etc/resolv.conf)."""
+
+    prefix: str
+    domain: str
+    slots: int
+    grpc_port: int
+    http_port: int
+    agent_port: int
+    nameservers: tuple[str, ...] = ()
+
+    def host(self, i: int) -> str:
+        return f"{self.prefix}-{i}.{self.domain}"
+
+
+RESOLVERS = "groups"
+
+
+def _resolvers(dns: DnsGroups, inter: str) -> list[str]:
+    servers = [f"    nameserver dns{i} {ns}" for i, ns in enumerate(dns.nameservers)] or ["    parse-resolv-conf"]
+    return ["resolvers " + RESOLVERS, *servers, "    resolve_retries 2", f"    timeout resolve {inter}",
+            f"    timeout retry {inter}", f"    hold valid {inter}", f"    hold nx {inter}", f"    hold obsolete {inter}",
+            "    accepted_payload_size 8192"]
+
+
+def _dns_servers(dns: DnsGroups, checked: str, inter: str) -> list[str]:
+    """Each slot's line and its backup: one name each (with `track`, which a server-template cannot give each of
+    its servers); the two lines of one name share its address (allow-dup-ip)."""
+    resolved = f"resolvers {RESOLVERS} init-addr none resolve-opts allow-dup-ip resolve-prefer ipv4"
+    lines = [f"    server group{i} {dns.host(i)}:{dns.grpc_port} {checked} port {dns.http_port} weight 100 "
+             f"agent-check agent-port {dns.agent_port} agent-inter {inter} {resolved}" for i in range(dns.slots)]
+    lines += [f"    server group{i}-queue {dns.host(i)}:{dns.grpc_port} proto h2 track group{i} on-marked-down "
+              f"shutdown-sessions backup {resolved}" for i in range(dns.slots)]
+    return lines
+
+
+def render_haproxy(groups: Sequence[GroupAddress] | DnsGroups, address: str, port: int, check_interval_s: float,
                    stats_socket: Path, model: str = MODEL_NAME, tls: BalancerTls | None = None,
-                   max_request_bytes: int = MAX_REQUEST_BYTES) -> str:
-    """The haproxy.cfg of a balancer on `address:port` in front of `groups`."""
+                   max_request_bytes: int = MAX_REQUEST_BYTES, writer: str = "python -m backend.fleet") -> str:
+    """The haproxy.cfg of a balancer on `address:port` in front of `groups` (listed, or found by DNS)."""
     inter = f"{round(check_interval_s * 1000)}ms"
     checked = f"proto h2 check check-proto h1 inter {inter} fall 1 rise 2 on-marked-down shutdown-sessions"
     lines = [
-        "# Written by python -m backend.fleet (backend/fleet/balancer.py); rewritten at every start.",
+        f"# Written by {writer} (backend/fleet/balancer.py); rewritten at every start.",
         "global",
         f"    stats socket {stats_socket} mode 600 level user",
         "    log stderr format short local0 notice",
@@ -112,6 +152,8 @@ def render_haproxy(groups: Sequence[GroupAddress], address: str, port: int, chec
         f"    option httpchk GET /v2/models/{model}/ready",
         "    http-check expect status 200",
     ]
+    if isinstance(groups, DnsGroups):
+        return "\n".join(lines[:1] + _resolvers(groups, inter) + lines[1:] + _dns_servers(groups, checked, inter)) + "\n"
     for g in groups:
         lines.append(f"    server {g.name} {g.grpc_url} {checked} port {g.http_port} weight 100 "
                      f"agent-check agent-addr {g.host} agent-port {g.agent_port} agent-inter {inter}")
