@@ -161,6 +161,41 @@ def test_a_client_that_vanishes_while_parked_ends_its_world_and_frees_its_copy(e
         group.stop()
 
 
+def test_a_step_that_races_its_world_s_park_leaves_no_ghost(engine, tmp_path) -> None:
+    """A step reaches the owner after the group began saving the world's park copy, before the copy is durable (the
+    step sent at park_after_s): the copy is dropped and the world plays; idle again, it parks again, the group's count
+    of parked worlds is the gauge's, and max_parked=1 still takes the next idle world."""
+    counts: list = []
+    group = OneRank(engine, parking(tmp_path, max_sessions=2, max_parked=1), on_queue=counts.append)
+    raced: list[str] = []
+    world = Player(group, "race")
+    writer_post = group.loop.writer._to_loop
+
+    def report(written) -> None:  # the writer's report of the park copy: the world's step arrives first
+        if not raced and written.snapshot_id in group.intake._saves._saves:
+            raced.append(written.snapshot_id)
+            world.step(STEPS[0])
+        writer_post(written)
+
+    group.loop.writer._to_loop = report
+    try:
+        world.block()
+        wait_until(lambda: raced, 20, "the park's copy written")
+        world.block()  # the racing step's block
+        assert group.parked() == set()
+        wait_until(lambda: group.parked() == {world.sid}, 20, "the world parked again")
+        assert counts[-1].parked == 1
+        other = Player(group, "other")
+        other.block()
+        world.step(STEPS[1])  # the first world takes its slot back; the other, idle, parks in its place
+        world.block()
+        wait_until(lambda: group.parked() == {other.sid}, 20, "the other world parked (max_parked=1, no ghost)")
+        held = [s for s in group.scheduler.table.values() if s.parking is not None or s.parked is not None]
+        assert [s.id for s in held] == [other.sid] and counts[-1].parked == 1
+    finally:
+        group.stop()
+
+
 def test_a_group_that_stops_ends_a_world_parked_on_disk_moved_to_its_copy(engine, twin, tmp_path) -> None:
     """No memory tier: the world parks in the snapshot store. The group's loop ends (an unload, a failure) while it is
     parked: its open pause is told MOVED naming the copy, a durable snapshot its client resumes elsewhere."""

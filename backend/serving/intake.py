@@ -251,8 +251,8 @@ class Intake:
         if outcome is None or (part := self._parts.get(outcome.session_id)) is None:
             return
         if outcome.purpose is Purpose.PARK:  # never told: the group takes the world off its slot, or it stays
-            if (manifest := self._parks.saved(outcome, part.ending is not None)) is not None:
-                self._to_loop(Parked(outcome.session_id, outcome.snapshot_id, manifest))
+            manifest = self._parks.saved(outcome, part.ending is not None)
+            self._to_loop(Parked(outcome.session_id, outcome.snapshot_id, manifest))
         elif outcome.purpose is Purpose.ASKED:  # a move's id comes with MOVED
             error = None if outcome.error is None else outcome.error.message
             part.stream.send_notice(SnapshotNotice(outcome.snapshot_id, error))

@@ -46,11 +46,13 @@ class Park:
 
 @dataclass(frozen=True)
 class Parked:
-    """A park's copy is durable (published; `manifest`: its text): the world leaves its slot."""
+    """A park's copy is over, told however it ended: durable (published; `manifest`: its text), the world leaves its
+    slot; dropped (`manifest` None: the world asked for a block meanwhile, or the copy failed), it stays on its slot
+    and may park again."""
 
     session_id: str
     snapshot_id: str
-    manifest: str
+    manifest: str | None
 
 
 @dataclass

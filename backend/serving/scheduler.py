@@ -170,13 +170,16 @@ class Scheduler:
         plan.parks.append(park)
 
     def _parked(self, parked: Parked, owner: int, plan: Plan) -> None:
-        """A park's copy is durable: the world leaves its slot (counted against its key's sessions still), unless it
-        asked for a block since its copy was made (its owner then drops the copy). One that ended meanwhile: its
-        owner drops the copy as it ends."""
+        """A park's copy is over. Dropped by its owner: the park under way is no more (the world may park again).
+        Durable: the world leaves its slot (counted against its key's sessions still), unless it asked for a block
+        since its copy was made (its owner then drops the copy). One that ended meanwhile: its owner drops the copy
+        as it ends."""
         s = self.table.get(parked.session_id)
         if s is None or s.parking is None or s.parking.snapshot_id != parked.snapshot_id:
             return
         parking, s.parking = s.parking, None
+        if parked.manifest is None:
+            return
         if not s.live or s.computed != parking.block or s.has_camera():
             plan.refused_parks.append((owner, s.id, parked.snapshot_id, None))
             return
