@@ -1,6 +1,6 @@
 """How fast servers start and come back, for one or more checkouts side by side (before and after a change).
 
-    python -m bench.startup [--checkout before=/work/wt-65-base] [--checkout after=.] [--runs 3]
+    python -m bench.startup [--checkout before=../base] [--checkout after=.] [--runs 3]
 
 Each checkout runs its own venv (`CHECKOUT/.venv/bin/python`) and its own code, through the command lines every
 version has (`python -m backend.launch`, `python -m backend.fleet`); this script only starts them, watches over gRPC,
