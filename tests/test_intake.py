@@ -22,7 +22,7 @@ from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.bootstrap import owner_side
-from backend.serving.news import FilesWritten, Park
+from backend.serving.news import FilesWritten, Park, Parked
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
@@ -384,12 +384,16 @@ def test_a_step_racing_its_worlds_park_keeps_it_on_its_slot_and_its_copy_is_drop
         assert loop.next(mail.Stepped).step.controls == Controls(keys="d")
         side.post(files_written(side, park.snapshot_id, memory))  # the group made the copy before the step came
         wait_until(lambda: not held(memory), 5, "the copy released")
-        assert loop.quiet() and not step.closed.is_set()  # no Parked: the world plays on its slot
+        # The group is told the copy was dropped (no manifest): the world plays on its slot, its park no longer under
+        # way (else it never parks again and counts against max_parked).
+        assert loop.next(Parked) == Parked(sid, park.snapshot_id, None)
+        assert loop.quiet() and not step.closed.is_set()
         side.post(mail.Decoded(sid, block(1), np.zeros(1), 0.0, False))
         loop.next(mail.Delivered)
         again = loop.next(Park)
         side.post(mail.ParkRefused(again.snapshot_id, messages.park_full(1, 0.2)))
         wait_until(lambda: not held(memory), 5, "the refused park's reservation dropped")
+        assert loop.next(Parked) == Parked(sid, again.snapshot_id, None)
         assert loop.next(Park).snapshot_id != again.snapshot_id  # tried again park_after_s later
     finally:
         side.close()
