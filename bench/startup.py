@@ -31,7 +31,8 @@ import tritonclient.grpc as grpcclient
 from backend.api.contract import MODEL_NAME
 from backend.fleet.balancer import server_states
 from backend.launch.wheel import prepare_backends
-from backend.launch.procfs import children, command_line, stub_pids
+from backend.launch.polling import wait_for
+from backend.launch.procfs import cpu_seconds, stub_pids, tritonserver_of
 from backend.parallel.local import free_port
 from bench.common import BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, server_parameters
 
@@ -39,20 +40,8 @@ POLL_S = 0.02  # how often a wait looks: the measure's resolution
 TIMEOUT_S = 600.0
 
 
-def wait(condition: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> float:
-    """time.monotonic() when `condition()` first held."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} after {timeout_s:.0f} s")
-        time.sleep(POLL_S)
-    return time.monotonic()
-
-
-def cpu_s(pid: int) -> float:
-    """user+sys seconds of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def wait(condition: Callable[[], object], what: str) -> None:
+    wait_for(condition, TIMEOUT_S, what, every_s=POLL_S)
 
 
 def ready(url: str) -> bool:
@@ -61,14 +50,6 @@ def ready(url: str) -> bool:
             return client.is_model_ready(MODEL_NAME)
     except Exception:  # noqa: BLE001  (not up yet)
         return False
-
-
-def tritonserver_of(launcher: int) -> int | None:
-    for pid in children(launcher):
-        argv = command_line(pid)
-        if argv and argv[0].endswith("tritonserver"):
-            return pid
-    return None
 
 
 def params(checkpoint: Path, sp: int) -> list[str]:
@@ -101,10 +82,11 @@ def launcher(checkout: Path, checkpoint: Path, sp: int, out: Path) -> Iterator[t
         process = subprocess.Popen(command, cwd=checkout, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:
-        at = wait(lambda: ready(url) or process.poll() is not None, f"{checkout} SP{sp} ready")
+        wait(lambda: ready(url) or process.poll() is not None, f"{checkout} SP{sp} ready")
+        took = time.monotonic() - began
         if process.poll() is not None:
             raise RuntimeError(f"the launcher exited {process.returncode}: {out / 'launcher.log'}")
-        yield process, url, at - began
+        yield process, url, took
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -119,15 +101,15 @@ def lone_launcher(checkout: Path, checkpoint: Path, out: Path) -> dict[str, floa
     row: dict[str, float] = {}
     with launcher(checkout, checkpoint, 1, out / "sp1") as (process, url, took):
         row["SP1 start to ready"] = took
-        server = tritonserver_of(process.pid)
+        server = tritonserver_of(process.pid, int(url.rsplit(":", 1)[1]))
         assert server is not None
         stub = stub_pids(server)[0]
-        row["stub CPU at ready"] = cpu_s(stub)
+        row["stub CPU at ready"] = cpu_seconds(stub)
         os.kill(stub, signal.SIGKILL)
         killed = time.monotonic()
         wait(lambda: not ready(url) or stub_pids(server).get(0, stub) != stub, "the model's unload")
-        row["healed after a killed stub"] = wait(lambda: ready(url) and stub_pids(server).get(0, stub) != stub,
-                                                 "the heal") - killed
+        wait(lambda: ready(url) and stub_pids(server).get(0, stub) != stub, "the heal")
+        row["healed after a killed stub"] = time.monotonic() - killed
     with launcher(checkout, checkpoint, 2, out / "sp2") as (_, _, took):
         row["SP2 start to ready"] = took
     return row
@@ -147,13 +129,14 @@ def fleet(checkout: Path, checkpoint: Path, out: Path) -> dict[str, float]:
             raise RuntimeError(f"the fleet exited {process.returncode}: {out / 'fleet.log'}")
         manifest = json.loads((out / "fleet.json").read_text())
         socket, name = Path(manifest["stats_socket"]), manifest["groups"][0]["name"]
-        server = tritonserver_of(manifest["groups"][0]["launcher_pid"])
+        group = manifest["groups"][0]
+        server = tritonserver_of(group["launcher_pid"], group["grpc_port"])
         assert server is not None
         os.kill(stub_pids(server)[0], signal.SIGKILL)
         killed = time.monotonic()
         wait(lambda: server_states(socket).get(name) != "UP", f"{name} out of rotation")
-        row["fleet: killed stub to back in rotation"] = wait(
-            lambda: server_states(socket).get(name) == "UP", f"{name} back in rotation") - killed
+        wait(lambda: server_states(socket).get(name) == "UP", f"{name} back in rotation")
+        row["fleet: killed stub to back in rotation"] = time.monotonic() - killed
         for label, args in (("fleet: SIGTERM to whole again", ["restart", "--group", "0"]),
                             ("fleet: rolling restart of 2 groups", ["rolling-restart"])):
             began = time.monotonic()
