@@ -27,7 +27,7 @@ from triton_harness import tiny_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MANIFESTS = sorted((Path(__file__).resolve().parent.parent / "deploy" / "kubernetes").glob("*.yaml"))
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 VERSION = kubernetes_validate.latest_version()
 
 
@@ -95,6 +95,14 @@ def test_haproxy_accepts_the_render_with_the_pods_resolver_and_with_a_nameserver
         check_config(config)
 
 
+def balancer_states(sock: Path) -> dict[str, str]:
+    """server name -> HAProxy's state of it; {} while haproxy is starting (no stats socket yet)."""
+    try:
+        return server_states(sock)
+    except OSError:
+        return {}
+
+
 @dataclass
 class Dns:
     """dnsmasq on 127.0.0.1:port answering for cluster.local from its hosts file alone."""
@@ -139,10 +147,7 @@ def test_a_pod_s_name_published_takes_its_slot_into_the_checks_and_one_removed_l
         haproxy = start_haproxy(config, tmp_path / "haproxy.log")
         try:
             def states() -> dict[str, str]:
-                try:
-                    return server_states(sock)
-                except OSError:  # haproxy is starting
-                    return {}
+                return balancer_states(sock)
 
             out = ("MAINT", "MAINT (resolution)")
             wait_until(lambda: len(states()) == 4 and all(s in out for s in states().values()), 10, "every slot out")
@@ -207,10 +212,7 @@ def test_groups_found_by_dns_come_and_go_and_a_drained_group_s_world_goes_on_els
         url = f"127.0.0.1:{port}"
 
         def states() -> dict[str, str]:
-            try:
-                return server_states(sock)
-            except OSError:
-                return {}
+            return balancer_states(sock)
 
         for i in range(2):  # as the readiness probe reads it (a name resolved is UP until its first check)
             wait_until(lambda i=i: model_ready(f"127.0.0.{2 + i}", ports[1]) or pods[i].poll() is not None, 120,
