@@ -257,11 +257,13 @@ class LocalGroup:
         ctx = process_context()
         serving = dataclasses.replace(serving, rendezvous_port=free_port())
         secret = secrets.token_hex(16)
-        self._outbox: mp.Queue = ctx.Queue()
+        # One outbox per member: a member stopped or killed while it holds its queue's write lock (a block half
+        # written) must not silence the others, as one shared queue's lock would.
+        self._outboxes: list[mp.Queue] = [ctx.Queue() for _ in range(ranks)]
         self._inboxes = [ctx.Queue() for _ in range(ranks)]
         self._procs = [ctx.Process(target=_member_main, daemon=True,
                                    args=(r, ranks, engine_settings, serving, secret, setup, keys, books,
-                                         self._inboxes[r], self._outbox)) for r in range(ranks)]
+                                         self._inboxes[r], self._outboxes[r])) for r in range(ranks)]
         self._calls: dict[int, LocalCall] = {}
         self._control: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._ids = itertools.count()
@@ -271,7 +273,8 @@ class LocalGroup:
     def __enter__(self) -> LocalGroup:
         for p in self._procs:
             p.start()
-        threading.Thread(target=self._demux, name="local-group-demux", daemon=True).start()
+        for rank, outbox in enumerate(self._outboxes):
+            threading.Thread(target=self._demux, args=(outbox,), name=f"local-group-demux-{rank}", daemon=True).start()
         try:
             self._await_all("ready", self.start_timeout_s)
         except BaseException:
@@ -351,10 +354,10 @@ class LocalGroup:
     def _send(self, rank: int, message: tuple) -> None:
         self._inboxes[rank].put(message)
 
-    def _demux(self) -> None:
+    def _demux(self, outbox: mp.Queue) -> None:
         while True:
             try:
-                kind, tag, payload = self._outbox.get()
+                kind, tag, payload = outbox.get()
             except (EOFError, OSError):
                 return
             if kind in ("block", "place", "notice", "saves", "error", "finish"):
