@@ -428,6 +428,7 @@ def test_the_page_signs_in_and_plays_over_wss(secure_bridge: str, pki: Pki, tmp_
             page.fill("#key", KEYS["bob"])
             page.click("#signin-button")
             page.wait_for_selector("#setup:not([hidden])", timeout=30_000)
+            assert page.is_hidden("#signin")  # signed in: the box is gone
             assert page.evaluate("document.cookie") == ""  # HttpOnly: no script reads the token
             page.fill("#prompt", "a castle on a hill")
             page.fill("#width", str(TINY_SIZE))

@@ -234,6 +234,7 @@ def test_a_refused_start_shows_in_plain_words(player_url, browser) -> None:
     page.click("#start")  # no prompt: the bridge refuses before asking the server
     wait_until(lambda: page.is_visible("#error"), 30, "the missing prompt error")
     assert page.inner_text("#error") == "type a prompt before starting"
+    assert page.is_hidden("#signin")  # a bridge without --sign-in asks for no key
     assert status(page, "state") == "failed"
     page.close()
 
