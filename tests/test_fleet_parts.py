@@ -621,3 +621,47 @@ def test_a_group_restarts_after_each_crash_of_a_long_life_and_stays_down_after_a
         brief.supervise(now)
         now = crash_and_restart(brief, now + 1.0) + 1.0
     assert brief.given_up
+
+
+def test_a_group_that_crash_loops_after_a_long_life_stays_down_after_its_fifth_quick_restart(
+        tmp_path: Path, monkeypatch) -> None:
+    """A group that served for hours, then whose launcher exits again within seconds of each start (some restarts
+    read ready a moment, some never): its long life does not clear the count of the loop, so the fleet restarts it
+    RESTARTS times and then leaves it down, however long it waits after."""
+    from backend.fleet import supervisor
+
+    class Launcher:  # a launcher child process that exits when the test says
+        def __init__(self, *args, **kwargs) -> None:
+            self.rc: int | None = None
+
+        def poll(self) -> int | None:
+            return self.rc
+
+    class Group(supervisor.SupervisedGroup):
+        serves = False
+
+        def ready(self) -> bool:
+            return self.serves
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", Launcher)
+    group = Group(GroupAddress("g", "127.0.0.1", 1, 2, 3), 4, [], {}, tmp_path / "launcher.log")
+    group.start()
+    group.serves = True
+    group.supervise(0.0)
+    now = 100 * supervisor.STABLE_S  # a long life
+    group.supervise(now)
+    for restart in range(supervisor.RESTARTS + 1):
+        group.serves = restart % 2 == 1
+        group.supervise(now + 0.5)
+        group.process.rc = 1  # it exits within seconds of its start
+        group.supervise(now + 1.0)
+        if restart == supervisor.RESTARTS:
+            break
+        assert not group.given_up and group.next_start_s is not None
+        now = group.next_start_s
+        group.supervise(now)
+        assert group.starts == 2 + restart and group.process.rc is None
+    assert group.given_up and group.starts == 1 + supervisor.RESTARTS
+    for later in range(1, 4):
+        group.supervise(now + later * supervisor.STABLE_S)
+    assert group.starts == 1 + supervisor.RESTARTS  # left down
