@@ -212,6 +212,28 @@ def test_watchers_share_the_world_s_one_encode_and_a_revoked_link_ends_them(monk
     run(play())
 
 
+def test_a_watch_link_asked_for_twice_is_revoked_with_the_world_s_one_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A player who asks for the watch link again is told a link that works; a revoke then ends every link it was
+    told, the first too: no link of the world is left that a watcher could still open."""
+    async def play() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            told = [await watch_link(page), await watch_link(page)]
+            async with http.get(f"{base}{told[-1]}/ice") as response:
+                assert response.status == 200
+            await page.ws.send_json({"type": "revoke"})
+            assert (await page.next("watch"))["id"] is None
+            for link in told:
+                async with http.post(f"{base}{link}/offer", data=b"v=0\r\n",
+                                     headers={"Origin": ORIGIN, "Content-Type": "application/sdp"}) as response:
+                    assert (response.status, (await response.json())["code"]) == (404, "WATCH_UNKNOWN"), link
+            assert not client.app[WATCHING].links
+
+    run(play())
+
+
 def test_a_watcher_cannot_steer(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A crafted message on a watcher's data channel: refused with WATCH_READ_ONLY, logged, its connection closed;
     the world never ran the watcher's keys."""
