@@ -398,6 +398,39 @@ def test_viewers_start_at_a_keyframe_and_frames_go_out_at_16_fps() -> None:
     assert took >= 23 / 16
 
 
+def test_after_a_wait_for_the_server_the_next_block_goes_out_at_the_world_s_pace() -> None:
+    """A block, then the server is a second late with the next: the next block's frames go out 1/16 s apart again
+    (its 12 take 11/16 s at least, their timestamps as far apart), not at once to catch up the time waited; its
+    first frame's timestamp is the wait's length after the block before."""
+    wait_s = 1.0
+
+    async def watch() -> tuple[list[float], list[int], list[float], list[int]]:
+        loop = asyncio.get_running_loop()
+        broadcast = Broadcast()
+        viewer = Viewer(broadcast)
+        viewer.codec = H264
+
+        async def block(index: int) -> tuple[list[float], list[int]]:
+            broadcast.push(index, CLIP[:STEP_FRAMES])
+            packets, times = [], []
+            for _ in range(STEP_FRAMES):
+                packets.append(await viewer.recv())
+                times.append(loop.time())
+            return times, [p.pts for p in packets]
+
+        first_times, first_pts = await block(0)
+        await asyncio.sleep(wait_s)  # the bridge waits for the server's next block
+        times, pts = await block(1)
+        broadcast.end()
+        return first_times, first_pts, times, pts
+
+    first_times, first_pts, times, pts = asyncio.run(asyncio.wait_for(watch(), BOUND_S))
+    frame_ticks = VIDEO_CLOCK / 16
+    assert times[-1] - times[0] >= (STEP_FRAMES - 1) / 16 * 0.95, times
+    assert all(b - a >= frame_ticks * 0.95 for a, b in zip(pts, pts[1:])), pts
+    assert pts[0] - first_pts[-1] >= wait_s * VIDEO_CLOCK * 0.95
+
+
 def test_a_lower_bitrate_makes_smaller_frames_and_a_change_starts_a_keyframe() -> None:
     """On frames that need every bit (noise), the floor makes less than half the bytes of the picture's ceiling (a
     higher estimate is held to it); the target moving by more than a tenth reopens the encoder (a keyframe), by a
