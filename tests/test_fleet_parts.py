@@ -24,7 +24,8 @@ from backend.fleet.restart import launcher_of
 from backend.launch.control import ControlError, ModelControl
 from backend.launch import heal
 from backend.launch.heal import DEAD_STUB_GRACE_S, Healer, StubWatch
-from backend.serving.parent_watch import SERVER_OWNER_VARIABLE, alive
+from backend.launch.wheel import PytritonWheel
+from backend.serving.parent_watch import alive
 from backend.parallel.ports import free_port, port_in_use
 from backend.serving.host_signals import HostSignals
 from polling import wait_until
@@ -540,26 +541,38 @@ def test_a_stub_whose_server_dies_outright_exits_and_lets_its_port_go() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_stub_whose_servers_launcher_dies_exits_though_its_parent_lives() -> None:
-    """The launcher that started a server is killed outright; the stub watches it (its pid in the server's
-    environment) and exits at once, whatever its own parent does (a stub was seen orphaned with its watch of its
-    parent blind: it had no live parent to tell from when its watch started)."""
+def test_a_stub_whose_servers_launcher_dies_exits_though_its_parent_lives(tmp_path: Path) -> None:
+    """A launcher starts its server (TritonServer.start, here of a stand-in tritonserver that starts one stub) and is
+    killed outright: the stub watches the owner its server's environment names, which is that launcher, and exits at
+    once, whatever its own parent does (a stub was seen orphaned with its watch of its parent blind: it had no live
+    parent to tell from when its watch started)."""
+    site, stub_pid = tmp_path / "site", tmp_path / "stub.pid"
     stub_code = "import time; from backend.serving.parent_watch import watch_parent; watch_parent(0.1); time.sleep(60)"
-    server_code = (f"import subprocess, sys, time; stub = subprocess.Popen([sys.executable, '-c', {stub_code!r}]); "
-                   "print(stub.pid, flush=True); time.sleep(60)")
-    launcher_code = (f"import os, subprocess, sys, time; os.environ[{SERVER_OWNER_VARIABLE!r}] = str(os.getpid()); "
-                     f"server = subprocess.Popen([sys.executable, '-c', {server_code!r}], start_new_session=True); "
-                     "print(server.pid, flush=True); time.sleep(60)")
+    binary = PytritonWheel(site).binary
+    binary.parent.mkdir(parents=True)
+    binary.write_text(f"#!{sys.executable}\nimport subprocess, sys, time\n"
+                      f"stub = subprocess.Popen([sys.executable, '-c', {stub_code!r}])\n"
+                      f"open({str(stub_pid)!r}, 'w').write(str(stub.pid)); time.sleep(60)\n")
+    binary.chmod(0o755)
+    (tmp_path / "repository").mkdir()
+    launcher_code = ("import time; from pathlib import Path; from backend.launch.server import TritonServer; "
+                     "from backend.launch.wheel import PytritonWheel; "
+                     f"server = TritonServer(Path({str(tmp_path / 'repository')!r}), "
+                     f"wheel=PytritonWheel(Path({str(site)!r})), log_path=Path({str(tmp_path / 'server.log')!r})); "
+                     "server.start(); print(server.pid, flush=True); time.sleep(60)")
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     server = int(launcher.stdout.readline())
-    stub = int(launcher.stdout.readline())
+    stub = 0
     try:
+        wait_until(lambda: stub_pid.is_file() and stub_pid.read_text(), 20, "the stub started")
+        stub = int(stub_pid.read_text())
         launcher.kill()
         launcher.wait()
         wait_until(lambda: not alive(stub), 10, "the stub to exit")
         assert alive(server)  # its parent lives on: the launcher's death alone ended it
     finally:
-        for pid in (server, stub):
+        launcher.kill()
+        for pid in filter(None, (server, stub)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -621,3 +634,47 @@ def test_a_group_restarts_after_each_crash_of_a_long_life_and_stays_down_after_a
         brief.supervise(now)
         now = crash_and_restart(brief, now + 1.0) + 1.0
     assert brief.given_up
+
+
+def test_a_group_that_crash_loops_after_a_long_life_stays_down_after_its_fifth_quick_restart(
+        tmp_path: Path, monkeypatch) -> None:
+    """A group that served for hours, then whose launcher exits again within seconds of each start (some restarts
+    read ready a moment, some never): its long life does not clear the count of the loop, so the fleet restarts it
+    RESTARTS times and then leaves it down, however long it waits after."""
+    from backend.fleet import supervisor
+
+    class Launcher:  # a launcher child process that exits when the test says
+        def __init__(self, *args, **kwargs) -> None:
+            self.rc: int | None = None
+
+        def poll(self) -> int | None:
+            return self.rc
+
+    class Group(supervisor.SupervisedGroup):
+        serves = False
+
+        def ready(self) -> bool:
+            return self.serves
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", Launcher)
+    group = Group(GroupAddress("g", "127.0.0.1", 1, 2, 3), 4, [], {}, tmp_path / "launcher.log")
+    group.start()
+    group.serves = True
+    group.supervise(0.0)
+    now = 100 * supervisor.STABLE_S  # a long life
+    group.supervise(now)
+    for restart in range(supervisor.RESTARTS + 1):
+        group.serves = restart % 2 == 1
+        group.supervise(now + 0.5)
+        group.process.rc = 1  # it exits within seconds of its start
+        group.supervise(now + 1.0)
+        if restart == supervisor.RESTARTS:
+            break
+        assert not group.given_up and group.next_start_s is not None
+        now = group.next_start_s
+        group.supervise(now)
+        assert group.starts == 2 + restart and group.process.rc is None
+    assert group.given_up and group.starts == 1 + supervisor.RESTARTS
+    for later in range(1, 4):
+        group.supervise(now + later * supervisor.STABLE_S)
+    assert group.starts == 1 + supervisor.RESTARTS  # left down

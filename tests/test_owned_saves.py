@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -52,13 +54,17 @@ class Saves:
         assert client.error is None, client.error
         return client.listing
 
-    def saved_world(self, who: Principal, share: bool = False) -> str:
-        """A new world of `who`, saved after its first block; its snapshot's id once durable."""
+    def saved_world(self, who: Principal, share: bool = False, release: str = "") -> str:
+        """A new world of `who`, saved after its first block (on its start's step, or on a step of its own that
+        releases `release`); its snapshot's id once durable."""
         key = str(next(self.keys))
         start = dataclasses.replace(tiny_request(decode=False, num_frames=9), num_frames=None, poses=None, keys="w",
-                                    sequence_id=key, save=True, share=share)
+                                    sequence_id=key, save=not release, share=share)
         first = self.ask(start, who)
         assert first.error is None, first.error
+        if release:
+            step = self.ask(StepRequest(key, Controls(keys="w", save=True, release=release)), who)
+            assert step.error is None, step.error
         pause = Listing()
         self.group.submit(StepRequest(key, None, pause=True), pause, who)
         wait_until(lambda: pause.notices, 60, "the save's outcome")
@@ -134,6 +140,22 @@ def test_a_key_s_snapshot_bytes_bind_its_own_saves(saves: Saves) -> None:
     assert refusal is not None and refusal.code == c.SNAPSHOT_KEY_FULL and refusal.retry_after_s > 0, refusal
     roomy = dataclasses.replace(BOB, quota=Quota(snapshot_bytes=held + 10**9))
     saves.saved_world(roomy)  # alice's bytes are not bob's
+
+
+def test_a_save_that_releases_a_snapshot_already_expired_or_swept_is_told_durable(saves: Saves) -> None:
+    """The older snapshot a save step releases may be gone by then, swept past its time to live, or past it and not
+    swept yet: the save is the key's own and is written and told durable (never SNAPSHOT_NOT_YOURS: nothing is left
+    to own), and the old one stays gone."""
+    store = saves.group.intake._saves.store
+    swept, expired = saves.saved_world(ALICE), saves.saved_world(ALICE)
+    past = time.time() - store.ttl_s - 1
+    os.utime(store.root / swept, (past, past))
+    store.sweep()
+    os.utime(store.root / expired, (past, past))  # its sweep is the next save's reservation
+    for gone in (swept, expired):
+        newer = saves.saved_world(ALICE, release=gone)
+        assert newer in [s["id"] for s in saves.listing(ALICE)["snapshots"]]
+        assert saves.resume(gone, ALICE).error.code == c.SNAPSHOT_EXPIRED
 
 
 def test_the_saves_request_is_its_own_kind_of_request() -> None:

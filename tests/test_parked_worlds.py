@@ -16,9 +16,11 @@ from backend.api.request import Controls, StepRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.serving import mail
 from backend.serving.bootstrap import Hooks
+from backend.serving.keys import ANONYMOUS, Principal
 from backend.serving.settings import ServingSettings
 from one_rank import OneRank
 from polling import wait_until
+from test_owned_saves import principal
 from test_saved_worlds import Client, World, resume_request, start_request
 
 PARK_S = 0.4  # park_after_s of these tests' groups
@@ -28,14 +30,14 @@ STEPS = [Controls(keys="w"), Controls(keys="wa"), Controls(keys="j"), Controls(k
 class Player:
     """A steered world played through one rank's intake: a step is sent, its block read later (`block`)."""
 
-    def __init__(self, group: OneRank, key: str) -> None:
-        self.group, self.key = group, key
+    def __init__(self, group: OneRank, key: str, who: Principal = ANONYMOUS) -> None:
+        self.group, self.key, self.who = group, key, who
         self.latents: list[np.ndarray] = []
         self.asked = self._send(start_request(key))
 
     def _send(self, request: object) -> Client:
         client = Client()
-        self.group.submit(request, client)
+        self.group.submit(request, client, self.who)
         return client
 
     def block(self, timeout: float = 60.0) -> Client:
@@ -279,6 +281,39 @@ def test_a_drain_moves_parked_worlds_from_their_copy_without_running_a_block(eng
             world = World(resumed, resume_request(snapshot_id, STEPS[0], key=f"r{n}"))
             world.step(STEPS[1])
             assert same(world.latents, twin[1:3])
+    finally:
+        resumed.stop()
+
+
+def test_a_key_at_its_snapshot_bytes_still_has_its_worlds_parked_and_moved_by_a_drain(engine, twin, tmp_path) -> None:
+    """The park copies and a drain's moves are the server's, not the key's saves: a key whose snapshot_bytes refuse
+    its own saves still has its idle world parked, and a drain moves it and its world on a slot (max_parked=1), each
+    MOVED to a durable snapshot that resumes where it was, bit for bit."""
+    full = principal("full", snapshot_bytes=1)  # no save of its own fits
+    group = OneRank(engine, parking(tmp_path, max_sessions=2, max_parked=1))
+    try:
+        first = Player(group, "f", full)
+        first.block()
+        refused = first.step(Controls(keys="w", save=True))
+        assert refused.closed.wait(10) and refused.error.code == c.SNAPSHOT_KEY_FULL, refused.error
+        pauses = [first.pause()]
+        wait_until(lambda: group.parked() == {first.sid}, 20, "the full key's idle world parked")
+        second = Player(group, "g", full)
+        second.block()
+        pauses.append(second.pause())  # idle too; max_parked=1 keeps it on its slot
+        group.intake.post(mail.Drain())
+        for pause in pauses:
+            assert pause.closed.wait(30) and pause.error.code == c.MOVED, pause.error
+        moved = [p.error.snapshot_id for p in pauses]
+        assert sorted(moved) == folders(tmp_path / "disk")
+    finally:
+        group.stop()
+    resumed = OneRank(engine, ServingSettings(max_sessions=2, snapshot_dir=str(tmp_path / "disk"), park_after_s=0.0))
+    try:
+        for n, snapshot_id in enumerate(moved):
+            client = Client()
+            resumed.submit(resume_request(snapshot_id, STEPS[0], key=f"r{n}"), client, full)
+            assert client.answered().error is None and same(client.latents, twin[1:2]), client.error
     finally:
         resumed.stop()
 

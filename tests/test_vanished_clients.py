@@ -46,6 +46,34 @@ threading.Event().wait()
 """
 
 
+# A player whose start waits in the queue for a slot: once told its place, it sends a pause (as a client that keeps
+# one open does), then nothing until it is killed.
+QUEUED = """
+import dataclasses, sys, threading
+import tritonclient.grpc as grpcclient
+from backend.api import contract
+from backend.api.codec import parse_place, request_arrays, request_parameters
+from client.steer import PAUSE_ID
+from client.stream import new_sequence_id, pack_inputs
+from factories import tiny_request
+request = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
+placed = threading.Event()
+def answered(result, error):
+    if error is None and parse_place(result.as_numpy) is not None:
+        placed.set()
+client = grpcclient.InferenceServerClient(sys.argv[1])
+client.start_stream(callback=answered)
+sequence = new_sequence_id()
+client.async_stream_infer(contract.MODEL_NAME, pack_inputs(request_arrays(request)), sequence_id=sequence,
+                          sequence_start=True, parameters=request_parameters(request), enable_empty_final_response=True)
+assert placed.wait(120), "no place in the queue"
+client.async_stream_infer(contract.MODEL_NAME, pack_inputs({}), request_id=PAUSE_ID, sequence_id=sequence,
+                          parameters={contract.PARAM_PAUSE: True}, enable_empty_final_response=True)
+print("queued", flush=True)
+threading.Event().wait()
+"""
+
+
 def steered(**changes) -> SessionRequest:
     base = tiny_request(num_frames=9, decode=False)
     return dataclasses.replace(base, num_frames=None, poses=None, keys="w", **changes)
@@ -94,6 +122,41 @@ def test_a_killed_player_ends_its_session_as_cancelled_within_5_s(sp2_server, tm
         assert session.next_block(60).block_index == 0
         session.step(Controls(keys="d"), end=True)
         assert session.next_block(60).block_index == 1
+
+
+def test_a_player_killed_while_it_waits_in_the_queue_is_cancelled_there_within_5_s(sp2_server, tmp_path: Path) -> None:
+    """Every slot held (max_sessions=3), a fourth player is told its place in the queue, sends its pause and is
+    SIGKILLed: its session ends cancelled while the slots are still held, within 5 s, and leaves the queue: it is
+    never seated to run blocks for nobody."""
+    server = sp2_server
+    holders = [SteeredSession(server.grpc_url) for _ in range(3)]
+    out = tmp_path / "queued.out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    try:
+        for seed, holder in enumerate(holders, 20):
+            holder.start(steered(seed=seed))
+            assert holder.next_block(60).block_index == 0
+        counted = ended(server, "cancelled")
+        with out.open("w") as stdout:
+            player = subprocess.Popen([sys.executable, "-c", QUEUED, server.grpc_url], stdout=stdout,
+                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            wait_until(lambda: "queued" in out.read_text(), 120, f"the player's place and pause ({out})")
+            wait_until(lambda: metrics(server).get("lingbot_world_queue_depth", 0) >= 1, 10, "the player queued")
+        finally:
+            player.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            player.wait(10)
+        wait_until(lambda: ended(server, "cancelled") >= counted + 1, 5, "the queued session ended cancelled")
+        print(f"SIGKILL of a queued player to its session ended cancelled: {time.monotonic() - killed:.2f} s")
+        assert metrics(server).get("lingbot_world_queue_depth", 0) == 0
+        assert metrics(server).get("lingbot_world_free_slots") == 0  # the holders' still
+    finally:
+        for holder in holders:
+            holder.close()
+    with SteeredSession(server.grpc_url) as session:  # a slot is free again for a new session
+        session.start(steered(seed=8))
+        assert session.next_block(60).block_index == 0
 
 
 @pytest.mark.slow  # three idle limits' wait; the pause's renewal is also tested in test_one_rank

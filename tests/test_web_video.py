@@ -212,6 +212,28 @@ def test_watchers_share_the_world_s_one_encode_and_a_revoked_link_ends_them(monk
     run(play())
 
 
+def test_a_watch_link_asked_for_twice_is_revoked_with_the_world_s_one_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A player who asks for the watch link again is told a link that works; a revoke then ends every link it was
+    told, the first too: no link of the world is left that a watcher could still open."""
+    async def play() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            told = [await watch_link(page), await watch_link(page)]
+            async with http.get(f"{base}{told[-1]}/ice") as response:
+                assert response.status == 200
+            await page.ws.send_json({"type": "revoke"})
+            assert (await page.next("watch"))["id"] is None
+            for link in told:
+                async with http.post(f"{base}{link}/offer", data=b"v=0\r\n",
+                                     headers={"Origin": ORIGIN, "Content-Type": "application/sdp"}) as response:
+                    assert (response.status, (await response.json())["code"]) == (404, "WATCH_UNKNOWN"), link
+            assert not client.app[WATCHING].links
+
+    run(play())
+
+
 def test_a_watcher_cannot_steer(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A crafted message on a watcher's data channel: refused with WATCH_READ_ONLY, logged, its connection closed;
     the world never ran the watcher's keys."""
@@ -374,6 +396,39 @@ def test_viewers_start_at_a_keyframe_and_frames_go_out_at_16_fps() -> None:
     assert first[keyframes[1]] is second[0]  # the same packet: one encode for both
     assert not any(packet.is_keyframe for packet in second[1:])
     assert took >= 23 / 16
+
+
+def test_after_a_wait_for_the_server_the_next_block_goes_out_at_the_world_s_pace() -> None:
+    """A block, then the server is a second late with the next: the next block's frames go out 1/16 s apart again
+    (its 12 take 11/16 s at least, their timestamps as far apart), not at once to catch up the time waited; its
+    first frame's timestamp is the wait's length after the block before."""
+    wait_s = 1.0
+
+    async def watch() -> tuple[list[float], list[int], list[float], list[int]]:
+        loop = asyncio.get_running_loop()
+        broadcast = Broadcast()
+        viewer = Viewer(broadcast)
+        viewer.codec = H264
+
+        async def block(index: int) -> tuple[list[float], list[int]]:
+            broadcast.push(index, CLIP[:STEP_FRAMES])
+            packets, times = [], []
+            for _ in range(STEP_FRAMES):
+                packets.append(await viewer.recv())
+                times.append(loop.time())
+            return times, [p.pts for p in packets]
+
+        first_times, first_pts = await block(0)
+        await asyncio.sleep(wait_s)  # the bridge waits for the server's next block
+        times, pts = await block(1)
+        broadcast.end()
+        return first_times, first_pts, times, pts
+
+    first_times, first_pts, times, pts = asyncio.run(asyncio.wait_for(watch(), BOUND_S))
+    frame_ticks = VIDEO_CLOCK / 16
+    assert times[-1] - times[0] >= (STEP_FRAMES - 1) / 16 * 0.95, times
+    assert all(b - a >= frame_ticks * 0.95 for a, b in zip(pts, pts[1:])), pts
+    assert pts[0] - first_pts[-1] >= wait_s * VIDEO_CLOCK * 0.95
 
 
 def test_a_lower_bitrate_makes_smaller_frames_and_a_change_starts_a_keyframe() -> None:
