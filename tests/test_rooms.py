@@ -105,3 +105,17 @@ print("ok", len({modules!r}))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok", str(len(modules))]
     assert "backend.launch.launcher" in modules and "backend.fleet.supervisor" in modules
+
+
+def test_the_engine_imports_without_diffusers() -> None:
+    """A stub imports the serving group and its engine at start; diffusers (and torch._dynamo, which it imports:
+    about 2 s of a stub's CPU) and transformers are imported where a model is loaded, not before."""
+    code = """
+import sys
+import backend.serving.bootstrap, backend.engine.rollout
+print(*sorted(m for m in ("diffusers", "transformers", "torch._dynamo", "sympy") if m in sys.modules) or ["none"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=BACKEND.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["none"]
