@@ -34,7 +34,7 @@ import torch
 
 from backend.engine.settings import EngineSettings
 from backend.model.config import TransformerConfig
-from backend.model.dtypes import TORCH_DTYPES
+from backend.model.dtypes import torch_dtype
 from backend.model.memory import self_cache_bytes
 from backend.model.tiny_checkpoint import PRESETS
 from bench import gpu_random_weights
@@ -114,7 +114,7 @@ def measure(preset: str, w: Workload, paths: tuple[FastPath, ...]) -> list[PathR
     """An engine per path on one set of random weights; a warm-up block each, then the timed sessions, one
     block of each path in turn."""
     transformer, vae = gpu_random_weights.model_configs(preset)
-    parts = gpu_random_weights.build_parts(transformer, vae, TORCH_DTYPES[w.dtype], torch.device("cpu"), w.seed)
+    parts = gpu_random_weights.build_parts(transformer, vae, torch_dtype(w.dtype), torch.device("cpu"), w.seed)
     base = base_settings(w)
     engines = [gpu_random_weights.build_engine(p.settings(base), transformer, vae, parts) for p in paths]
     request = make_request(w, decode=False)

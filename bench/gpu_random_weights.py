@@ -30,7 +30,7 @@ from backend.engine.rollout import WorldModelEngine
 from backend.engine.session import Session
 from backend.engine.validation import spec_from_configs
 from backend.model.config import CheckpointConfigs, TransformerConfig, VaeConfig
-from backend.model.dtypes import TORCH_DTYPES
+from backend.model.dtypes import torch_dtype
 from backend.model.layout_diffusers import DIFFUSERS
 from backend.model.random_weights import WAN21_VAE, RandomPromptStates, random_transformer, random_vae
 from backend.model.tiny_checkpoint import PRESETS, transformer_config, vae_arguments
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu" if args.dry_run else f"cuda:{torch.cuda.current_device()}")
     w = workload_from_args(args)
     transformer, vae = model_configs(args.preset)
-    dtype = TORCH_DTYPES[w.dtype]
+    dtype = torch_dtype(w.dtype)
     start = time.perf_counter()
     parts = build_parts(transformer, vae, dtype, device, w.seed)
     built_s = time.perf_counter() - start

@@ -23,7 +23,7 @@ import torch
 from backend.launch.procfs import status_kib
 from backend.model.checkpoint import load_transformer
 from backend.model.config import read_checkpoint_configs
-from backend.model.dtypes import TORCH_DTYPES
+from backend.model.dtypes import DTYPES, torch_dtype
 from backend.model.layout_official import load_pth_umt5, load_pth_vae
 from backend.model.layouts import resolve_layout
 from backend.model.official_names import UMT5_TIED, umt5_names, vae_names
@@ -88,10 +88,10 @@ def main() -> None:
     parser.add_argument("--part", choices=("transformer", "vae", "text_encoder"), default="transformer")
     parser.add_argument("--preset", default="mid")
     parser.add_argument("--checkpoint", type=Path)
-    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="serving dtype (default: bfloat16, float32 for the VAE)")
     args = parser.parse_args()
-    dtype = TORCH_DTYPES[args.dtype or ("float32" if args.part == "vae" else "bfloat16")]
+    dtype = torch_dtype(args.dtype or ("float32" if args.part == "vae" else "bfloat16"))
     if args.part != "transformer":
         load_official_part(args.part, dtype)
         return
@@ -102,7 +102,7 @@ def main() -> None:
     on_disk = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     torch.ones(1)  # torch's own allocations before the baseline
     before = current_rss_bytes()
-    model = load_transformer(directory, config, TORCH_DTYPES[args.dtype], torch.device("cpu"))
+    model = load_transformer(directory, config, torch_dtype(args.dtype), torch.device("cpu"))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     growth = peak_rss_bytes() - before
     gib = 2**30

@@ -29,7 +29,7 @@ from backend.api.request import SessionRequest
 from backend.engine.rollout import WorldModelEngine
 from backend.engine.session import Session
 from backend.model.config import TransformerConfig
-from backend.model.dtypes import TORCH_DTYPES
+from backend.model.dtypes import torch_dtype
 from backend.model.kv_cache import SelfAttentionCache
 from backend.model.memory import commit_record_bytes
 from backend.model.tiny_checkpoint import PRESETS
@@ -119,7 +119,7 @@ def _ms(run) -> float:
 def random_engine(preset: str, w: Workload) -> WorldModelEngine:
     """SP1 on CPU with random weights made in memory (bench.gpu --random-weights' builders)."""
     transformer, vae = gpu_random_weights.model_configs(preset)
-    parts = gpu_random_weights.build_parts(transformer, vae, TORCH_DTYPES[w.dtype], torch.device("cpu"), w.seed)
+    parts = gpu_random_weights.build_parts(transformer, vae, torch_dtype(w.dtype), torch.device("cpu"), w.seed)
     return gpu_random_weights.build_engine(gpu_random_weights.engine_settings(w, "cpu", False), transformer, vae, parts)
 
 

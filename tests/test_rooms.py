@@ -81,3 +81,41 @@ print("ok", "torch" in sys.modules)
                          cwd=BACKEND.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok", "False"]
+
+
+def test_the_launcher_and_the_fleet_import_without_torch() -> None:
+    """`python -m backend.launch` and `python -m backend.fleet` check settings and run servers: they start without
+    torch, diffusers or transformers, made unimportable here (local_group, a test harness, runs engines in-process)."""
+    modules = [".".join(p.relative_to(BACKEND.parent).with_suffix("").parts)
+               for room in ("launch", "fleet") for p in sorted((BACKEND / room).glob("*.py"))
+               if p.stem not in ("__main__", "local_group")]
+    code = f"""
+import importlib, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "diffusers", "transformers", "safetensors"):
+            raise ImportError(f"{{name}} is not installed here")
+sys.meta_path.insert(0, Refuse())
+for module in {modules!r}:
+    importlib.import_module(module)
+print("ok", len({modules!r}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=BACKEND.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", str(len(modules))]
+    assert "backend.launch.launcher" in modules and "backend.fleet.supervisor" in modules
+
+
+def test_the_engine_imports_without_diffusers() -> None:
+    """A stub imports the serving group and its engine at start; diffusers (and torch._dynamo, which it imports:
+    about 2 s of a stub's CPU) and transformers are imported where a model is loaded, not before."""
+    code = """
+import sys
+import backend.serving.bootstrap, backend.engine.rollout
+print(*sorted(m for m in ("diffusers", "transformers", "torch._dynamo", "sympy") if m in sys.modules) or ["none"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=BACKEND.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["none"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.checkpoint import load_transformer
-from ..model.dtypes import TORCH_DTYPES
+from ..model.dtypes import torch_dtype
 from ..model.tensor_slices import TensorPart
 from ..model.text_encoder import PromptEncoder, PromptStates
 from ..model.tiny_vae import TinyDecoder, load_tiny_decoder
@@ -31,7 +31,7 @@ def load_parts(spec: EngineSpec, rank: int, part: TensorPart | None = None) -> E
     """The transformer (this TP rank's `part`), text encoder (on ENCODER_RANK only) and VAE of the spec's
     checkpoint, as its layout reads them, and the tiny decoder when the settings choose it."""
     settings, layout = spec.settings, spec.checkpoint.layout
-    device, dtype = torch.device(settings.device), TORCH_DTYPES[settings.dtype]
+    device, dtype = torch.device(settings.device), torch_dtype(settings.dtype)
     transformer = load_transformer(layout.transformer, spec.checkpoint.transformer, dtype, device, part)
     prompts = None
     if rank == ENCODER_RANK:

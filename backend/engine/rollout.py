@@ -25,7 +25,7 @@ from ..api.request import SessionRequest, check_prompt, check_request
 from ..model.attention import select_attention
 from ..model.camera import camera_features
 from ..model.condition import StreamingConditionEncoder, condition_mask, prepare_image
-from ..model.dtypes import TORCH_DTYPES
+from ..model.dtypes import torch_dtype
 from ..model.kv_cache import SelfAttentionCache, TextCache
 from ..model.rope import rope_tables
 from ..model.tensor_slices import TensorPart
@@ -68,7 +68,7 @@ class WorldModelEngine:
             raise ValueError(f"tp_degree={settings.tp_degree} needs a Mesh of that degree, got {self.mesh.tp.degree}")
         self.ckpt = spec.checkpoint
         self.device = torch.device(settings.device)
-        self.dtype = TORCH_DTYPES[settings.dtype]
+        self.dtype = torch_dtype(settings.dtype)
         self.window_frames, self.sink_frames = spec.window_frames, spec.sink_frames
         self.attention_name, self.attention = select_attention(settings.attention_backend, self.device, self.dtype)
         parts = parts or load_parts(spec, self.sp.rank, TensorPart(self.mesh.tp.rank, self.mesh.tp.degree))

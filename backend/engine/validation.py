@@ -10,10 +10,10 @@ from ..api.errors import ConfigError, InputError
 from ..api.provenance import parse_settings, setting_differences, settings_of
 from ..api.request import SessionRequest, check_frame_counts
 from ..model.config import CheckpointConfigs, read_checkpoint_configs
-from ..model.dtypes import TORCH_DTYPES
+from ..model.dtypes import DTYPES
 from ..model.layout import Setting
 from ..model.layouts import resolve_layout
-from ..model import tiny_vae
+from ..model import tiny_vae_latents
 from .settings import (ATTENTION_BACKENDS, CHECKPOINT_SETTINGS, CPU_VAE_KERNELS, DECODERS, KNOWN_UNSUPPORTED_SP_MODES,
                      SUPPORTED_SP_MODES, EngineSettings)
 from .geometry import VideoGeometry
@@ -102,8 +102,8 @@ def validate_engine(spec: EngineSpec, world_size: int) -> None:
             f"tp_degree x sp_degree = {settings.tp_degree} x {settings.sp_degree} = {ranks} must equal the process "
             f"group's world size {world_size} (one rank per instance)"
         )
-    if settings.dtype not in TORCH_DTYPES:
-        raise ConfigError(f"dtype={settings.dtype!r}; supported: {list(TORCH_DTYPES)}")
+    if settings.dtype not in DTYPES:
+        raise ConfigError(f"dtype={settings.dtype!r}; supported: {list(DTYPES)}")
     if settings.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={settings.attention_backend!r}; supported: {list(ATTENTION_BACKENDS)}")
     if settings.cpu_vae_kernels not in CPU_VAE_KERNELS:
@@ -153,7 +153,7 @@ def validate_decoder(settings: EngineSettings, ckpt: CheckpointConfigs) -> None:
     if not Path(settings.tiny_decoder_path).is_file():
         raise ConfigError(f"tiny_decoder_path={settings.tiny_decoder_path!r} is not a file")
     vae = ckpt.vae
-    wanted = (tiny_vae.LATENT_CHANNELS, tiny_vae.SPATIAL_FACTOR, tiny_vae.TIME_FACTOR)
+    wanted = (tiny_vae_latents.LATENT_CHANNELS, tiny_vae_latents.SPATIAL_FACTOR, tiny_vae_latents.TIME_FACTOR)
     if (vae.z_dim, vae.spatial_factor, vae.temporal_factor) != wanted:
         raise ConfigError(
             f"decoder=tiny decodes Wan 2.1 latents (z_dim {wanted[0]}, {wanted[1]}x space, {wanted[2]}x time); this "

@@ -40,6 +40,7 @@ EXIT_TIMEOUT_S = 3
 # After tritonserver's own exit timeout, what stop() waits before it kills the process group.
 KILL_GRACE_S = 1.0
 WAKE_S = 0.2  # how often wait() wakes (the launcher's SIGTERM and SIGHUP take effect within it)
+READY_POLL_S = 0.05  # how often wait_ready() asks (one HTTP request to the server each)
 
 log = logging.getLogger(__name__)
 _LOG_ERROR = re.compile(r"E\d{4} |error: ")  # tritonserver's error records and fatal messages
@@ -305,7 +306,7 @@ class TritonServer:
                 )
             if self.control.is_model_ready(model):
                 return
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
         raise TimeoutError(f"{model!r} not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_excerpt()}")
 
     def stop(self) -> int | None:

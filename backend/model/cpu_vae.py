@@ -19,8 +19,12 @@ run on the same path.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm
 
 CHANNELS_LAST = torch.channels_last_3d
 NORM_EPS = 1e-12  # F.normalize's
@@ -33,6 +37,9 @@ def use_fast_cpu_path(device: torch.device, *parts: torch.nn.Module) -> None:
     dtype = next(parts[0].parameters()).dtype
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return
+    # diffusers at a VAE's load, not at the engine's import (tests/test_rooms)
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanRMS_norm
+
     for module in (m for part in parts for m in part.modules()):
         if isinstance(module, WanCausalConv3d):
             _onednn_conv(module)

@@ -1,6 +1,19 @@
-"""The serving dtypes by config name: the one table the engine settings are checked against."""
+"""The serving dtypes by config name: the one list the engine settings are checked against (torch-free, for the
+launcher's start-up check), and the torch dtype each names."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of one of DTYPES."""
+    import torch
+
+    if name not in DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)

@@ -13,7 +13,6 @@ import json
 from collections.abc import Iterable
 
 import torch
-from diffusers import AutoencoderKLWan
 
 from .tiny_vae import LATENT_CHANNELS, TinyDecoder
 
@@ -43,6 +42,9 @@ def tiny_decoder_state(latent_height: int, latent_width: int) -> tuple[int, int]
 
 @functools.lru_cache(maxsize=16)
 def _vae_states(config_json: str, latent_height: int, latent_width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    # diffusers at a VAE's load, not at the engine's import (tests/test_rooms)
+    from diffusers import AutoencoderKLWan
+
     config = {k: v for k, v in json.loads(config_json).items() if not k.startswith("_")}
     factor = 2 ** (len(config["dim_mult"]) - 1)
     with torch.device("meta"):

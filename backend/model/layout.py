@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # hints only: a layout is read without torch (the launcher's start-up check)
+    import torch
 
 # The parts every layout has (CheckpointLayout's paths); a layout may name more files that mark it.
 PARTS = ("transformer", "vae", "text_encoder", "tokenizer")

@@ -3,12 +3,14 @@ vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel), tokenizer/, scheduler
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..api.contract import BLOCK_FRAMES
-from .checkpoint import load_tokenizer
 from .config import read_json
 from .layout import CheckpointLayout, Layout, Setting
+
+if TYPE_CHECKING:  # the layout and its configs are read without torch (the launcher's start-up check); its
+    import torch  # loaders import what they build with
 
 # transformer/config.json key -> the setting it names
 TRANSFORMER_SETTINGS = {"local_attn_size": "window_frames", "sink_size": "sink_frames"}
@@ -40,6 +42,8 @@ def load_vae(checkpoint: CheckpointLayout, dtype: torch.dtype, device: torch.dev
 def load_text_encoder(checkpoint: CheckpointLayout, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.nn.Module, object]:
     from transformers import UMT5EncoderModel
+
+    from .checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint.tokenizer)
     # Eager attention is the reference T5Encoder's math bit for bit (float32 and bfloat16); SDPA, the default, is not.

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..api.errors import ConfigError
-from .checkpoint import assign, fill_from_pth, load_tokenizer
 from .layout import CheckpointLayout, Layout, Setting
 from .official_names import UMT5_TIED, umt5_arguments, umt5_names, vae_arguments, vae_names
 from .pth_files import read_pth_index
+
+if TYPE_CHECKING:  # the layout and its configs are read without torch (the launcher's start-up check); its
+    import torch  # loaders import what they build with
 
 
 def vae_config(checkpoint: CheckpointLayout) -> dict:
@@ -32,13 +33,18 @@ def load_vae(checkpoint: CheckpointLayout, dtype: torch.dtype, device: torch.dev
 
 def load_text_encoder(checkpoint: CheckpointLayout, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.nn.Module, object]:
+    from .checkpoint import load_tokenizer
+
     tokenizer = load_tokenizer(checkpoint.tokenizer)
     return load_pth_umt5(checkpoint.text_encoder, dtype, device), tokenizer
 
 
 def load_pth_vae(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """AutoencoderKLWan from Wan's own VAE state dict (Wan2.1_VAE.pth), its architecture read from the names."""
+    import torch
     from diffusers import AutoencoderKLWan
+
+    from .checkpoint import fill_from_pth
 
     index = read_pth_index(path)
     arguments = vae_arguments(index, path)
@@ -56,7 +62,10 @@ def load_pth_vae(path: Path, dtype: torch.dtype, device: torch.device) -> torch.
 
 def load_pth_umt5(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """UMT5EncoderModel from Wan's own umT5 encoder state dict, its architecture read from the names."""
+    import torch
     from transformers import UMT5Config, UMT5EncoderModel
+
+    from .checkpoint import assign, fill_from_pth
 
     index = read_pth_index(path)
     with torch.device("meta"):

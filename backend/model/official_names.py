@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..api.errors import ConfigError
 from .pth_files import PthTensor
+
+if TYPE_CHECKING:  # hints only: the architectures are read without torch (the launcher's start-up check)
+    import torch
 
 # Wan VAE residual block: Sequential(RMS_norm, SiLU, conv, RMS_norm, SiLU, Dropout, conv) and its shortcut.
 _RESIDUAL = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.", "conv2.": "residual.6.",

@@ -14,17 +14,27 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..api.errors import ConfigError
 
+if TYPE_CHECKING:  # the index is read without torch (the launcher's start-up check); only the tensors need it
+    import torch
+
+# A storage class's name -> its elements' torch dtype, by name, and their bytes
 STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool",
 }
+ITEM_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+              "uint8": 1, "bool": 1}
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip member's local file header (30 bytes)
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: str  # a torch dtype's name
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,7 @@ class PthTensor:
     """Where one tensor of the archive lies: its storage record and its view of it."""
 
     storage: str  # record name in the zip, e.g. "archive/data/0"
-    dtype: torch.dtype
+    dtype: str  # a torch dtype's name, e.g. "bfloat16"
     storage_numel: int
     offset: int
     shape: tuple[int, ...]
@@ -40,13 +50,13 @@ class PthTensor:
 
     @property
     def storage_bytes(self) -> int:
-        return self.storage_numel * self.dtype.itemsize
+        return self.storage_numel * ITEM_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
 class _Storage:
     record: str
-    dtype: torch.dtype
+    dtype: str
     numel: int
 
 
@@ -73,14 +83,14 @@ class _IndexUnpickler(pickle.Unpickler):
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name in STORAGE_DTYPES:
-            return STORAGE_DTYPES[name]
+            return _StorageType(STORAGE_DTYPES[name])
         raise ConfigError(f"{self.path}: holds {module}.{name}, not a plain state dict of tensors")
 
     def persistent_load(self, pid: tuple) -> _Storage:
         kind, dtype, key, _location, numel = pid
-        if kind != "storage" or not isinstance(dtype, torch.dtype):
+        if kind != "storage" or not isinstance(dtype, _StorageType):
             raise ConfigError(f"{self.path}: unexpected storage record {pid!r}")
-        return _Storage(f"{self.prefix}/data/{key}", dtype, int(numel))
+        return _Storage(f"{self.prefix}/data/{key}", dtype.dtype, int(numel))
 
 
 def read_pth_index(path: Path) -> dict[str, PthTensor]:
@@ -105,6 +115,8 @@ def read_pth_index(path: Path) -> dict[str, PthTensor]:
 
 def read_pth_tensors(path: Path, index: dict[str, PthTensor], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Each named tensor in turn, a view into one read buffer reused by the next: use it before the next."""
+    import torch
+
     scratch = torch.empty(max(index[n].storage_bytes for n in names), dtype=torch.uint8)
     with zipfile.ZipFile(path) as archive, path.open("rb") as raw:
         for name in names:
@@ -118,5 +130,5 @@ def read_pth_tensors(path: Path, index: dict[str, PthTensor], names: list[str]) 
             buffer = scratch[: entry.storage_bytes]
             if raw.readinto(buffer.numpy()) != entry.storage_bytes:
                 raise ConfigError(f"cannot read {path}: {name} is cut short (the file is truncated)")
-            flat = buffer.view(entry.dtype)
+            flat = buffer.view(getattr(torch, entry.dtype))
             yield name, torch.as_strided(flat, entry.shape, entry.stride, entry.offset)

@@ -15,28 +15,34 @@ run as diffusers wrote them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanResample
 
 from ..parallel.rows import RowBands
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
 
 
 class SplitDecoder:
     def __init__(self, decoder: torch.nn.Module) -> None:
+        # diffusers at a VAE's load, not at the engine's import (tests/test_rooms)
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanResample
+
         self.decoder = decoder
         self._bands: RowBands | None = None
         for module in decoder.modules():
             if isinstance(module, WanCausalConv3d) and module._padding[2] > 0:
-                module.forward = self._causal_conv(module)
+                module.forward = self._causal_conv(module, WanCausalConv3d.forward)
             elif isinstance(module, WanResample):
                 for conv in module.resample.modules():
                     if isinstance(conv, torch.nn.Conv2d) and conv.padding[0] > 0:
                         conv.forward = self._conv2d(conv)
             elif isinstance(module, WanAttentionBlock):
-                module.forward = self._attention(module)
+                module.forward = self._attention(module, WanAttentionBlock.forward)
 
     @contextlib.contextmanager
     def bands(self, bands: RowBands) -> Iterator[None]:
@@ -47,11 +53,11 @@ class SplitDecoder:
         finally:
             self._bands = None
 
-    def _causal_conv(self, conv: WanCausalConv3d):
+    def _causal_conv(self, conv: WanCausalConv3d, whole_frame: Callable[..., torch.Tensor]):
         def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
             bands = self._bands
             if bands is None:
-                return WanCausalConv3d.forward(conv, x, cache_x)
+                return whole_frame(conv, x, cache_x)
             padding = list(conv._padding)  # (w, w, h, h, causal t, 0)
             if cache_x is not None and padding[4] > 0:
                 x = torch.cat([cache_x.to(x.device), x], dim=2)
@@ -73,11 +79,11 @@ class SplitDecoder:
 
         return forward
 
-    def _attention(self, block: WanAttentionBlock):
+    def _attention(self, block: WanAttentionBlock, whole_frame: Callable[..., torch.Tensor]):
         def forward(x: torch.Tensor) -> torch.Tensor:
             bands = self._bands
             if bands is None:
-                return WanAttentionBlock.forward(block, x)
-            return bands.local(WanAttentionBlock.forward(block, bands.all_rows(x)), bands.factor(x))
+                return whole_frame(block, x)
+            return bands.local(whole_frame(block, bands.all_rows(x)), bands.factor(x))
 
         return forward

@@ -36,10 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api.errors import ConfigError
+from .tiny_vae_latents import LATENT_CHANNELS, TIME_FACTOR
 
-LATENT_CHANNELS = 16  # Wan 2.1's z_dim
-SPATIAL_FACTOR = 8  # three 2x upsamples
-TIME_FACTOR = 4  # two time grows of stride 2
 WARMUP_FRAMES = TIME_FACTOR - 1  # the first latent frame's frames before its last
 WIDTHS = (256, 128, 64, 64)  # channels of the three stages and of the last conv's input
 STAGE_TIME_STRIDES = (1, 2, 2)

@@ -233,7 +233,8 @@ class CausalBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else None
         self.cross_attn = CrossAttention(dim, cfg.num_heads, cfg.qk_norm, cfg.eps, tp_degree)
         self.ffn = nn.Sequential(nn.Linear(dim, ffn_local), nn.GELU(approximate="tanh"), nn.Linear(ffn_local, dim))
-        self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        # div_ in place: on the meta device (every load) `/` runs torch's Python reference, which imports torch._dynamo
+        self.modulation = nn.Parameter(torch.randn(1, 6, dim).div_(dim**0.5))
         # Camera MLP: column then row parallel; scale/shift column parallel (each rank's channels of x).
         self.cam_injector_layer1 = nn.Linear(dim, local)
         self.cam_injector_layer2 = nn.Linear(local, dim)
@@ -278,7 +279,7 @@ class Head(nn.Module):
         super().__init__()
         self.eps = cfg.eps
         self.head = nn.Linear(cfg.dim, cfg.out_dim * math.prod(cfg.patch_size))
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # div_: see CausalBlock's
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """x [B, L/sp, D], temb [B, L/sp, D] float32 (time embedding before the 6-way projection). Float32."""
