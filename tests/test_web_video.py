@@ -18,7 +18,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from aiortc import RTCPeerConnection
+from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RTCP_PSFB_APP, RTCP_PSFB_PLI, RtcpPsfbPacket, pack_remb_fci
 
@@ -319,6 +319,158 @@ def test_watch_offers_are_refused_with_a_code_before_any_work(monkeypatch: pytes
                 await w.close()
 
     run(attack())
+
+
+class WhepClient:
+    """A WHEP client (not the page: no data channel, no JSON): aiortc's RTCPeerConnection, its offer posted as
+    application/sdp, the answer taken from the 201, the watching ended by a DELETE of the resource it names."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str) -> None:
+        self.http, self.base = http, base
+        self.pc = RTCPeerConnection()
+        self.pc.addTransceiver("video", direction="recvonly")
+        self.frames: list[np.ndarray] = []  # decoded, RGB
+        self.resource: str | None = None
+        self.pc.on("track", lambda track: asyncio.ensure_future(self._pull(track)))
+
+    async def _pull(self, track) -> None:
+        with contextlib.suppress(MediaStreamError):
+            while True:
+                self.frames.append((await track.recv()).to_ndarray(format="rgb24"))
+
+    async def post(self, path: str, body: bytes | None = None, content_type: str = "application/sdp",
+                   origin: str | None = ORIGIN) -> tuple[int, str, dict]:
+        """POST an offer (its own, or `body`) to `path`: the status, the Content-Type and the body (the answer's
+        SDP as {"sdp"}, or the refusal's JSON); a 201's answer taken and its resource kept."""
+        if body is None:
+            await self.pc.setLocalDescription(await self.pc.createOffer())
+            body = self.pc.localDescription.sdp.encode()
+        headers = {"Content-Type": content_type} | ({} if origin is None else {"Origin": origin})
+        async with self.http.post(self.base + path, data=body, headers=headers) as response:
+            text = await response.text()
+            if response.status != 201:
+                return response.status, response.content_type, json.loads(text)
+            self.resource = response.headers["Location"]
+        await self.pc.setRemoteDescription(RTCSessionDescription(text, "answer"))
+        return response.status, response.content_type, {"sdp": text}
+
+    async def delete(self, resource: str | None = None, origin: str | None = ORIGIN) -> tuple[int, dict | None]:
+        headers = {} if origin is None else {"Origin": origin}
+        async with self.http.delete(self.base + (resource or self.resource), headers=headers) as response:
+            return response.status, await response.json() if response.status != 200 else None
+
+
+def whep(link: str) -> str:
+    return link + "/whep"
+
+
+def closest_frame_error(frame: np.ndarray) -> float:
+    """The mean absolute error of a decoded frame against the clip's frame it is nearest (0-255)."""
+    return min(float(np.abs(frame.astype(int) - clip.astype(int)).mean()) for clip in CLIP)
+
+
+def test_a_whep_client_watches_the_world_and_leaves_with_a_delete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standard WHEP exchange: POST of an application/sdp offer, 201 with the answer as application/sdp and a
+    Location; the client decodes the world's own frames; its DELETE ends its watching (200), the bridge's count of
+    watchers goes back down, and a second DELETE of the resource is 404 WATCHER_UNKNOWN."""
+    async def play() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            viewer = WhepClient(http, base)
+            status, content_type, body = await viewer.post(whep(link))
+            assert (status, content_type) == (201, "application/sdp") and body["sdp"].startswith("v=0")
+            assert viewer.resource.startswith(whep(link) + "/") and len(viewer.resource.rsplit("/", 1)[1]) == 32
+            assert client.app[WATCHING].watchers == 1
+            await until(lambda: len(viewer.frames) >= 5, BOUND_S, "5 decoded frames at the WHEP client")
+            assert viewer.frames[0].shape == (SIZE, SIZE, 3)
+            assert max(closest_frame_error(f) for f in viewer.frames[:5]) < 12  # the world's picture, as encoded
+            assert await viewer.delete() == (200, None)
+            await until(lambda: client.app[WATCHING].watchers == 0, BOUND_S, "the watcher to be gone")
+            status, refusal = await viewer.delete()
+            assert (status, refusal["code"]) == (404, "WATCHER_UNKNOWN") and refusal["message"]
+            blocks = len(page.of("block"))
+            await until(lambda: len(page.of("block")) >= blocks + 2, BOUND_S, "the world to play on")
+            await viewer.pc.close()
+
+    run(play())
+
+
+def test_whep_refusals_have_their_codes_and_a_guessed_resource_ends_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the WHEP endpoint the watch offer's limits, each with its code: an unknown link, another origin and
+    none (a client outside a browser sends none: the bridge's origins only, as the watch offer), a wrong Content-Type,
+    an offer too long, the world's watchers full; a DELETE of a guessed resource, or on another link, ends no one:
+    the watcher it guessed at keeps its frames coming; a PATCH (trickled candidates) is 405; a revoked link serves no WHEP client; the world plays on."""
+    async def attack() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            sdp = (await Peer("watch").offer()).encode()
+            refused = [
+                await WhepClient(http, base).post(whep("/watch/" + "0" * 32)),
+                await WhepClient(http, base).post(whep(link), origin="http://evil.example"),
+                await WhepClient(http, base).post(whep(link), origin=None),
+                await WhepClient(http, base).post(whep(link), sdp, content_type="application/json"),
+                await WhepClient(http, base).post(whep(link), sdp, content_type="text/plain"),
+                await WhepClient(http, base).post(whep(link), b"v" * (MAX_SDP_BYTES + 1)),
+            ]
+            assert [(status, body["code"]) for status, _, body in refused] == [
+                (404, "WATCH_UNKNOWN"), (403, "ORIGIN_REFUSED"), (403, "ORIGIN_REFUSED"), (415, "SDP_CONTENT_TYPE"),
+                (415, "SDP_CONTENT_TYPE"), (413, "SDP_TOO_LARGE")]
+            assert all(body["message"] for _, _, body in refused)
+            viewers = [WhepClient(http, base) for _ in range(3)]
+            answers = [(await v.post(whep(link)))[::2] for v in viewers]
+            assert [(s, b.get("code")) for s, b in answers] == [(201, None), (201, None), (503, "WATCHERS_FULL")]
+            watched = viewers[0]
+            await until(lambda: len(watched.frames) >= 3, BOUND_S, "the first WHEP client's frames")
+            own = watched.resource.rsplit("/", 1)[1]
+            guesses = [whep(link) + "/" + "0" * 32, whep(link) + "/" + own[:-1] + ("0" if own[-1] != "0" else "1"),
+                       whep(link) + "/" + own.upper(), whep("/watch/" + "0" * 32) + "/" + own,
+                       whep(link) + "/" + viewers[1].resource.rsplit("/", 1)[1] + "x"]
+            assert [(await watched.delete(g))[1]["code"] for g in guesses] == [
+                "WATCHER_UNKNOWN", "WATCHER_UNKNOWN", "WATCHER_UNKNOWN", "WATCHER_UNKNOWN", "WATCHER_UNKNOWN"]
+            assert (await watched.delete(origin="http://evil.example"))[1]["code"] == "ORIGIN_REFUSED"
+            async with http.patch(base + watched.resource, data=b"a=ice-ufrag:x\r\n", headers={
+                    "Origin": ORIGIN, "Content-Type": "application/trickle-ice-sdpfrag"}) as response:
+                assert response.status == 405  # no trickled candidates: the offer comes whole
+            assert client.app[WATCHING].watchers == 2
+            frames = len(watched.frames)
+            await until(lambda: len(watched.frames) >= frames + 5, BOUND_S, "the guessed-at watcher's frames")
+            await page.ws.send_json({"type": "revoke"})
+            assert (await page.next("watch"))["revoked"] == 2
+            status, _, body = await WhepClient(http, base).post(whep(link))
+            assert (status, body["code"]) == (404, "WATCH_UNKNOWN")
+            assert (await watched.delete())[1]["code"] == "WATCHER_UNKNOWN"  # its link's end ended it
+            blocks = len(page.of("block"))
+            await until(lambda: len(page.of("block")) >= blocks + 2, BOUND_S, "the world to play on")
+            for v in viewers:
+                await v.pc.close()
+
+    run(attack())
+
+
+def test_whep_offers_and_watch_offers_share_a_link_s_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link's offers a minute count both kinds: 4 (the test's limit) across the two endpoints, then one more of
+    either is refused with OFFERS_TOO_FAST and its retry time."""
+    async def flood() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            garbage = b"v=0\r\nnot sdp"
+            told = []
+            for path in (whep(link), link + "/offer") * 2 + (whep(link), link + "/offer"):
+                async with http.post(base + path, data=garbage, headers={"Origin": ORIGIN,
+                                                                         "Content-Type": "application/sdp"}) as r:
+                    told.append((r.status, (await r.json())["code"]))
+            assert told == [(400, "OFFER_INVALID")] * 4 + [(429, "OFFERS_TOO_FAST")] * 2
+
+    run(flood())
 
 
 @pytest.mark.parametrize(("offer", "code"), [
