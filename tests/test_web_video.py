@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import statistics
+import time
 from collections.abc import AsyncIterator
 
 import aioice.ice
@@ -56,12 +57,14 @@ class Page:
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws, self.messages, self.binary, self.peer = ws, [], 0, None
+        self.arrived: list[float] = []  # each JSON message's arrival (time.monotonic)
         self.reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
         async for msg in self.ws:
             if msg.type == aiohttp.WSMsgType.TEXT:
                 self.messages.append(json.loads(msg.data))
+                self.arrived.append(time.monotonic())
             elif msg.type == aiohttp.WSMsgType.BINARY:
                 self.binary += 1
 
@@ -81,14 +84,16 @@ class Page:
         await peer.connected()
         return answer
 
-    async def start(self) -> None:
-        await self.ws.send_json({"type": "start", "prompt": "a street", "height": SIZE, "width": SIZE})
+    async def start(self, size: int = SIZE) -> None:
+        """Start the world, its first frame the test scene at `size` (the replayed frames are the clip's)."""
+        await self.ws.send_json({"type": "start", "prompt": "a street", "height": size, "width": size})
 
 
 @contextlib.asynccontextmanager
-async def served(monkeypatch: pytest.MonkeyPatch, made: list[ReplaySession],
-                 rtc: RtcSettings = LIMITS) -> AsyncIterator[TestClient]:
-    monkeypatch.setattr(bridge, "SteeredSession", ReplaySession.factory(CLIP, BLOCK_S, made))
+async def served(monkeypatch: pytest.MonkeyPatch, made: list[ReplaySession], rtc: RtcSettings = LIMITS,
+                 factory=None) -> AsyncIterator[TestClient]:
+    """The app on replayed worlds (`factory`'s sessions, or the clip's every BLOCK_S)."""
+    monkeypatch.setattr(bridge, "SteeredSession", factory or ReplaySession.factory(CLIP, BLOCK_S, made))
     app = make_app("127.0.0.1:1", "lingbot_world", BOUND_S, Access(frozenset({ORIGIN})), save_every=0, rtc=rtc)
     async with TestClient(TestServer(app)) as client:
         yield client
@@ -138,6 +143,42 @@ def test_a_page_plays_over_webrtc_and_steers_on_its_data_channel(monkeypatch: py
             await peer.close()
 
     run(play())
+
+
+LOADED = 3  # pages playing beside the one that starts
+FIRST_BLOCK_S = 2.0  # the starting page's server: its first block after this long
+FIRST_WORD_S = 0.5
+
+
+def test_a_page_is_told_starting_at_once_whatever_its_first_block_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With LOADED pages playing (their frames as JPEG), a page starts a world whose first frame takes a while to
+    draw (the test scene at the largest size a page may ask, 2048 x 2048: seconds) on a server slow with its first block (FIRST_BLOCK_S):
+    it is told {"type": "starting"} within FIRST_WORD_S of its start, before that block, which comes later."""
+    made: list[ReplaySession] = []
+
+    def factory(*args: object, **kwargs: object) -> ReplaySession:
+        made.append(ReplaySession(CLIP, BLOCK_S if len(made) < LOADED else FIRST_BLOCK_S))
+        return made[-1]
+
+    async def play() -> tuple[float, float]:
+        async with served(monkeypatch, made, factory=factory) as client:
+            loaded = [await page_of(client) for _ in range(LOADED)]
+            for other in loaded:
+                await other.start()
+            await until(lambda: all(len(p.of("block")) >= 2 for p in loaded), BOUND_S, "the other pages to play")
+            page = await page_of(client)
+            began = time.monotonic()
+            await page.start(size=bridge.MAX_SIDE)
+            await until(lambda: page.of("block"), BOUND_S, "the first block")
+            kinds = [m["type"] for m in page.messages]
+            assert kinds[1] == "starting", kinds  # after "session", before anything else
+            assert page.messages[1]["text"] == "the server opens the session and computes its first block"
+            assert all(p.binary and len(p.of("block")) >= 4 for p in loaded)  # they played meanwhile
+            return page.arrived[1] - began, page.arrived[kinds.index("block")] - began
+
+    told_s, first_block_s = asyncio.run(asyncio.wait_for(play(), BOUND_S * 2))
+    print(f"told starting after {told_s:.3f} s, first block after {first_block_s:.3f} s")
+    assert told_s < FIRST_WORD_S and first_block_s >= FIRST_BLOCK_S
 
 
 def test_an_offer_without_h264_gets_vp8(monkeypatch: pytest.MonkeyPatch) -> None:
