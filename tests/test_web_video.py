@@ -366,9 +366,12 @@ class WhepClient:
     """A WHEP client (not the page: no data channel, no JSON): aiortc's RTCPeerConnection, its offer posted as
     application/sdp, the answer taken from the 201, the watching ended by a DELETE of the resource it names."""
 
-    def __init__(self, http: aiohttp.ClientSession, base: str) -> None:
+    def __init__(self, http: aiohttp.ClientSession, base: str, audio: bool = False) -> None:
+        """audio: it asks for sound beside the video, as WHEP players do."""
         self.http, self.base = http, base
         self.pc = RTCPeerConnection()
+        if audio:
+            self.pc.addTransceiver("audio", direction="recvonly")
         self.pc.addTransceiver("video", direction="recvonly")
         self.frames: list[np.ndarray] = []  # decoded, RGB
         self.resource: str | None = None
@@ -411,18 +414,22 @@ def closest_frame_error(frame: np.ndarray) -> float:
 
 
 def test_a_whep_client_watches_the_world_and_leaves_with_a_delete(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A standard WHEP exchange: POST of an application/sdp offer, 201 with the answer as application/sdp and a
-    Location; the client decodes the world's own frames; its DELETE ends its watching (200), the bridge's count of
-    watchers goes back down, and a second DELETE of the resource is 404 WATCHER_UNKNOWN."""
+    """A standard WHEP exchange: POST of an application/sdp offer (audio and video, as WHEP players ask), 201 with
+    the answer as application/sdp (its audio inactive: a world has no sound) and a Location; the client decodes the
+    world's own frames; its DELETE ends its watching (200), the bridge's count of watchers goes back down, and a
+    second DELETE of the resource is 404 WATCHER_UNKNOWN."""
     async def play() -> None:
         async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
             base = str(client.make_url("")).rstrip("/")
             page = await page_of(client)
             await page.start()
             link = await watch_link(page)
-            viewer = WhepClient(http, base)
+            viewer = WhepClient(http, base, audio=True)
             status, content_type, body = await viewer.post(whep(link))
             assert (status, content_type) == (201, "application/sdp") and body["sdp"].startswith("v=0")
+            media = [line for line in body["sdp"].splitlines()
+                     if line.startswith("m=") or line in ("a=inactive", "a=sendonly")]
+            assert [m.split()[0] for m in media] == ["m=audio", "a=inactive", "m=video", "a=sendonly"], media
             assert viewer.resource.startswith(whep(link) + "/") and len(viewer.resource.rsplit("/", 1)[1]) == 32
             assert client.app[WATCHING].watchers == 1
             await until(lambda: len(viewer.frames) >= 5, BOUND_S, "5 decoded frames at the WHEP client")
@@ -696,6 +703,7 @@ def test_an_offer_is_checked_before_any_peer_connection() -> None:
         with pytest.raises(Refused) as refused:
             read_offer(sdp)
         assert refused.value.code == code, sdp[:80] if isinstance(sdp, str) else sdp
+    assert read_offer(offer_of(audio=True), audio=True).codec == H264  # a watcher's, sound asked for beside
 
 
 def test_a_page_s_mdns_candidates_are_left_out_and_then_its_end_of_candidates() -> None:

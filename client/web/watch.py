@@ -87,11 +87,11 @@ class Watching:
         return link
 
     async def add(self, link: Link, sdp: object) -> Watcher:
-        """Answer a watcher's offer on a checked link: the watcher (its answer is its pc's localDescription);
-        Refused if the offer is not one to answer or the link went meanwhile."""
+        """Answer a watcher's offer on a checked link (sound it asks for answered inactive): the watcher (its answer
+        is its pc's localDescription); Refused if the offer is not one to answer or the link went meanwhile."""
         link.reserved += 1
         try:
-            offer = read_offer(sdp)
+            offer = read_offer(sdp, audio=True)
             viewer = Viewer(link.broadcast)
             pc = await answer(offer, viewer, self.ice.configuration(f"watch-{link.id[:8]}"))
         finally:
@@ -101,7 +101,7 @@ class Watching:
             raise unknown_link()
         watcher = Watcher(pc, offer.codec)
         link.watchers.add(watcher)
-        (sender,) = pc.getSenders()
+        sender = next(sender for sender in pc.getSenders() if sender.track is viewer)  # the video's (audio has none)
         follow_feedback(sender, lambda: link.broadcast.request_keyframe(viewer.codec))
 
         @pc.on("datachannel")
