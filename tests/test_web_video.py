@@ -704,6 +704,10 @@ def test_an_offer_is_checked_before_any_peer_connection() -> None:
             read_offer(sdp)
         assert refused.value.code == code, sdp[:80] if isinstance(sdp, str) else sdp
     assert read_offer(offer_of(audio=True), audio=True).codec == H264  # a watcher's, sound asked for beside
+    video, sound = offer_of(audio=True).split("m=audio")
+    for sent in ("sendrecv", "sendonly"):  # ... but never sound sent to the bridge
+        with pytest.raises(Refused, match=f"the offer's audio may only be received, not {sent}"):
+            read_offer(video + "m=audio" + sound.replace("a=recvonly", f"a={sent}"), audio=True)
 
 
 def test_a_page_s_mdns_candidates_are_left_out_and_then_its_end_of_candidates() -> None:

@@ -62,6 +62,9 @@ def read_offer(sdp: object, audio: bool = False) -> Offer:
     (video,) = (media for media in description.media if media.kind == "video")
     if video.direction not in ("recvonly", "sendrecv"):
         raise Refused(OFFER_INVALID, f"the offer's video must be received, not {video.direction}")
+    sound = [media.direction for media in description.media if media.kind == "audio"]
+    if sound and sound[0] not in ("recvonly", "inactive"):  # the bridge takes no media in
+        raise Refused(OFFER_INVALID, f"the offer's audio may only be received, not {sound[0]}")
     offered = {codec.mimeType for codec in find_common_codecs(CODECS["video"], video.rtp.codecs)}
     codec = next((mime for mime in SENT_CODECS if mime in offered), None)
     if codec is None:
