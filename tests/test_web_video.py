@@ -91,10 +91,10 @@ class Page:
 
 @contextlib.asynccontextmanager
 async def served(monkeypatch: pytest.MonkeyPatch, made: list[ReplaySession], rtc: RtcSettings = LIMITS,
-                 factory=None) -> AsyncIterator[TestClient]:
-    """The app on replayed worlds (`factory`'s sessions, or the clip's every BLOCK_S)."""
+                 factory=None, origins: frozenset[str] = frozenset({ORIGIN})) -> AsyncIterator[TestClient]:
+    """The app on replayed worlds (`factory`'s sessions, or the clip's every BLOCK_S), pages from `origins`."""
     monkeypatch.setattr(bridge, "SteeredSession", factory or ReplaySession.factory(CLIP, BLOCK_S, made))
-    app = make_app("127.0.0.1:1", "lingbot_world", BOUND_S, Access(frozenset({ORIGIN})), save_every=0, rtc=rtc)
+    app = make_app("127.0.0.1:1", "lingbot_world", BOUND_S, Access(origins), save_every=0, rtc=rtc)
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -499,6 +499,22 @@ def test_whep_refusals_have_their_codes_and_a_guessed_resource_ends_no_one(monke
                 await v.pc.close()
 
     run(attack())
+
+
+def test_a_whep_client_without_an_origin_watches_where_the_bridge_allows_any(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A WHEP client outside a browser sends no Origin: on a bridge that allows any (--allow-origin '*') it is
+    answered, gets frames and leaves with its DELETE."""
+    async def play() -> None:
+        async with served(monkeypatch, [], origins=frozenset({"*"})) as client, aiohttp.ClientSession() as http:
+            page = await page_of(client)
+            await page.start()
+            viewer = WhepClient(http, str(client.make_url("")).rstrip("/"))
+            assert (await viewer.post(whep(await watch_link(page)), origin=None))[0] == 201
+            await until(lambda: len(viewer.frames) >= 3, BOUND_S, "the WHEP client's frames")
+            assert await viewer.delete(origin=None) == (200, None)
+            await viewer.pc.close()
+
+    run(play())
 
 
 def test_whep_offers_and_watch_offers_share_a_link_s_rate(monkeypatch: pytest.MonkeyPatch) -> None:
