@@ -152,8 +152,8 @@ FIRST_WORD_S = 0.5
 
 def test_a_page_is_told_starting_at_once_whatever_its_first_block_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     """With LOADED pages playing (their frames as JPEG), a page starts a world whose first frame takes a while to
-    draw (the test scene at the largest size a page may ask, 2048 x 2048: seconds) on a server slow with its first block (FIRST_BLOCK_S):
-    it is told {"type": "starting"} within FIRST_WORD_S of its start, before that block, which comes later."""
+    draw (the test scene at the largest size a page may ask, 2048 x 2048: seconds) on a server slow with its first
+    block (FIRST_BLOCK_S): it is told {"type": "starting"} within FIRST_WORD_S of its start, before that block."""
     made: list[ReplaySession] = []
 
     def factory(*args: object, **kwargs: object) -> ReplaySession:
@@ -450,7 +450,8 @@ def test_whep_refusals_have_their_codes_and_a_guessed_resource_ends_no_one(monke
     """Through the WHEP endpoint the watch offer's limits, each with its code: an unknown link, another origin and
     none (a client outside a browser sends none: the bridge's origins only, as the watch offer), a wrong Content-Type,
     an offer too long, the world's watchers full; a DELETE of a guessed resource, or on another link, ends no one:
-    the watcher it guessed at keeps its frames coming; a PATCH (trickled candidates) is 405; a revoked link serves no WHEP client; the world plays on."""
+    the watcher it guessed at keeps its frames coming; a PATCH (trickled candidates) is 405; a revoked link serves no
+    WHEP client; the world plays on."""
     async def attack() -> None:
         async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
             base = str(client.make_url("")).rstrip("/")

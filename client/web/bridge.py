@@ -90,8 +90,8 @@ def start_request(message: dict[str, Any]) -> WorldStart | ResumeStart:
         raise ValueError("height, width and seed must be whole numbers") from None
     if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
         raise ValueError(f"height and width must be between 1 and {MAX_SIDE}, got {height}x{width}")
-    keys = parse_keys(str(message.get("keys") or "-"))
-    return WorldStart(prompt, height, width, seed, keys, open_upload(message["image"]) if message.get("image") else None)
+    picture = open_upload(message["image"]) if message.get("image") else None
+    return WorldStart(prompt, height, width, seed, parse_keys(str(message.get("keys") or "-")), picture)
 
 
 def recording_path(video_path: Path) -> Path:
