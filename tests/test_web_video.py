@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import statistics
+import time
 from collections.abc import AsyncIterator
 
 import aioice.ice
@@ -18,7 +19,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from aiortc import RTCPeerConnection
+from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RTCP_PSFB_APP, RTCP_PSFB_PLI, RtcpPsfbPacket, pack_remb_fci
 
@@ -56,12 +57,14 @@ class Page:
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws, self.messages, self.binary, self.peer = ws, [], 0, None
+        self.arrived: list[float] = []  # each JSON message's arrival (time.monotonic)
         self.reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
         async for msg in self.ws:
             if msg.type == aiohttp.WSMsgType.TEXT:
                 self.messages.append(json.loads(msg.data))
+                self.arrived.append(time.monotonic())
             elif msg.type == aiohttp.WSMsgType.BINARY:
                 self.binary += 1
 
@@ -81,15 +84,17 @@ class Page:
         await peer.connected()
         return answer
 
-    async def start(self) -> None:
-        await self.ws.send_json({"type": "start", "prompt": "a street", "height": SIZE, "width": SIZE})
+    async def start(self, size: int = SIZE) -> None:
+        """Start the world, its first frame the test scene at `size` (the replayed frames are the clip's)."""
+        await self.ws.send_json({"type": "start", "prompt": "a street", "height": size, "width": size})
 
 
 @contextlib.asynccontextmanager
-async def served(monkeypatch: pytest.MonkeyPatch, made: list[ReplaySession],
-                 rtc: RtcSettings = LIMITS) -> AsyncIterator[TestClient]:
-    monkeypatch.setattr(bridge, "SteeredSession", ReplaySession.factory(CLIP, BLOCK_S, made))
-    app = make_app("127.0.0.1:1", "lingbot_world", BOUND_S, Access(frozenset({ORIGIN})), save_every=0, rtc=rtc)
+async def served(monkeypatch: pytest.MonkeyPatch, made: list[ReplaySession], rtc: RtcSettings = LIMITS,
+                 factory=None, origins: frozenset[str] = frozenset({ORIGIN})) -> AsyncIterator[TestClient]:
+    """The app on replayed worlds (`factory`'s sessions, or the clip's every BLOCK_S), pages from `origins`."""
+    monkeypatch.setattr(bridge, "SteeredSession", factory or ReplaySession.factory(CLIP, BLOCK_S, made))
+    app = make_app("127.0.0.1:1", "lingbot_world", BOUND_S, Access(origins), save_every=0, rtc=rtc)
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -138,6 +143,42 @@ def test_a_page_plays_over_webrtc_and_steers_on_its_data_channel(monkeypatch: py
             await peer.close()
 
     run(play())
+
+
+LOADED = 3  # pages playing beside the one that starts
+FIRST_BLOCK_S = 2.0  # the starting page's server: its first block after this long
+FIRST_WORD_S = 0.5
+
+
+def test_a_page_is_told_starting_at_once_whatever_its_first_block_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With LOADED pages playing (their frames as JPEG), a page starts a world whose first frame takes a while to
+    draw (the test scene at the largest size a page may ask, 2048 x 2048: seconds) on a server slow with its first
+    block (FIRST_BLOCK_S): it is told {"type": "starting"} within FIRST_WORD_S of its start, before that block."""
+    made: list[ReplaySession] = []
+
+    def factory(*args: object, **kwargs: object) -> ReplaySession:
+        made.append(ReplaySession(CLIP, BLOCK_S if len(made) < LOADED else FIRST_BLOCK_S))
+        return made[-1]
+
+    async def play() -> tuple[float, float]:
+        async with served(monkeypatch, made, factory=factory) as client:
+            loaded = [await page_of(client) for _ in range(LOADED)]
+            for other in loaded:
+                await other.start()
+            await until(lambda: all(len(p.of("block")) >= 2 for p in loaded), BOUND_S, "the other pages to play")
+            page = await page_of(client)
+            began = time.monotonic()
+            await page.start(size=bridge.MAX_SIDE)
+            await until(lambda: page.of("block"), BOUND_S, "the first block")
+            kinds = [m["type"] for m in page.messages]
+            assert kinds[1] == "starting", kinds  # after "session", before anything else
+            assert page.messages[1]["text"] == "the server opens the session and computes its first block"
+            assert all(p.binary and len(p.of("block")) >= 4 for p in loaded)  # they played meanwhile
+            return page.arrived[1] - began, page.arrived[kinds.index("block")] - began
+
+    told_s, first_block_s = asyncio.run(asyncio.wait_for(play(), BOUND_S * 2))
+    print(f"told starting after {told_s:.3f} s, first block after {first_block_s:.3f} s")
+    assert told_s < FIRST_WORD_S and first_block_s >= FIRST_BLOCK_S
 
 
 def test_an_offer_without_h264_gets_vp8(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,6 +360,182 @@ def test_watch_offers_are_refused_with_a_code_before_any_work(monkeypatch: pytes
                 await w.close()
 
     run(attack())
+
+
+class WhepClient:
+    """A WHEP client (not the page: no data channel, no JSON): aiortc's RTCPeerConnection, its offer posted as
+    application/sdp, the answer taken from the 201, the watching ended by a DELETE of the resource it names."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str, audio: bool = False) -> None:
+        """audio: it asks for sound beside the video, as WHEP players do."""
+        self.http, self.base = http, base
+        self.pc = RTCPeerConnection()
+        if audio:
+            self.pc.addTransceiver("audio", direction="recvonly")
+        self.pc.addTransceiver("video", direction="recvonly")
+        self.frames: list[np.ndarray] = []  # decoded, RGB
+        self.resource: str | None = None
+        self.pc.on("track", lambda track: asyncio.ensure_future(self._pull(track)))
+
+    async def _pull(self, track) -> None:
+        with contextlib.suppress(MediaStreamError):
+            while True:
+                self.frames.append((await track.recv()).to_ndarray(format="rgb24"))
+
+    async def post(self, path: str, body: bytes | None = None, content_type: str = "application/sdp",
+                   origin: str | None = ORIGIN) -> tuple[int, str, dict]:
+        """POST an offer (its own, or `body`) to `path`: the status, the Content-Type and the body (the answer's
+        SDP as {"sdp"}, or the refusal's JSON); a 201's answer taken and its resource kept."""
+        if body is None:
+            await self.pc.setLocalDescription(await self.pc.createOffer())
+            body = self.pc.localDescription.sdp.encode()
+        headers = {"Content-Type": content_type} | ({} if origin is None else {"Origin": origin})
+        async with self.http.post(self.base + path, data=body, headers=headers) as response:
+            text = await response.text()
+            if response.status != 201:
+                return response.status, response.content_type, json.loads(text)
+            self.resource = response.headers["Location"]
+        await self.pc.setRemoteDescription(RTCSessionDescription(text, "answer"))
+        return response.status, response.content_type, {"sdp": text}
+
+    async def delete(self, resource: str | None = None, origin: str | None = ORIGIN) -> tuple[int, dict | None]:
+        headers = {} if origin is None else {"Origin": origin}
+        async with self.http.delete(self.base + (resource or self.resource), headers=headers) as response:
+            return response.status, await response.json() if response.status != 200 else None
+
+
+def whep(link: str) -> str:
+    return link + "/whep"
+
+
+def closest_frame_error(frame: np.ndarray) -> float:
+    """The mean absolute error of a decoded frame against the clip's frame it is nearest (0-255)."""
+    return min(float(np.abs(frame.astype(int) - clip.astype(int)).mean()) for clip in CLIP)
+
+
+def test_a_whep_client_watches_the_world_and_leaves_with_a_delete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standard WHEP exchange: POST of an application/sdp offer (audio and video, as WHEP players ask), 201 with
+    the answer as application/sdp (its audio inactive: a world has no sound) and a Location; the client decodes the
+    world's own frames; its DELETE ends its watching (200), the bridge's count of watchers goes back down, and a
+    second DELETE of the resource is 404 WATCHER_UNKNOWN."""
+    async def play() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            viewer = WhepClient(http, base, audio=True)
+            status, content_type, body = await viewer.post(whep(link))
+            assert (status, content_type) == (201, "application/sdp") and body["sdp"].startswith("v=0")
+            media = [line for line in body["sdp"].splitlines()
+                     if line.startswith("m=") or line in ("a=inactive", "a=sendonly")]
+            assert [m.split()[0] for m in media] == ["m=audio", "a=inactive", "m=video", "a=sendonly"], media
+            assert viewer.resource.startswith(whep(link) + "/") and len(viewer.resource.rsplit("/", 1)[1]) == 32
+            assert client.app[WATCHING].watchers == 1
+            await until(lambda: len(viewer.frames) >= 5, BOUND_S, "5 decoded frames at the WHEP client")
+            assert viewer.frames[0].shape == (SIZE, SIZE, 3)
+            assert max(closest_frame_error(f) for f in viewer.frames[:5]) < 12  # the world's picture, as encoded
+            assert await viewer.delete() == (200, None)
+            await until(lambda: client.app[WATCHING].watchers == 0, BOUND_S, "the watcher to be gone")
+            status, refusal = await viewer.delete()
+            assert (status, refusal["code"]) == (404, "WATCHER_UNKNOWN") and refusal["message"]
+            blocks = len(page.of("block"))
+            await until(lambda: len(page.of("block")) >= blocks + 2, BOUND_S, "the world to play on")
+            await viewer.pc.close()
+
+    run(play())
+
+
+def test_whep_refusals_have_their_codes_and_a_guessed_resource_ends_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the WHEP endpoint the watch offer's limits, each with its code: an unknown link, another origin and
+    none (a client outside a browser sends none: the bridge's origins only, as the watch offer), a wrong Content-Type,
+    an offer too long, the world's watchers full; a DELETE of a guessed resource, or on another link, ends no one:
+    the watcher it guessed at keeps its frames coming; a PATCH (trickled candidates) is 405; a revoked link serves no
+    WHEP client; the world plays on."""
+    async def attack() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            sdp = (await Peer("watch").offer()).encode()
+            refused = [
+                await WhepClient(http, base).post(whep("/watch/" + "0" * 32)),
+                await WhepClient(http, base).post(whep(link), origin="http://evil.example"),
+                await WhepClient(http, base).post(whep(link), origin=None),
+                await WhepClient(http, base).post(whep(link), sdp, content_type="application/json"),
+                await WhepClient(http, base).post(whep(link), sdp, content_type="text/plain"),
+                await WhepClient(http, base).post(whep(link), b"v" * (MAX_SDP_BYTES + 1)),
+            ]
+            assert [(status, body["code"]) for status, _, body in refused] == [
+                (404, "WATCH_UNKNOWN"), (403, "ORIGIN_REFUSED"), (403, "ORIGIN_REFUSED"), (415, "SDP_CONTENT_TYPE"),
+                (415, "SDP_CONTENT_TYPE"), (413, "SDP_TOO_LARGE")]
+            assert all(body["message"] for _, _, body in refused)
+            viewers = [WhepClient(http, base) for _ in range(3)]
+            answers = [(await v.post(whep(link)))[::2] for v in viewers]
+            assert [(s, b.get("code")) for s, b in answers] == [(201, None), (201, None), (503, "WATCHERS_FULL")]
+            watched = viewers[0]
+            await until(lambda: len(watched.frames) >= 3, BOUND_S, "the first WHEP client's frames")
+            own = watched.resource.rsplit("/", 1)[1]
+            guesses = [whep(link) + "/" + "0" * 32, whep(link) + "/" + own[:-1] + ("0" if own[-1] != "0" else "1"),
+                       whep(link) + "/" + own.upper(), whep("/watch/" + "0" * 32) + "/" + own,
+                       whep(link) + "/" + viewers[1].resource.rsplit("/", 1)[1] + "x"]
+            assert [(await watched.delete(g))[1]["code"] for g in guesses] == [
+                "WATCHER_UNKNOWN", "WATCHER_UNKNOWN", "WATCHER_UNKNOWN", "WATCHER_UNKNOWN", "WATCHER_UNKNOWN"]
+            assert (await watched.delete(origin="http://evil.example"))[1]["code"] == "ORIGIN_REFUSED"
+            async with http.patch(base + watched.resource, data=b"a=ice-ufrag:x\r\n", headers={
+                    "Origin": ORIGIN, "Content-Type": "application/trickle-ice-sdpfrag"}) as response:
+                assert response.status == 405  # no trickled candidates: the offer comes whole
+            assert client.app[WATCHING].watchers == 2
+            frames = len(watched.frames)
+            await until(lambda: len(watched.frames) >= frames + 5, BOUND_S, "the guessed-at watcher's frames")
+            await page.ws.send_json({"type": "revoke"})
+            assert (await page.next("watch"))["revoked"] == 2
+            status, _, body = await WhepClient(http, base).post(whep(link))
+            assert (status, body["code"]) == (404, "WATCH_UNKNOWN")
+            assert (await watched.delete())[1]["code"] == "WATCHER_UNKNOWN"  # its link's end ended it
+            blocks = len(page.of("block"))
+            await until(lambda: len(page.of("block")) >= blocks + 2, BOUND_S, "the world to play on")
+            for v in viewers:
+                await v.pc.close()
+
+    run(attack())
+
+
+def test_a_whep_client_without_an_origin_watches_where_the_bridge_allows_any(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A WHEP client outside a browser sends no Origin: on a bridge that allows any (--allow-origin '*') it is
+    answered, gets frames and leaves with its DELETE."""
+    async def play() -> None:
+        async with served(monkeypatch, [], origins=frozenset({"*"})) as client, aiohttp.ClientSession() as http:
+            page = await page_of(client)
+            await page.start()
+            viewer = WhepClient(http, str(client.make_url("")).rstrip("/"))
+            assert (await viewer.post(whep(await watch_link(page)), origin=None))[0] == 201
+            await until(lambda: len(viewer.frames) >= 3, BOUND_S, "the WHEP client's frames")
+            assert await viewer.delete(origin=None) == (200, None)
+            await viewer.pc.close()
+
+    run(play())
+
+
+def test_whep_offers_and_watch_offers_share_a_link_s_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link's offers a minute count both kinds: 4 (the test's limit) across the two endpoints, then one more of
+    either is refused with OFFERS_TOO_FAST and its retry time."""
+    async def flood() -> None:
+        async with served(monkeypatch, []) as client, aiohttp.ClientSession() as http:
+            base = str(client.make_url("")).rstrip("/")
+            page = await page_of(client)
+            await page.start()
+            link = await watch_link(page)
+            garbage = b"v=0\r\nnot sdp"
+            told = []
+            for path in (whep(link), link + "/offer") * 2 + (whep(link), link + "/offer"):
+                async with http.post(base + path, data=garbage, headers={"Origin": ORIGIN,
+                                                                         "Content-Type": "application/sdp"}) as r:
+                    told.append((r.status, (await r.json())["code"]))
+            assert told == [(400, "OFFER_INVALID")] * 4 + [(429, "OFFERS_TOO_FAST")] * 2
+
+    run(flood())
 
 
 @pytest.mark.parametrize(("offer", "code"), [
@@ -503,6 +720,11 @@ def test_an_offer_is_checked_before_any_peer_connection() -> None:
         with pytest.raises(Refused) as refused:
             read_offer(sdp)
         assert refused.value.code == code, sdp[:80] if isinstance(sdp, str) else sdp
+    assert read_offer(offer_of(audio=True), audio=True).codec == H264  # a watcher's, sound asked for beside
+    video, sound = offer_of(audio=True).split("m=audio")
+    for sent in ("sendrecv", "sendonly"):  # ... but never sound sent to the bridge
+        with pytest.raises(Refused, match=f"the offer's audio may only be received, not {sent}"):
+            read_offer(video + "m=audio" + sound.replace("a=recvonly", f"a={sent}"), audio=True)
 
 
 def test_a_page_s_mdns_candidates_are_left_out_and_then_its_end_of_candidates() -> None:

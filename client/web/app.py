@@ -8,7 +8,8 @@ Who gets in (`Access`): a page from an allowed origin (this bridge's own by defa
 set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
 short-lived token cookie; GET /whoami says whether the page must sign in), while fewer than `max_pages` pages are
 open; videos are served by session id from this bridge's own table. A watcher needs a watch link and an allowed
-origin only (GET /watch/ID, then POST /watch/ID/offer with its SDP offer: client/web/watch).
+origin only (GET /watch/ID, then POST /watch/ID/offer with its SDP offer: client/web/watch); a WHEP client posts
+its offer to /watch/ID/whep and deletes the resource its answer names to leave.
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ from aiohttp import WSCloseCode, web
 
 from client.connection import Connection
 from client.web.bridge import recording_path
-from client.web.codes import ORIGIN_REFUSED, PLAYER_BUSY, SDP_TOO_LARGE, Refused
+from client.web.codes import ORIGIN_REFUSED, PLAYER_BUSY, SDP_CONTENT_TYPE, SDP_TOO_LARGE, Refused
 from client.web.page import Page
 from client.web.rtc import MAX_SDP_BYTES, IceServers
 from client.web.schema import MAX_MESSAGE_BYTES
 from client.web.signin import COOKIE, Tokens, check_key
-from client.web.watch import Watching, unknown_link
+from client.web.watch import Watcher, Watching, unknown_link
 from client.world import DEFAULT_SAVE_EVERY
 
 STATIC = Path(__file__).parent / "static"
@@ -217,23 +218,54 @@ async def watch_ice(request: web.Request) -> web.Response:
 
 
 async def watch_offer(request: web.Request) -> web.Response:
-    """A watcher's SDP offer (the body, at most MAX_SDP_BYTES) for the world of /watch/ID: {"sdp", "codec"} of the
-    answer, or a refusal {"code", "message", "retry_after_s"} with its HTTP status. Every check comes before the body is read."""
+    """A watcher's SDP offer for the world of /watch/ID: {"sdp", "codec"} of the answer, or a refusal {"code",
+    "message", "retry_after_s"} with its HTTP status."""
+    try:
+        watcher = await answer_watcher(request, sdp_only=False)
+        return web.json_response({"sdp": watcher.pc.localDescription.sdp, "codec": watcher.codec})
+    except Refused as refused:
+        return refusal_response(refused)
+
+
+async def whep_offer(request: web.Request) -> web.Response:
+    """WHEP: a watcher's SDP offer (Content-Type application/sdp) for the world of /watch/ID/whep: 201 Created, the
+    SDP answer, and its watcher's resource in Location (DELETE it to leave); a refusal as watch_offer's."""
+    try:
+        watcher = await answer_watcher(request, sdp_only=True)
+    except Refused as refused:
+        return refusal_response(refused)
+    return web.Response(status=201, text=watcher.pc.localDescription.sdp, content_type="application/sdp",
+                        headers={"Location": f"/watch/{request.match_info['wid']}/whep/{watcher.resource}"})
+
+
+async def whep_delete(request: web.Request) -> web.Response:
+    """WHEP: a watcher leaves (DELETE of its resource): 200; a resource of no watcher of the link, 404."""
     try:
         if (refusal := request.app[ACCESS].origin_refusal(request)) is not None:
             raise Refused(ORIGIN_REFUSED, refusal)
-        if (request.content_length or 0) > MAX_SDP_BYTES:
-            raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
-        watching = request.app[WATCHING]
-        link = watching.check(request.match_info["wid"])
-        body = b""
-        while len(body) <= MAX_SDP_BYTES and (chunk := await request.content.read(MAX_SDP_BYTES + 1 - len(body))):
-            body += chunk
-        if len(body) > MAX_SDP_BYTES:
-            raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
-        return web.json_response(await watching.add(link, body.decode("utf-8", "replace")))
+        await request.app[WATCHING].leave(request.match_info["wid"], request.match_info["resource"])
     except Refused as refused:
         return refusal_response(refused)
+    return web.Response(status=200)
+
+
+async def answer_watcher(request: web.Request, sdp_only: bool) -> Watcher:
+    """The watcher answered for a request's offer (its body, at most MAX_SDP_BYTES; with `sdp_only`, of Content-Type
+    application/sdp); Refused naming why not. Every check comes before the body is read."""
+    if (refusal := request.app[ACCESS].origin_refusal(request)) is not None:
+        raise Refused(ORIGIN_REFUSED, refusal)
+    if sdp_only and request.content_type != "application/sdp":
+        raise Refused(SDP_CONTENT_TYPE, f"a WHEP offer is application/sdp, not {request.content_type}")
+    if (request.content_length or 0) > MAX_SDP_BYTES:
+        raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
+    watching = request.app[WATCHING]
+    link = watching.check(request.match_info["wid"])
+    body = b""
+    while len(body) <= MAX_SDP_BYTES and (chunk := await request.content.read(MAX_SDP_BYTES + 1 - len(body))):
+        body += chunk
+    if len(body) > MAX_SDP_BYTES:
+        raise Refused(SDP_TOO_LARGE, f"the offer is longer than {MAX_SDP_BYTES} bytes")
+    return await watching.add(link, body.decode("utf-8", "replace"))
 
 
 def refusal_response(refused: Refused) -> web.Response:
@@ -264,5 +296,7 @@ def make_app(url: str, model: str, timeout: float, access: Access, lookahead: in
     app.router.add_get("/watch/{wid}", watch_page)
     app.router.add_get("/watch/{wid}/ice", watch_ice)
     app.router.add_post("/watch/{wid}/offer", watch_offer)
+    app.router.add_post("/watch/{wid}/whep", whep_offer)
+    app.router.add_delete("/watch/{wid}/whep/{resource}", whep_delete)
     app.router.add_static("/static", STATIC)
     return app

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from backend.api.contract import SNAPSHOT_ID_PATTERN
 from backend.api.controls import parse_keys
 from backend.api.request import Controls, SessionRequest, check_prompt
@@ -35,11 +37,13 @@ from client.stream import StreamError, show_place
 from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, Mp4Writer
 from client.web.broadcast import Broadcast
-from client.web.frames import decode_upload, encode_jpeg
+from client.web.frames import encode_jpeg, open_upload, rgb
 from client.world import DEFAULT_SAVE_EVERY, Failover, PlayedWorld, Saved
 
 Send = Callable[[dict[str, Any] | bytes], Awaitable[None]]
 MAX_SIDE = 2048  # the page's size fields; the server applies its own max_pixels
+STARTING = "the server opens the session and computes its first block"
+STARTING_RESUME = "the server opens the saved world and computes its next block"
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,27 @@ class ResumeStart:
     keys: str
 
 
-def start_request(message: dict[str, Any]) -> SessionRequest | ResumeStart:
-    """The session a page's start message asks for; ValueError names what is wrong in plain words."""
+@dataclass(frozen=True)
+class WorldStart:
+    """A page's start of a new world, checked: `request` makes its first frame (the page's picture decoded, or the
+    test scene drawn), which takes a while for a large one: the page's own thread's work, not the event loop's."""
+
+    prompt: str
+    height: int
+    width: int
+    seed: int
+    keys: str
+    picture: Image.Image | None  # the page's first frame, opened and its size checked (None: the test scene)
+
+    def request(self) -> SessionRequest:
+        image = rgb(self.picture) if self.picture is not None else synthetic_image(self.height, self.width)
+        return SessionRequest(image=image, prompt=self.prompt, poses=None, num_frames=None, seed=self.seed,
+                              height=self.height, width=self.width, keys=self.keys, return_latents=False,
+                              return_used=True)
+
+
+def start_request(message: dict[str, Any]) -> WorldStart | ResumeStart:
+    """The start a page's start message asks for; ValueError names what is wrong in plain words."""
     if (resume := message.get("resume")) is not None:
         if extra := sorted(k for k in ("prompt", "image", "height", "width", "seed") if message.get(k) is not None):
             raise ValueError(f"a saved world's prompt, first frame, size and seed are its own: drop {extra}")
@@ -67,10 +90,8 @@ def start_request(message: dict[str, Any]) -> SessionRequest | ResumeStart:
         raise ValueError("height, width and seed must be whole numbers") from None
     if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
         raise ValueError(f"height and width must be between 1 and {MAX_SIDE}, got {height}x{width}")
-    image = decode_upload(message["image"]) if message.get("image") else synthetic_image(height, width)
-    return SessionRequest(image=image, prompt=prompt, poses=None, num_frames=None, seed=seed, height=height,
-                          width=width, keys=parse_keys(str(message.get("keys") or "-")), return_latents=False,
-                          return_used=True)
+    picture = open_upload(message["image"]) if message.get("image") else None
+    return WorldStart(prompt, height, width, seed, parse_keys(str(message.get("keys") or "-")), picture)
 
 
 def recording_path(video_path: Path) -> Path:
@@ -139,30 +160,33 @@ class Player:
         if world is not None:
             world.close()
 
-    async def play(self, request: SessionRequest | ResumeStart) -> None:
+    async def play(self, start: WorldStart | ResumeStart) -> None:
         """Run the session to its end, relaying every block, its place in the queue while it waits, its saves and its
-        failovers; errors go to the page with their code."""
+        failovers; errors go to the page with their code. The page's first word comes before anything is done:
+        {"type": "starting", "text"} (a page seated at once hears nothing more until its first block)."""
+        await self.send({"type": "starting", "text": STARTING_RESUME if isinstance(start, ResumeStart) else STARTING})
         loop = asyncio.get_running_loop()
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
+        recorder: Recorder | None = None
 
         def tell(message: dict[str, Any]) -> None:  # from the world's threads
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(message)))
 
-        recorder = Recorder(request) if isinstance(request, SessionRequest) else None
-        self._world = PlayedWorld(
-            self.url, model_name=self.model, connection=self.connection, save_every=self.save_every,
-            on_place=lambda place: tell({"type": "place", "position": place.position, "wait_s": place.wait_s,
-                                         "text": show_place(place)}),
-            on_snapshot=lambda saved: tell(saved_message(saved, recorder)),
-            on_failover=lambda failover: tell(failover_message(failover)), session_factory=SteeredSession)
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page")
-
         async def save() -> bool:  # what was played, also before a failure (a bug report's evidence)
             if recorder is None:
                 return False
-            saved = await asyncio.get_running_loop().run_in_executor(thread, recorder.save, self.recording_path)
+            saved = await loop.run_in_executor(thread, recorder.save, self.recording_path)
             return saved is not None
 
         try:
+            request = start if isinstance(start, ResumeStart) else await loop.run_in_executor(thread, start.request)
+            recorder = Recorder(request) if isinstance(request, SessionRequest) else None
+            self._world = PlayedWorld(
+                self.url, model_name=self.model, connection=self.connection, save_every=self.save_every,
+                on_place=lambda place: tell({"type": "place", "position": place.position, "wait_s": place.wait_s,
+                                             "text": show_place(place)}),
+                on_snapshot=lambda saved: tell(saved_message(saved, recorder)),
+                on_failover=lambda failover: tell(failover_message(failover)), session_factory=SteeredSession)
             with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
                 await self._relay(self._world, request, mp4, recorder, thread)
             await self.send({"type": "ended", "frames": mp4.frames_written, "recorded": await save()})

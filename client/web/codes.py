@@ -26,10 +26,12 @@ PLAYER_BUSY = "PLAYER_BUSY"
 INVALID_MESSAGE = "INVALID_MESSAGE"
 ORIGIN_REFUSED = "ORIGIN_REFUSED"
 SDP_TOO_LARGE = "SDP_TOO_LARGE"
+SDP_CONTENT_TYPE = "SDP_CONTENT_TYPE"
 OFFER_INVALID = "OFFER_INVALID"
 OFFERS_TOO_FAST = "OFFERS_TOO_FAST"
 WATCH_UNKNOWN = "WATCH_UNKNOWN"
 WATCHERS_FULL = "WATCHERS_FULL"
+WATCHER_UNKNOWN = "WATCHER_UNKNOWN"
 WATCH_REVOKED = "WATCH_REVOKED"
 WATCH_READ_ONLY = "WATCH_READ_ONLY"
 WORLD_ENDED = "WORLD_ENDED"
@@ -39,11 +41,14 @@ CODES: tuple[BridgeCode, ...] = (
     BridgeCode(INVALID_MESSAGE, 400, False, "a page's message does not fit the schema (client/web/schema.py) or the "
                "bridge cannot act on it (a start without a prompt, a picture it cannot read); the websocket closes",
                "fix the message"),
-    BridgeCode(ORIGIN_REFUSED, 403, False, "a watcher's offer from a page of another origin (`--allow-origin`)",
-               "open the watch link on this bridge's own page"),
+    BridgeCode(ORIGIN_REFUSED, 403, False, "a watcher's offer (or its WHEP DELETE) from a page of another origin, or "
+               "with no Origin header, as a WHEP client outside a browser sends (`--allow-origin`)",
+               "open the watch link on this bridge's own page, or start the bridge with `--allow-origin`"),
     BridgeCode(SDP_TOO_LARGE, 413, False, "an offer longer than `MAX_SDP_BYTES` (client/web/rtc.py); nothing of it "
                "was parsed",
                "send a smaller offer"),
+    BridgeCode(SDP_CONTENT_TYPE, 415, False, "a WHEP offer whose Content-Type is not `application/sdp`",
+               "send the offer as application/sdp"),
     BridgeCode(OFFER_INVALID, 400, False, "an offer that is not SDP, or asks for no video the bridge sends "
                "(H.264 or VP8)", "fix the offer; the page plays JPEG over its websocket"),
     BridgeCode(OFFERS_TOO_FAST, 429, True, "more offers than `--max-offers-per-minute` from one page or on one "
@@ -52,6 +57,8 @@ CODES: tuple[BridgeCode, ...] = (
                "revoked it, or the world ended", "ask the player for a new link"),
     BridgeCode(WATCHERS_FULL, 503, False, "the world has `--max-watchers-per-world` watchers, or the bridge "
                "`--max-watchers` in all", "retry later"),
+    BridgeCode(WATCHER_UNKNOWN, 404, False, "a WHEP DELETE of a watcher resource this bridge does not hold: that "
+               "watcher ended already (its DELETE, its link's end) or the resource was never given out", "none"),
     BridgeCode(WATCH_REVOKED, 410, False, "to a watcher: the player revoked the link; the stream ends",
                "ask the player for a new link"),
     BridgeCode(WATCH_READ_ONLY, 403, False, "a watcher sent a message on its data channel (watchers cannot steer); "

@@ -43,8 +43,9 @@ class Offer:
     codec: str  # the codec the answer sends: the first of SENT_CODECS the offer takes
 
 
-def read_offer(sdp: object) -> Offer:
-    """A page's offer, checked before any peer connection exists; Refused (SDP_TOO_LARGE, OFFER_INVALID)."""
+def read_offer(sdp: object, audio: bool = False) -> Offer:
+    """A page's offer, checked before any peer connection exists; Refused (SDP_TOO_LARGE, OFFER_INVALID). With
+    `audio`, it may also ask for sound, as WHEP players do: its audio is answered inactive (a world has none)."""
     if not isinstance(sdp, str):
         raise Refused(OFFER_INVALID, "an offer is SDP text")
     if len(sdp.encode()) > MAX_SDP_BYTES:
@@ -54,11 +55,16 @@ def read_offer(sdp: object) -> Offer:
     except Exception as exc:  # aiortc's parser raises what it meets (ValueError, KeyError, IndexError, ...)
         raise Refused(OFFER_INVALID, f"the offer is not SDP this bridge reads ({type(exc).__name__})") from None
     kinds = sorted(media.kind for media in description.media)
-    if kinds not in (["video"], ["application", "video"]):
-        raise Refused(OFFER_INVALID, f"an offer has one video and at most one data channel, not {kinds}")
+    taken = [["video"], ["application", "video"]]
+    if kinds not in taken + ([sorted(["audio", *k]) for k in taken] if audio else []):
+        raise Refused(OFFER_INVALID, f"an offer has one video{', at most one audio' if audio else ''} and at most "
+                                     f"one data channel, not {kinds}")
     (video,) = (media for media in description.media if media.kind == "video")
     if video.direction not in ("recvonly", "sendrecv"):
         raise Refused(OFFER_INVALID, f"the offer's video must be received, not {video.direction}")
+    sound = [media.direction for media in description.media if media.kind == "audio"]
+    if sound and sound[0] not in ("recvonly", "inactive"):  # the bridge takes no media in
+        raise Refused(OFFER_INVALID, f"the offer's audio may only be received, not {sound[0]}")
     offered = {codec.mimeType for codec in find_common_codecs(CODECS["video"], video.rtp.codecs)}
     codec = next((mime for mime in SENT_CODECS if mime in offered), None)
     if codec is None:

@@ -5,12 +5,14 @@ close). Bounded before any work: offers per minute on a link, watchers per world
 watcher that does not connect within CONNECT_WITHIN_S is closed and frees its place.
 
 A watcher's data channel carries the bridge's word to it (why its stream ended); anything the watcher sends on it
-is refused (WATCH_READ_ONLY), logged, and its connection closed.
+is refused (WATCH_READ_ONLY), logged, and its connection closed. Each watcher has a resource token (128 random bits):
+a WHEP client ends its own watching with it (`leave`), and no one else can.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import secrets
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 from aiortc import RTCDataChannel, RTCPeerConnection
 
 from client.web.broadcast import Broadcast, Viewer
-from client.web.codes import OFFERS_TOO_FAST, WATCH_READ_ONLY, WATCH_UNKNOWN, WATCHERS_FULL, Refused
+from client.web.codes import (OFFERS_TOO_FAST, WATCH_READ_ONLY, WATCH_UNKNOWN, WATCHER_UNKNOWN, WATCHERS_FULL,
+                              Refused)
 from client.web.rate import Rate
 from client.web.rtc import IceServers, answer, follow_feedback, read_offer
 
@@ -31,7 +34,9 @@ FLUSH_S = 1.0  # the longest a last word to a watcher waits to leave before its 
 @dataclass(eq=False)
 class Watcher:
     pc: RTCPeerConnection
+    codec: str  # the video codec its answer sends
     channel: RTCDataChannel | None = None
+    resource: str = field(default_factory=lambda: secrets.token_hex(16))  # its WHEP resource's name
 
 
 @dataclass(eq=False)
@@ -81,12 +86,12 @@ class Watching:
             raise Refused(WATCHERS_FULL, f"this player has its {self.max_watchers} watchers; retry later")
         return link
 
-    async def add(self, link: Link, sdp: object) -> dict[str, str]:
-        """Answer a watcher's offer on a checked link: {"sdp", "codec"} of the answer; Refused if the offer is not
-        one to answer or the link went meanwhile."""
+    async def add(self, link: Link, sdp: object) -> Watcher:
+        """Answer a watcher's offer on a checked link (sound it asks for answered inactive): the watcher (its answer
+        is its pc's localDescription); Refused if the offer is not one to answer or the link went meanwhile."""
         link.reserved += 1
         try:
-            offer = read_offer(sdp)
+            offer = read_offer(sdp, audio=True)
             viewer = Viewer(link.broadcast)
             pc = await answer(offer, viewer, self.ice.configuration(f"watch-{link.id[:8]}"))
         finally:
@@ -94,9 +99,9 @@ class Watching:
         if self.links.get(link.id) is not link:
             await pc.close()
             raise unknown_link()
-        watcher = Watcher(pc)
+        watcher = Watcher(pc, offer.codec)
         link.watchers.add(watcher)
-        (sender,) = pc.getSenders()
+        sender = next(sender for sender in pc.getSenders() if sender.track is viewer)  # the video's (audio has none)
         follow_feedback(sender, lambda: link.broadcast.request_keyframe(viewer.codec))
 
         @pc.on("datachannel")
@@ -113,7 +118,17 @@ class Watching:
 
         asyncio.get_running_loop().call_later(CONNECT_WITHIN_S, self._unless_connected, link, watcher)
         log.info("watcher joined %s… (%d watching it, %d in all)", link.id[:8], len(link.watchers), self.watchers)
-        return {"sdp": pc.localDescription.sdp, "codec": offer.codec}
+        return watcher
+
+    async def leave(self, link_id: str, resource: str) -> None:
+        """A watcher's own end (its WHEP resource deleted); Refused (WATCHER_UNKNOWN) unless `resource` names a
+        watcher of this link."""
+        link = self.links.get(link_id)
+        watcher = None if link is None else next(
+            (w for w in link.watchers if hmac.compare_digest(w.resource.encode(), resource.encode())), None)
+        if watcher is None:
+            raise Refused(WATCHER_UNKNOWN, "no watcher has this resource: it ended already, or it never existed")
+        await self._drop(link, watcher)
 
     async def end(self, link_id: str, refusal: Refused) -> int:
         """Forget a link; each of its watchers is told `refusal` and closed. How many there were."""

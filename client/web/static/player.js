@@ -24,6 +24,7 @@ let queue = [];        // decoding or decoded frames, oldest first: {bitmap, ski
 let maxQueued = 0;     // the newest block's frames + SLACK_FRAMES
 let stats = null;
 let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
+let told = "";         // the bridge's first word on this session ("starting": what the server does now)
 let startMessage = null;  // the session's start message, sent when the bridge opened the session
 const resumeId = new URLSearchParams(location.search).get("resume");  // a saved world to start from
 
@@ -42,8 +43,8 @@ function show(state, extra = "") {
   const parts = [`state: ${state}`];
   if (state === "starting") {
     const waited = Math.round((performance.now() - startedAt) / 1000);
-    parts.push(`${waited} s: the server opens the session and computes its first block ` +
-      `(on a CPU server that takes minutes at 832x480, seconds at 128x128)`);
+    parts.push(told ? `${waited} s: ${told} (on a CPU server that takes minutes at 832x480, seconds at 128x128)` :
+      "reaching the player");
   }
   if (stats && stats.blocks) {
     parts.push(`blocks ${stats.blocks}`, `frames ${stats.frames}`,
@@ -162,6 +163,10 @@ function onMessage(event) {
     answered = null;
   } else if (msg.type === "watch") {
     showWatch(msg);
+  } else if (msg.type === "starting") {  // the bridge's first word, at once: the world went to the server
+    told = msg.text;
+    $("status").dataset.toldMs = Math.round(performance.now() - startedAt);
+    show("starting");
   } else if (msg.type === "place") {  // waiting for a slot: its place in the queue (0: it has one now)
     $("status").dataset.place = msg.position;
     show(msg.position ? "waiting" : "starting", msg.position ? ` · ${msg.text}` : "");
@@ -273,6 +278,8 @@ async function start(event) {
     width: Number($("width").value), height: Number($("height").value),
   };
   queue = [];
+  told = "";
+  delete $("status").dataset.toldMs;
   delete $("status").dataset.place;
   delete $("status").dataset.code;
   delete $("status").dataset.snapshotBlock;
