@@ -125,6 +125,19 @@ def test_a_guessed_saved_world_is_refused_with_its_code_and_the_bridge_serves_on
     assert run(exchange(base, [], until="session"))[0][0]["type"] == "session"
 
 
+def test_a_picture_whose_pixels_do_not_decode_is_refused_with_its_code_after_the_first_word(player) -> None:
+    """Its header reads (its size is checked at once); its pixels fail on the page's thread, after "starting"."""
+    base, log = player
+    whole = base64.b64decode(png(64, 64).split(",", 1)[1])
+    cut = "data:image/png;base64," + base64.b64encode(whole[: len(whole) // 2]).decode()
+    received, _ = run(exchange(base, [start(image=cut)], until="error"))
+    assert [m["type"] for m in received] == ["session", "starting", "error"], received
+    assert received[-1]["code"] == "INVALID_MESSAGE", received[-1]
+    assert "not a picture this player can read" in received[-1]["message"]
+    assert "Traceback" not in log.read_text()
+    assert run(exchange(base, [], until="session"))[0][0]["type"] == "session"
+
+
 def test_a_huge_picture_is_refused_from_its_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_decoding(self):
         raise AssertionError("the picture was decoded")

@@ -37,6 +37,7 @@ from client.stream import StreamError, show_place
 from client.used_steps import UsedSteps
 from client.video import DEFAULT_FPS, Mp4Writer
 from client.web.broadcast import Broadcast
+from client.web.codes import INVALID_MESSAGE
 from client.web.frames import encode_jpeg, open_upload, rgb
 from client.world import DEFAULT_SAVE_EVERY, Failover, PlayedWorld, Saved
 
@@ -179,7 +180,12 @@ class Player:
             return saved is not None
 
         try:
-            request = start if isinstance(start, ResumeStart) else await loop.run_in_executor(thread, start.request)
+            try:
+                request = start if isinstance(start, ResumeStart) else await loop.run_in_executor(thread, start.request)
+            except ValueError as exc:  # a first frame whose header read well but whose pixels do not decode
+                await self.send({"type": "error", "message": str(exc), "recorded": False, "code": INVALID_MESSAGE,
+                                 "retry_after_s": None})
+                return
             recorder = Recorder(request) if isinstance(request, SessionRequest) else None
             self._world = PlayedWorld(
                 self.url, model_name=self.model, connection=self.connection, save_every=self.save_every,
