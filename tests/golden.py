@@ -102,8 +102,19 @@ def rollouts(engine: WorldModelEngine, request: SessionRequest) -> dict[str, np.
 
 
 def machine() -> dict[str, str]:
-    """What the latents' bits depend on beyond the code: the CPU's kernel family and torch's version."""
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+    """What the latents' bits depend on beyond the code: the CPU's kernel family, its vendor (MKL picks its kernels
+    by vendor too: an Intel Xeon's AVX-512 gives other bits than an AMD EPYC's, by 7.7e-7 here) and torch's version."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": cpu_vendor(),
+            "torch": torch.__version__}
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD), "" where it does not."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
 
 
 def file_sha256(path: Path = DATA) -> str:
