@@ -644,7 +644,11 @@ def test_after_a_wait_for_the_server_the_next_block_goes_out_at_the_world_s_pace
     first_times, first_pts, times, pts = asyncio.run(asyncio.wait_for(watch(), BOUND_S))
     frame_ticks = VIDEO_CLOCK / 16
     assert times[-1] - times[0] >= (STEP_FRAMES - 1) / 16 * 0.95, times
-    assert all(b - a >= frame_ticks * 0.95 for a, b in zip(pts, pts[1:])), pts
+    # Paced: the 12 frames' timestamps span 11 frame times and most are a frame apart (a catch-up sends them about 0
+    # apart; on a busy machine a late wake-up brings one frame nearer the next, which keeps its time).
+    gaps = sorted(b - a for a, b in zip(pts, pts[1:]))
+    assert pts[-1] - pts[0] >= (STEP_FRAMES - 1) * frame_ticks * 0.95, pts
+    assert gaps[len(gaps) // 2] >= frame_ticks * 0.9 and gaps[2] >= frame_ticks * 0.5, pts
     assert pts[0] - first_pts[-1] >= wait_s * VIDEO_CLOCK * 0.95
 
 
