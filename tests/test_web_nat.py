@@ -221,3 +221,22 @@ def test_page_behind_a_nat_plays_over_a_turn_relay(nat: Nat, turn: Turn, bridge:
                           in turn.log.read_text(), 10, "coturn's log of the page's allocation")
     finally:
         page.close()
+
+
+def test_behind_the_nat_with_no_way_to_the_turn_server_the_page_falls_back_to_jpeg(
+        nat: Nat, bridge: tuple[str, int], browser, tmp_path: Path) -> None:
+    """The control: no candidate pair but the relay connects through this NAT, so with coturn's port closed too
+    the page's WebRTC does not connect and it plays over JPEG, as documented."""
+    url, port = bridge
+    nat.forward_only([port], [])
+    image = tmp_path / "first.png"
+    iio.imwrite(image, sample_image())
+    page = browser.new_page()
+    try:
+        start(page, url, image)
+        wait_until(lambda: page.get_attribute("#video-note", "data-video") == "jpeg", CONNECT_S,
+                   "the page's fallback to JPEG")
+        assert "WebRTC failed" in page.inner_text("#video-note")
+        wait_until(lambda: int(status(page, "blocks") or 0) >= 1, CONNECT_S, "a block over JPEG")
+    finally:
+        page.close()
