@@ -1,4 +1,4 @@
-"""The browser bridge (`python -m client serve`) as a user starts it, in its own process on loopback."""
+"""The browser bridge (`python -m client serve`) as a user starts it, in its own process (on loopback by default)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,14 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def running_bridge(triton_url: str, log: Path, *args: str, https_ca: Path | None = None) -> Iterator[str]:
-    """`python -m client serve` against `triton_url` with `args`; yields its base URL; its output goes to `log`.
-    https_ca: the bridge serves HTTPS (its args name a certificate for localhost) that this CA signed."""
+def running_bridge(triton_url: str, log: Path, *args: str, https_ca: Path | None = None,
+                   host: str = "127.0.0.1") -> Iterator[str]:
+    """`python -m client serve --host host` against `triton_url` with `args`; yields its base URL; its output goes to
+    `log`. https_ca: the bridge serves HTTPS (its args name a certificate for localhost) that this CA signed."""
     port = free_port()
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", triton_url, "--port", str(port),
-                                 *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    base = f"https://localhost:{port}" if https_ca else f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "client", "serve", "--url", triton_url, "--host", host,
+                                 "--port", str(port), *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    base = f"https://localhost:{port}" if https_ca else f"http://{host}:{port}"
     context = ssl.create_default_context(cafile=str(https_ca)) if https_ca else None
     try:
         wait_until(lambda: answers(base + "/", context) or proc.poll() is not None, 60, "the bridge to serve its page")
