@@ -414,6 +414,23 @@ def test_a_park_is_refused_past_max_parked_with_a_code_and_when_the_world_plays_
     assert plan.refused_parks == [(1, "c", "4" * 32, None)] and s.table["c"].status is Status.RUNNING and not plan.parked
 
 
+def test_a_returning_world_does_not_hold_max_parked_against_the_idle_world_whose_slot_it_waits_for() -> None:
+    """One slot, max_parked=1: "a" parked asks for a block while "b", idle, holds the slot. "b" parks (the returning
+    world is leaving its copy), and once its copy is durable "a" takes its slot."""
+    s = Scheduler(ServingSettings(max_sessions=1, max_parked=1))
+    s.plan([RankEvents(submissions=[steered("a")])])
+    s.plan([deliver_all(s)])
+    assert parked_world(s, "a", "1" * 32).parked == ["a"]
+    s.plan([RankEvents(submissions=[steered("b")])])
+    s.plan([deliver_all(s)])  # "b" runs its first block, then asks for none
+    assert not s.plan([step("a")]).opens and [w.id for w in s.waiting()] == ["a"]
+    plan = s.plan([RankEvents(parking=[Park("b", "2" * 32, Tier.MEMORY)])])
+    assert not plan.refused_parks and [p.session_id for p in plan.parks] == ["b"]
+    plan = s.plan([RankEvents(parked=[Parked("b", "2" * 32, "{}")])])
+    assert plan.parked == ["b"] and [o.id for o in plan.opens] == ["a"]
+    assert QueueCounts.of(s, s.settings, []).parked == 1
+
+
 def test_a_parked_world_counts_against_its_keys_sessions_not_against_the_slots() -> None:
     capped = Principal("alice", "tag-a", Quota(sessions=1))
     s = Scheduler(ServingSettings(max_sessions=2))

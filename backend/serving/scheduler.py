@@ -157,10 +157,12 @@ class Scheduler:
     def _park(self, park: Park, owner: int, plan: Plan) -> None:
         """An idle steered world is saved where it stands into its park copy; it keeps its slot until the copy is
         durable. Refused (its owner drops the copy, the world stays on its slot) when it is not idle (a step asks
-        for a block, its client ended it, or it parks already) or the group holds max_parked worlds."""
+        for a block, its client ended it, or it parks already) or the group holds max_parked worlds: those parking
+        or parked, not those returning (a returning world leaves its copy as it takes a slot: the idle world that
+        parks may be the one whose slot it waits for)."""
         s = self.table.get(park.session_id)
         idle = s is not None and s.status is Status.RUNNING and s.steered and s.ending is None and not s.has_camera()
-        held = sum(x.status in (Status.PARKING, Status.PARKED, Status.RETURNING) for x in self.table.values())
+        held = sum(x.status in (Status.PARKING, Status.PARKED) for x in self.table.values())
         if not idle or held >= self.settings.max_parked:
             why = messages.park_full(self.settings.max_parked, self.settings.park_after_s) if idle else None
             plan.refused_parks.append((owner, park.session_id, park.snapshot_id, why))
