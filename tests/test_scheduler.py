@@ -363,6 +363,15 @@ def test_a_save_whose_session_ended_first_is_dropped_and_told_to_its_owner() -> 
     assert sorted(plan.unsaved) == [(1, "a", "1" * 32), (1, "b", "2" * 32)]
 
 
+def test_a_drain_s_snapshot_of_a_session_that_ended_at_the_same_boundary_is_dropped_by_its_owner() -> None:
+    """Its client went away as the group drained it: the snapshot its owner reserved for the move is told unsaved
+    (its owner's end of the session waits for every save of it to be over, so its stream closes)."""
+    s = Scheduler(ServingSettings())
+    s.plan([RankEvents(), RankEvents(submissions=[dataclasses.replace(steered("a"), owner=1)])])
+    plan = s.plan([RankEvents(), RankEvents(cancelled=["a"], moving=[("a", "1" * 32)])])
+    assert plan.ended_by(CANCELLED) == ["a"] and plan.unsaved == [(1, "a", "1" * 32)] and not plan.moves
+
+
 # -- parked worlds (docs/serving.md, "Parking")
 
 def parked_world(s: Scheduler, sid: str, snapshot_id: str, tier: Tier = Tier.MEMORY, owner: int = 0) -> Plan:

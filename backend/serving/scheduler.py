@@ -44,7 +44,8 @@ class Plan:
     # (session id, snapshot id): the batch's sessions saved after their block (their step asked for it)
     saves: list[tuple[str, str]] = field(default_factory=list)
     # (owner rank, session id, snapshot id): a save that never runs, its session having ended first (its queued
-    # steps', a step that came after the end, or a move of a session without a slot): its owner drops it
+    # steps', a step that came after the end, a move of a session without a slot or of one ended at the same
+    # boundary): its owner drops it
     unsaved: list[tuple[int, str, str]] = field(default_factory=list)
     # (session id, snapshot id, tier): an idle world saved where it stands into its park copy (it keeps its slot)
     parks: list[Park] = field(default_factory=list)
@@ -112,8 +113,9 @@ class Scheduler:
         for rank, e in enumerate(events):  # after the steps: a world that asked for a block again is not parked
             for park in e.parking:
                 self._park(park, rank, plan)
-        for sid, snapshot_id in (x for e in events for x in e.moving):
-            self._move(sid, snapshot_id, plan)
+        for rank, e in enumerate(events):  # a move comes from its session's owner
+            for sid, snapshot_id in e.moving:
+                self._move(sid, snapshot_id, rank, plan)
         self._next_batch([sid for sid in opened_before if sid in self.table], plan)
         self._admit(plan)
         self._forget_keys()
@@ -136,12 +138,15 @@ class Scheduler:
         else:
             plan.finishing.append((sid, ending))
 
-    def _move(self, sid: str, snapshot_id: str | None, plan: Plan) -> None:
+    def _move(self, sid: str, snapshot_id: str | None, owner: int, plan: Plan) -> None:
         """The group drains: a session with a slot is saved where it stands and ends MOVED, carrying its snapshot's
         id; a parked one moves from its park copy (copied into the snapshot, no block run; a copy on disk is itself
         the snapshot); one still in the queue (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued
-        steps are its client's to send again where it resumes."""
+        steps are its client's to send again where it resumes. One that ended meanwhile: its owner drops the snapshot
+        (its end waits for every save of it to be over)."""
         if (s := self.table.get(sid)) is None:
+            if snapshot_id is not None:
+                plan.unsaved.append((owner, sid, snapshot_id))
             return
         if (s.holds_slot or s.in_park) and snapshot_id is not None:
             if s.holds_slot:
