@@ -440,6 +440,22 @@ def test_a_returning_world_does_not_hold_max_parked_against_the_idle_world_whose
     assert QueueCounts.of(s, s.settings, []).parked == 1
 
 
+def test_a_world_whose_step_meets_its_durable_copy_runs_no_block_off_its_slot() -> None:
+    """"a" returns while "b" parks; "b"'s step comes with its durable copy: "b" is off its slot and "a" takes it, so
+    no block of "b" runs at that boundary (its caches are freed: it waits for a slot again)."""
+    s = Scheduler(ServingSettings(max_sessions=1, max_parked=1))
+    s.plan([RankEvents(submissions=[steered("a")])])
+    s.plan([deliver_all(s)])
+    parked_world(s, "a", "1" * 32)
+    s.plan([RankEvents(submissions=[steered("b")])])
+    s.plan([deliver_all(s)])
+    s.plan([step("a")])
+    assert s.plan([RankEvents(parking=[Park("b", "2" * 32, Tier.MEMORY)])]).parks
+    plan = s.plan([dataclasses.replace(step("b"), parked=[Parked("b", "2" * 32, "{}")], delivered={"b": 1})])
+    assert plan.parked == ["b"] and [o.id for o in plan.opens] == ["a"] and plan.batch == []
+    assert [w.id for w in s.waiting()] == ["b"] and s.table["b"].computed == 1
+
+
 def test_a_parked_world_counts_against_its_keys_sessions_not_against_the_slots() -> None:
     capped = Principal("alice", "tag-a", Quota(sessions=1))
     s = Scheduler(ServingSettings(max_sessions=2))

@@ -116,7 +116,9 @@ class Scheduler:
         for rank, e in enumerate(events):  # a move comes from its session's owner
             for sid, snapshot_id in e.moving:
                 self._move(sid, snapshot_id, rank, plan)
-        self._next_batch([sid for sid in opened_before if sid in self.table], plan)
+        # Those on their slot since the last boundary and still on it (a world whose copy became durable here is off
+        # its slot: its caches are freed before the batch runs).
+        self._next_batch([sid for sid in opened_before if sid in self.table and self.table[sid].holds_slot], plan)
         self._admit(plan)
         self._forget_keys()
         return plan
