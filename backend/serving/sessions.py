@@ -25,7 +25,7 @@ from .streams import OwnerStream, Responder
 
 
 class Status(enum.Enum):
-    """Where a session stands, its whole life (docs/serving.md, "A session's status")."""
+    """Where a session stands, its whole life (docs/serving.md, "A session's lifecycle")."""
 
     WAITING_SEAT = "waiting for a seat"  # the fleet's books have not seated it: it waits in its key's fleet queue
     WAITING_SLOT = "waiting for a slot"  # in the group's queue (fair between keys)
@@ -139,7 +139,7 @@ class SharedSession:
     requests: int = 1  # steered: requests that want a block (the first one included)
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
-    resume: ResumeFrom | None = None  # where it opens: a snapshot, or once RETURNING its park copy (None: new)
+    resume: ResumeFrom | None = None  # where it opens: a snapshot, or (a returning world given a slot) its park copy
     parking: Parking | None = None  # PARKING: the copy under way
     park_copy: ResumeFrom | None = None  # PARKED, RETURNING: its park copy, where it opens again
 
