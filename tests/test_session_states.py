@@ -26,7 +26,7 @@ from backend.serving.waits import QueueCounts
 from factories import tiny_request
 
 GROUPS = (ServingSettings(max_sessions=1, max_queue=2, max_batch=1, max_blocks_ahead=2, max_parked=1),
-          ServingSettings(max_sessions=1, max_queue=2, max_batch=1, max_blocks_ahead=2, max_parked=2),
+          ServingSettings(max_sessions=2, max_queue=2, max_batch=2, max_blocks_ahead=2, max_parked=1),
           ServingSettings(max_sessions=2, max_queue=3, max_batch=2, max_blocks_ahead=2, max_parked=2))
 KEYS = (ANONYMOUS, Principal("alice", "tag-a", Quota(sessions=2, blocks_per_hour=12)), Principal("bob", "tag-b"))
 GEOMETRY = VideoGeometry(64, 64, 8, 8, 4, 4, 3, 3 * 3, 1)  # a clip of 3 blocks; steered sessions set their own
@@ -152,16 +152,19 @@ class SessionLife(RuleBasedStateMachine):
         self._sent(now)
 
     @rule(n=st.integers(0, 99), tier=st.sampled_from(Tier), copy=st.sampled_from(["later", "durable", "dropped"]),
-          now=st.booleans())
-    def park_clock(self, n: int, tier: Tier, copy: str, now: bool) -> None:
+          step=st.booleans(), now=st.booleans())
+    def park_clock(self, n: int, tier: Tier, copy: str, step: bool, now: bool) -> None:
         """Its owner's clock says a world is due to park (whether it is idle is the scheduler's to say); its copy's
-        news comes later (`park_copy_over`), or at the next boundary, durable or dropped."""
+        news comes later (`park_copy_over`), or at the next boundary, durable or dropped, with a step of the world
+        or without."""
         if (sid := self._sid(n, Status.RUNNING, idle=True)) is not None:
             self.events.parking.append(Park(sid, self._snapshot(), tier))
             if copy != "later":
                 self.boundary(read=True)
                 if sid in self.parks:
                     self.events.parked.append(Parked(sid, self.parks.pop(sid), "{}" if copy == "durable" else None))
+                if step:
+                    self.events.steps.append(StepEvent(sid, Controls(keys="d")))
         self._sent(now)
 
     @rule(n=st.integers(0, 99), durable=st.booleans(), stale=st.sampled_from([False] * 3 + [True]),
@@ -272,6 +275,8 @@ class SessionLife(RuleBasedStateMachine):
             assert s.status is not Status.ENDED and sid not in self.ended
             assert (s.parking is not None) == (s.status is Status.PARKING)
             assert (s.park_copy is not None) == (s.status in IN_PARK)
+            assert s.status is not Status.PARKED or not s.has_camera(), (sid, "parked with a block asked")
+            assert s.status is not Status.RETURNING or s.has_camera(), (sid, "returning with no block asked")
 
     @invariant()
     def statuses_move_only_along_the_table(self) -> None:
