@@ -36,6 +36,7 @@ from backend.parallel.ports import free_port
 from backend.serving.admission import Admission
 from backend.serving.keys import KeyRing, Quota
 from backend.serving.leases import Leases
+from backend.serving.sessions import Status
 from backend.serving.settings import ServingSettings
 from bench.common import (BUILD_DIR, TINY, engine_settings, ensure_checkpoint, format_table, make_request, percentile,
                           server_parameters)
@@ -69,7 +70,8 @@ def admission_latency(checkpoint: Path, starts: int) -> str:
     def start(owner: Leases, sid: str) -> None:
         """What the owner's intake runs for a start: admission, then its lease in the books."""
         shared = admission.session(request, sid, 0, alice)
-        shared.seated = owner.take(sid, alice)
+        if not owner.take(sid, alice):
+            shared.status = Status.WAITING_SEAT
 
     with tempfile.TemporaryDirectory() as folder:
         server = BooksServer(Path(folder) / "books").start()

@@ -46,7 +46,7 @@ class OneRank:
 
     def parked(self) -> set[str]:
         """The sessions parked off their slot (read from the test's thread: a snapshot, for polling)."""
-        return {sid for sid, s in dict(self.loop.scheduler.table).items() if s.parked is not None}
+        return {sid for sid, s in dict(self.loop.scheduler.table).items() if s.in_park}
 
     @property
     def scheduler(self):

@@ -157,7 +157,7 @@ def planned_blocks(member) -> dict[str, int]:
 
 def parked_sessions(member) -> int:
     """Worlds parked off their slot, as this member's scheduler copy has them."""
-    return sum(s.parked is not None for s in list(member.loop.scheduler.table.values()))
+    return sum(s.in_park for s in list(member.loop.scheduler.table.values()))
 
 
 def weight_bytes(member) -> int:

@@ -32,7 +32,7 @@ from backend.serving.keys import KeyRing, Principal, Quota
 from backend.serving.leases import Leases
 from backend.serving.news import RankEvents
 from backend.serving.scheduler import Scheduler
-from backend.serving.sessions import EndReason
+from backend.serving.sessions import EndReason, Status
 from backend.serving.settings import ServingSettings
 from books_harness import requires_redis, running_books
 from factories import tiny_request
@@ -207,7 +207,8 @@ def test_a_session_waits_for_its_key_s_seat_across_the_fleet_and_ends_with_its_k
                                     sequence_id="11")
         group.submit(start, first, alice)
         wait_until(lambda: first.places, 10, "a place in the queue")
-        assert not first.latents and group.scheduler.table and not next(iter(group.scheduler.table.values())).seated
+        assert not first.latents and group.scheduler.table \
+            and next(iter(group.scheduler.table.values())).status is Status.WAITING_SEAT
         books.release("alice", "elsewhere")
         first.answered(30)
         assert first.error is None and len(first.latents) == 1
@@ -240,7 +241,7 @@ def test_an_unseated_session_waits_for_its_seat_whatever_the_free_slots() -> Non
     """The scheduler gives a slot only to a session its owner's books seated; its seat arrives as news."""
     s = Scheduler(ServingSettings(max_sessions=2))
     waiting = sub("a")
-    waiting.seated = False
+    waiting.status = Status.WAITING_SEAT
     plan = s.plan([RankEvents(submissions=[waiting, sub("b")])])
     assert [o.id for o in plan.opens] == ["b"] and [w.id for w in s.waiting()] == ["a"]
     assert [o.id for o in s.plan([RankEvents(seated=["a"])]).opens] == ["a"]

@@ -49,3 +49,15 @@ def test_the_player_doc_holds_the_bridge_s_codes_as_they_are() -> None:
 
     assert render() in (REPO_ROOT / "docs" / "player.md").read_text(), \
         "docs/player.md's table of the bridge's codes is stale: paste `python -m client.web.codes` into it"
+
+
+def test_the_serving_doc_s_status_table_is_the_code_s() -> None:
+    """docs/serving.md's table of a session's statuses lists every `Status` once, each with the moves of
+    `TRANSITIONS`."""
+    from backend.serving.sessions import TRANSITIONS, Status
+
+    section = (REPO_ROOT / "docs" / "serving.md").read_text().split("## A session's lifecycle\n")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    table = {row[0].strip("| `"): set(re.findall(r"`([A-Z_]+)`", row[-1])) for row in rows}
+    assert len(rows) == len(table) == len(Status)
+    assert table == {s.name: {t.name for t in TRANSITIONS[s]} for s in Status}

@@ -17,6 +17,7 @@ from backend.engine.rollout import WorldModelEngine
 from backend.serving import mail
 from backend.serving.bootstrap import Hooks
 from backend.serving.keys import ANONYMOUS, Principal
+from backend.serving.sessions import Status
 from backend.serving.settings import ServingSettings
 from one_rank import OneRank
 from polling import wait_until
@@ -192,7 +193,7 @@ def test_a_step_that_races_its_world_s_park_leaves_no_ghost(engine, tmp_path) ->
         world.step(STEPS[1])  # the first world takes its slot back; the other, idle, parks in its place
         world.block()
         wait_until(lambda: group.parked() == {other.sid}, 20, "the other world parked (max_parked=1, no ghost)")
-        held = [s for s in group.scheduler.table.values() if s.parking is not None or s.parked is not None]
+        held = [s for s in group.scheduler.table.values() if s.status in (Status.PARKING, Status.PARKED)]
         assert [s.id for s in held] == [other.sid] and counts[-1].parked == 1
     finally:
         group.stop()

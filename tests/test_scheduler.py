@@ -22,7 +22,7 @@ from backend.serving import streams
 from backend.serving.keys import ANONYMOUS, Principal, Quota
 from backend.serving.news import Park, Parked, RankEvents, StepEvent
 from backend.serving.scheduler import Plan, Scheduler
-from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, State, Step, Tier
+from backend.serving.sessions import EndReason, Ending, OwnerPart, ResumeFrom, SharedSession, Status, Step, Tier
 from backend.serving.streams import SteeredStream
 from factories import tiny_request
 
@@ -73,7 +73,7 @@ def test_admission_limits_and_queue_rejection() -> None:
     (_, rejected), = plan.ended
     assert rejected.error.code == CAPACITY_EXHAUSTED and "max_queue=1" in rejected.error.sentence
     assert not plan.batch  # sessions run from the round after they open
-    assert s.table["c"].state is State.PENDING and s.table["a"].state is State.ACTIVE
+    assert s.table["c"].status is Status.WAITING_SLOT and s.table["a"].status is Status.RUNNING
     assert [o.id for o in s.plan([RankEvents(cancelled=["a"])]).opens] == ["c"]
 
 
@@ -101,7 +101,7 @@ def test_cancels_of_running_waiting_and_new_sessions() -> None:
     plan = s.plan([RankEvents(submissions=[sub("c")], cancelled=["a", "b", "c"])])
     assert sorted(plan.ended_by(CANCELLED)) == ["a", "b", "c"]
     assert not plan.batch and not plan.opens and not s.table
-    assert a.state is State.DONE and a.ending == Ending(CANCELLED)
+    assert a.status is Status.ENDED and a.ending == Ending(CANCELLED)
 
 
 def test_stop_from_any_rank_stops_all() -> None:
@@ -144,7 +144,7 @@ def test_end_flag_with_a_camera_makes_that_block_the_last() -> None:
     a = s.table["a"]
     ending = s.plan([step("a", "d", end=True)])
     assert ending.batch == ["a"] and ending.finishing == [("a", Ending(ENDED))]  # its client's end flag
-    assert a.state is State.DONE and a.ending == Ending(ENDED)
+    assert a.status is Status.ENDED and a.ending == Ending(ENDED)
     assert s.plan([RankEvents()]).idle and not s.table  # its slot is free once its last block is planned
 
 
@@ -155,7 +155,7 @@ def test_end_flag_alone_ends_at_once_and_frees_the_slot() -> None:
     s.plan([RankEvents()])  # a runs its first block; b waits for a slot
     plan = s.plan([step("a", None, end=True)])
     assert plan.ended_by(ENDED) == ["a"] and a.ending.told().sentence == "it ended by its client"
-    assert a.state is State.DONE and [o.id for o in plan.opens] == ["b"]
+    assert a.status is Status.ENDED and [o.id for o in plan.opens] == ["b"]
 
 
 def test_a_resumed_session_counts_its_blocks_on_from_its_snapshot_up_to_its_block_limit() -> None:
@@ -181,7 +181,7 @@ def test_a_waiting_session_ended_with_queued_steps_runs_them_once_open() -> None
     s = Scheduler(ServingSettings(max_sessions=1, max_blocks_ahead=100))
     s.plan([RankEvents(submissions=[sub("a"), steered("b")])])
     s.plan([step("b", "d", end=True)])  # b still waits for a slot, with two cameras and the end flag
-    assert s.table["b"].state is State.ENDING
+    assert s.table["b"].status is Status.WAITING_SLOT and s.table["b"].ending == Ending(ENDED)
     assert [o.id for o in s.plan([RankEvents(cancelled=["a"])]).opens] == ["b"]
     assert [(keys_of(p, "b"), p.finishing) for p in (s.plan([RankEvents()]), s.plan([RankEvents()]))] \
         == [("w", []), ("d", [("b", Ending(ENDED))])]
@@ -363,6 +363,15 @@ def test_a_save_whose_session_ended_first_is_dropped_and_told_to_its_owner() -> 
     assert sorted(plan.unsaved) == [(1, "a", "1" * 32), (1, "b", "2" * 32)]
 
 
+def test_a_drain_s_snapshot_of_a_session_that_ended_at_the_same_boundary_is_dropped_by_its_owner() -> None:
+    """Its client went away as the group drained it: the snapshot its owner reserved for the move is told unsaved
+    (its owner's end of the session waits for every save of it to be over, so its stream closes)."""
+    s = Scheduler(ServingSettings())
+    s.plan([RankEvents(), RankEvents(submissions=[dataclasses.replace(steered("a"), owner=1)])])
+    plan = s.plan([RankEvents(), RankEvents(cancelled=["a"], moving=[("a", "1" * 32)])])
+    assert plan.ended_by(CANCELLED) == ["a"] and plan.unsaved == [(1, "a", "1" * 32)] and not plan.moves
+
+
 # -- parked worlds (docs/serving.md, "Parking")
 
 def parked_world(s: Scheduler, sid: str, snapshot_id: str, tier: Tier = Tier.MEMORY, owner: int = 0) -> Plan:
@@ -380,10 +389,10 @@ def test_an_idle_world_keeps_its_slot_until_its_copy_is_durable_then_leaves_it_a
     s.plan([deliver_all(s)])  # "a" runs its first block
     plan = s.plan([RankEvents(parking=[Park("a", "1" * 32, Tier.MEMORY)], submissions=[steered("b")])])
     assert [p.session_id for p in plan.parks] == ["a"] and not plan.opens  # saved where it stands, on its slot
-    assert s.table["a"].admitted and [w.id for w in s.waiting()] == ["b"]
+    assert s.table["a"].status is Status.PARKING and [w.id for w in s.waiting()] == ["b"]
     plan = s.plan([RankEvents(parked=[Parked("a", "1" * 32, "{}")], submissions=[steered("c")])])
     assert plan.parked == ["a"] and [o.id for o in plan.opens] == ["b"]  # its slot goes to the line
-    assert s.table["a"].parked == ResumeFrom("1" * 32, "{}", 1, park=Tier.MEMORY) and not s.table["a"].admitted
+    assert s.table["a"].park_copy == ResumeFrom("1" * 32, "{}", 1, park=Tier.MEMORY) and s.table["a"].status is Status.PARKED
     assert QueueCounts.of(s, s.settings, []) == QueueCounts(1, 1, 0, 1, 0, [], parked=1)  # "c" waits
     s.plan([deliver_all(s)])  # "b" runs its first block
     plan = s.plan([step("a")])  # "a" asks for a block: the front of the line, before "c"
@@ -402,7 +411,7 @@ def test_a_park_is_refused_past_max_parked_with_a_code_and_when_the_world_plays_
     plan = s.plan([RankEvents(), RankEvents(parking=[Park("b", "2" * 32, Tier.MEMORY)])])
     (refused,) = plan.refused_parks
     assert refused[:3] == (1, "b", "2" * 32) and refused[3].code == CAPACITY_EXHAUSTED
-    assert "max_parked=1" in refused[3].sentence and s.table["b"].admitted and not plan.parks
+    assert "max_parked=1" in refused[3].sentence and s.table["b"].status is Status.RUNNING and not plan.parks
     # A step and a park in one boundary: the world plays; a step after the copy was made: the copy is dropped.
     plan = s.plan([RankEvents(), RankEvents(steps=[StepEvent("c", Controls(keys="d"))],
                                             parking=[Park("c", "3" * 32, Tier.MEMORY)])])
@@ -411,7 +420,40 @@ def test_a_park_is_refused_past_max_parked_with_a_code_and_when_the_world_plays_
     assert s.plan([RankEvents(), RankEvents(parking=[Park("c", "4" * 32, Tier.MEMORY)])]).parks
     s.plan([RankEvents(), RankEvents(steps=[StepEvent("c", Controls(keys="w"))])])
     plan = s.plan([RankEvents(), RankEvents(parked=[Parked("c", "4" * 32, "{}")])])
-    assert plan.refused_parks == [(1, "c", "4" * 32, None)] and s.table["c"].admitted and not plan.parked
+    assert plan.refused_parks == [(1, "c", "4" * 32, None)] and s.table["c"].status is Status.RUNNING and not plan.parked
+
+
+def test_a_returning_world_does_not_hold_max_parked_against_the_idle_world_whose_slot_it_waits_for() -> None:
+    """One slot, max_parked=1: "a" parked asks for a block while "b", idle, holds the slot. "b" parks (the returning
+    world is leaving its copy), and once its copy is durable "a" takes its slot."""
+    s = Scheduler(ServingSettings(max_sessions=1, max_parked=1))
+    s.plan([RankEvents(submissions=[steered("a")])])
+    s.plan([deliver_all(s)])
+    assert parked_world(s, "a", "1" * 32).parked == ["a"]
+    s.plan([RankEvents(submissions=[steered("b")])])
+    s.plan([deliver_all(s)])  # "b" runs its first block, then asks for none
+    assert not s.plan([step("a")]).opens and [w.id for w in s.waiting()] == ["a"]
+    plan = s.plan([RankEvents(parking=[Park("b", "2" * 32, Tier.MEMORY)])])
+    assert not plan.refused_parks and [p.session_id for p in plan.parks] == ["b"]
+    plan = s.plan([RankEvents(parked=[Parked("b", "2" * 32, "{}")])])
+    assert plan.parked == ["b"] and [o.id for o in plan.opens] == ["a"]
+    assert QueueCounts.of(s, s.settings, []).parked == 1
+
+
+def test_a_world_whose_step_meets_its_durable_copy_runs_no_block_off_its_slot() -> None:
+    """"a" returns while "b" parks; "b"'s step comes with its durable copy: "b" is off its slot and "a" takes it, so
+    no block of "b" runs at that boundary (its caches are freed: it waits for a slot again)."""
+    s = Scheduler(ServingSettings(max_sessions=1, max_parked=1))
+    s.plan([RankEvents(submissions=[steered("a")])])
+    s.plan([deliver_all(s)])
+    parked_world(s, "a", "1" * 32)
+    s.plan([RankEvents(submissions=[steered("b")])])
+    s.plan([deliver_all(s)])
+    s.plan([step("a")])
+    assert s.plan([RankEvents(parking=[Park("b", "2" * 32, Tier.MEMORY)])]).parks
+    plan = s.plan([dataclasses.replace(step("b"), parked=[Parked("b", "2" * 32, "{}")], delivered={"b": 1})])
+    assert plan.parked == ["b"] and [o.id for o in plan.opens] == ["a"] and plan.batch == []
+    assert [w.id for w in s.waiting()] == ["b"] and s.table["b"].computed == 1
 
 
 def test_a_parked_world_counts_against_its_keys_sessions_not_against_the_slots() -> None:

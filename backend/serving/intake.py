@@ -35,7 +35,7 @@ from .news import FilesWritten, Parked, StepEvent
 from .parks import Parks
 from .saves import Outcome, Purpose, Saves
 from .sequences import Sequences
-from .sessions import OwnerPart, Step
+from .sessions import OwnerPart, Status, Step
 from .settings import ServingSettings
 from .streams import Responder, SteeredStream, WholeStream
 
@@ -180,7 +180,8 @@ class Intake:
         try:
             shared, saved = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
                              else (self._admission.session(request, sid, self.rank, who), None))
-            shared.seated = self._leases.take(sid, who)  # the key's limits across the fleet, last before any work
+            if not self._leases.take(sid, who):  # the key's limits across the fleet, last before any work
+                shared.status = Status.WAITING_SEAT  # its first status, as its owner shares it
             first = shared.steps[0].controls if shared.steps else None
             if first is not None and first.save:  # the first block's save: reserved now, or the start is refused
                 try:

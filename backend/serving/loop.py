@@ -12,7 +12,7 @@ heartbeat is due.
 
 What the loop holds of each session it knows is one record (`Here`, this rank's part of it: its engine session, its
 clocks, and on its owner its client's deliveries and place); where the session stands is its shared record's
-(`SharedSession.state`), whose one writer is the scheduler.
+(`SharedSession.status`), whose one writer is the scheduler.
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class GroupLoop:
                     self.here[shared.id] = Here(owned=True, submitted_s=now, saved=saved)
                 case mail.Stepped(step):
                     events.steps.append(step)
-                    if (s := self.scheduler.table.get(step.session_id)) is not None and s.parked is not None:
+                    if (s := self.scheduler.table.get(step.session_id)) is not None and s.in_park:
                         self.here[step.session_id].submitted_s = now  # a parked world's wait for a slot begins
                 case mail.Cancelled(sid):
                     events.cancelled.append(sid)

@@ -1,10 +1,10 @@
 """The group's decisions at a block boundary: slots (fair between keys), limits and each key's quotas, steering,
-fair round-robin batches of sessions, parked worlds (off their slot, back at the front of the queue), and every change
-of a session's state.
+fair round-robin batches of sessions, parked worlds (off their slot, back at the front of the queue), and every move
+of a session's status (`SharedSession.move`, along `sessions.TRANSITIONS`).
 
 Pure logic on plain data. Every rank keeps its own copy and plans from the same events (every rank's, in rank
 order), so every rank applies the same `Plan` in the same order without a broadcast. The scheduler is the one
-writer of a session's state: a plan carries every session that ended, and why; the group loop only applies it. Its
+writer of a session's status: a plan carries every session that ended, and why; the group loop only applies it. Its
 one clock is the boundary's time, the latest of the ranks' clocks in the events (a key's blocks per hour).
 
 Its counts are the group's books in process. Where groups share books (serving/books), what the owners learn from
@@ -23,7 +23,7 @@ from . import messages
 from .fair import HourlyUsage, fair_order
 from .keys import KEY_REVOKED
 from .news import Park, Parked, RankEvents, StepEvent
-from .sessions import EndReason, Ending, Parking, ResumeFrom, SharedSession, State, Step
+from .sessions import WAITING, EndReason, Ending, Parking, ResumeFrom, SharedSession, Status, Step
 from .settings import ServingSettings
 
 
@@ -44,7 +44,8 @@ class Plan:
     # (session id, snapshot id): the batch's sessions saved after their block (their step asked for it)
     saves: list[tuple[str, str]] = field(default_factory=list)
     # (owner rank, session id, snapshot id): a save that never runs, its session having ended first (its queued
-    # steps', a step that came after the end, or a move of a session without a slot): its owner drops it
+    # steps', a step that came after the end, a move of a session without a slot or of one ended at the same
+    # boundary): its owner drops it
     unsaved: list[tuple[int, str, str]] = field(default_factory=list)
     # (session id, snapshot id, tier): an idle world saved where it stands into its park copy (it keeps its slot)
     parks: list[Park] = field(default_factory=list)
@@ -69,7 +70,7 @@ class Plan:
 class Scheduler:
     def __init__(self, settings: ServingSettings) -> None:
         self.settings = settings
-        # Every session not done, pending ones in arrival order, active ones in round-robin order.
+        # Every session not ended: waiting ones in arrival order, those with a slot in round-robin order.
         self.table: OrderedDict[str, SharedSession] = OrderedDict()
         self.now = 0.0  # the boundary's time: the latest rank clock any events carried
         self.turn = 0  # slots given so far: a key's last turn says how recently it was served
@@ -85,7 +86,7 @@ class Scheduler:
             for sid, n in e.delivered.items():
                 if (s := self.table.get(sid)) is not None:
                     s.delivered = max(s.delivered, n)
-        opened_before = [s.id for s in self.table.values() if s.live]
+        opened_before = [s.id for s in self.table.values() if s.holds_slot]
         for sub in (s for e in events for s in e.submissions):  # steps may arrive with their first request
             self.table[sub.id] = sub
         for sid, ending in (x for e in events for x in e.failed):
@@ -99,11 +100,11 @@ class Scheduler:
             for step in e.steps:
                 self._step(step, rank, plan)
         for sid, why in (x for e in events for x in e.expired):
-            if (s := self.table.get(sid)) is not None and (s.live or s.parked is not None):
+            if (s := self.table.get(sid)) is not None and s.status not in WAITING:
                 self._end(sid, Ending(EndReason.EXPIRED, why), plan)
         for sid in (sid for e in events for sid in e.seated):  # the fleet's books, as the owner heard them
-            if (s := self.table.get(sid)) is not None:
-                s.seated = True
+            if (s := self.table.get(sid)) is not None and s.status is Status.WAITING_SEAT:
+                s.move(Status.WAITING_SLOT)
         for sid, why in (x for e in events for x in e.over_quota):
             self._end(sid, Ending(EndReason.QUOTA, why), plan)
         revoked = {tag for e in events for tag in e.revoked}
@@ -112,9 +113,12 @@ class Scheduler:
         for rank, e in enumerate(events):  # after the steps: a world that asked for a block again is not parked
             for park in e.parking:
                 self._park(park, rank, plan)
-        for sid, snapshot_id in (x for e in events for x in e.moving):
-            self._move(sid, snapshot_id, plan)
-        self._next_batch([sid for sid in opened_before if sid in self.table], plan)
+        for rank, e in enumerate(events):  # a move comes from its session's owner
+            for sid, snapshot_id in e.moving:
+                self._move(sid, snapshot_id, rank, plan)
+        # Those on their slot since the last boundary and still on it (a world whose copy became durable here is off
+        # its slot: its caches are freed before the batch runs).
+        self._next_batch([sid for sid in opened_before if sid in self.table and self.table[sid].holds_slot], plan)
         self._admit(plan)
         self._forget_keys()
         return plan
@@ -122,32 +126,35 @@ class Scheduler:
     def abort(self, ending: Ending) -> None:
         """The group loop ends (unload, or a failure no plan can be agreed on): every session ends here."""
         for s in self.table.values():
-            s.state, s.ending = State.DONE, ending
+            s.end(ending)
         self.table.clear()
 
     def _end(self, sid: str, ending: Ending, plan: Plan, before_batch: bool = True) -> None:
-        """The only place a session becomes done: its slot is free from this plan on."""
+        """The only place a session ends (but `abort`): its slot is free from this plan on."""
         if (s := self.table.pop(sid, None)) is None:  # ended already
             return
-        s.state, s.ending = State.DONE, ending
+        s.end(ending)
         plan.unsaved += [(s.owner, sid, step.snapshot_id) for step in s.steps if step.snapshot_id is not None]
         if before_batch:
             plan.ended.append((sid, ending))
         else:
             plan.finishing.append((sid, ending))
 
-    def _move(self, sid: str, snapshot_id: str | None, plan: Plan) -> None:
+    def _move(self, sid: str, snapshot_id: str | None, owner: int, plan: Plan) -> None:
         """The group drains: a session with a slot is saved where it stands and ends MOVED, carrying its snapshot's
         id; a parked one moves from its park copy (copied into the snapshot, no block run; a copy on disk is itself
         the snapshot); one still in the queue (nothing to save) or without a snapshot ends SERVER_STOPPING. Its queued
-        steps are its client's to send again where it resumes."""
+        steps are its client's to send again where it resumes. One that ended meanwhile: its owner drops the snapshot
+        (its end waits for every save of it to be over)."""
         if (s := self.table.get(sid)) is None:
+            if snapshot_id is not None:
+                plan.unsaved.append((owner, sid, snapshot_id))
             return
-        if (s.admitted or s.parked is not None) and snapshot_id is not None:
-            if s.admitted:
+        if (s.holds_slot or s.in_park) and snapshot_id is not None:
+            if s.holds_slot:
                 plan.moves.append((sid, snapshot_id))
-            elif snapshot_id != s.parked.snapshot_id:
-                plan.copies.append((s.owner, snapshot_id, s.parked))
+            elif snapshot_id != s.park_copy.snapshot_id:
+                plan.copies.append((s.owner, snapshot_id, s.park_copy))
             self._end(sid, Ending(EndReason.MOVED, messages.moved(snapshot_id)), plan)
             return
         if snapshot_id is not None:  # nothing to save: its owner drops the snapshot it reserved
@@ -157,15 +164,17 @@ class Scheduler:
     def _park(self, park: Park, owner: int, plan: Plan) -> None:
         """An idle steered world is saved where it stands into its park copy; it keeps its slot until the copy is
         durable. Refused (its owner drops the copy, the world stays on its slot) when it is not idle (a step asks
-        for a block, it ends, or it parks already) or the group holds max_parked worlds."""
+        for a block, its client ended it, or it parks already) or the group holds max_parked worlds: those parking
+        or parked, not those returning (a returning world leaves its copy as it takes a slot: the idle world that
+        parks may be the one whose slot it waits for)."""
         s = self.table.get(park.session_id)
-        idle = s is not None and s.live and s.steered and s.state is State.ACTIVE and s.parking is None \
-            and not s.has_camera()
-        held = sum(x.parking is not None or x.parked is not None for x in self.table.values())
+        idle = s is not None and s.status is Status.RUNNING and s.steered and s.ending is None and not s.has_camera()
+        held = sum(x.status in (Status.PARKING, Status.PARKED) for x in self.table.values())
         if not idle or held >= self.settings.max_parked:
             why = messages.park_full(self.settings.max_parked, self.settings.park_after_s) if idle else None
             plan.refused_parks.append((owner, park.session_id, park.snapshot_id, why))
             return
+        s.move(Status.PARKING)
         s.parking = Parking(park.snapshot_id, park.tier, s.computed)
         plan.parks.append(park)
 
@@ -175,22 +184,24 @@ class Scheduler:
         since its copy was made (its owner then drops the copy). One that ended meanwhile: its owner drops the copy
         as it ends."""
         s = self.table.get(parked.session_id)
-        if s is None or s.parking is None or s.parking.snapshot_id != parked.snapshot_id:
+        if s is None or s.status is not Status.PARKING or s.parking.snapshot_id != parked.snapshot_id:
             return
         parking, s.parking = s.parking, None
         if parked.manifest is None:
+            s.move(Status.RUNNING)
             return
-        if not s.live or s.computed != parking.block or s.has_camera():
+        if s.computed != parking.block or s.has_camera():
+            s.move(Status.RUNNING)
             plan.refused_parks.append((owner, s.id, parked.snapshot_id, None))
             return
-        s.admitted = False
-        s.parked = ResumeFrom(parked.snapshot_id, parked.manifest, parking.block, park=parking.tier)
+        s.move(Status.PARKED)
+        s.park_copy = ResumeFrom(parked.snapshot_id, parked.manifest, parking.block, park=parking.tier)
         plan.parked.append(s.id)
 
     def _unpark(self, s: SharedSession, plan: Plan) -> None:
         """A parked world that asked for a block gets a slot: every rank opens it from its park copy."""
-        s.resume, s.parked = s.parked, None
-        s.admitted = True
+        s.move(Status.RUNNING)
+        s.resume, s.park_copy = s.park_copy, None
         self.table.move_to_end(s.id)  # joins the round robin at its back
         plan.opens.append(s)
 
@@ -203,10 +214,12 @@ class Scheduler:
         if step.controls is not None:
             s.steps.append(Step(step.controls, step.snapshot_id))
             s.requests += 1
-            if s.parked is not None:  # the parked worlds come back in the order they ask
+            if s.in_park:  # the parked worlds come back in the order they ask
                 self.table.move_to_end(s.id)
+                if s.status is Status.PARKED:
+                    s.move(Status.RETURNING)
         if step.end:
-            s.state = State.ENDING
+            s.ending = Ending(EndReason.ENDED)
             if not s.steps:
                 self._end(s.id, Ending(EndReason.ENDED), plan)
 
@@ -218,18 +231,16 @@ class Scheduler:
         for s in self._arrived():
             if (refusal := self._over_quota(s)) is not None:
                 self._end(s.id, Ending(EndReason.REJECTED, refusal), plan)
-        live = [s for s in self.table.values() if s.admitted]
+        live = [s for s in self.table.values() if s.holds_slot]
         slots = settings.max_sessions - len(live)
-        returning = [s for s in self.table.values() if s.returning]
+        returning = [s for s in self.table.values() if s.status is Status.RETURNING]
         for s in returning[:max(0, slots)]:  # the front of the queue
             self._unpark(s, plan)
         slots -= len(returning)
-        live = [s for s in self.table.values() if s.admitted]
-        for s in fair_order([s for s in self._arrived() if s.seated], live, self.last_served, slots,
-                            parked=self._parked_worlds()):
-            s.admitted = True
-            if s.state is State.PENDING:
-                s.state = State.ACTIVE
+        live = [s for s in self.table.values() if s.holds_slot]
+        for s in fair_order([s for s in self._arrived() if s.status is Status.WAITING_SLOT], live, self.last_served,
+                            slots, parked=self._parked_worlds()):
+            s.move(Status.RUNNING)
             self.table.move_to_end(s.id)  # joins the round robin at its back
             self.turn += 1
             self.last_served[s.user] = self.turn
@@ -265,19 +276,19 @@ class Scheduler:
 
     def _arrived(self) -> list[SharedSession]:
         """The new sessions waiting for a slot, in arrival order."""
-        return [s for s in self.table.values() if not s.admitted and s.parked is None]
+        return [s for s in self.table.values() if s.status in WAITING]
 
     def _parked_worlds(self) -> list[SharedSession]:
-        return [s for s in self.table.values() if s.parked is not None]
+        return [s for s in self.table.values() if s.in_park]
 
     def waiting(self) -> list[SharedSession]:
         """The queue: sessions waiting for a slot, first first (in the order they get slots if nothing else arrives:
         each one's true place): the parked worlds that asked for a block, then the fair queue's."""
-        returning = [s for s in self.table.values() if s.returning]
-        holders = [s for s in self.table.values() if s.admitted] + returning  # the returning take slots first
+        returning = [s for s in self.table.values() if s.status is Status.RETURNING]
+        holders = [s for s in self.table.values() if s.holds_slot] + returning  # the returning take slots first
         return returning + fair_order(self._arrived(), holders, self.last_served,
                                       self.settings.max_sessions - len(holders), whole_queue=True,
-                                      parked=[s for s in self._parked_worlds() if not s.returning])
+                                      parked=[s for s in self.table.values() if s.status is Status.PARKED])
 
     def _next_batch(self, candidates: list[str], plan: Plan) -> None:
         # Backpressure: a session whose client is max_blocks_ahead blocks behind waits for its deliveries.
@@ -313,8 +324,7 @@ class Scheduler:
                     plan.saves.append((s.id, step.snapshot_id))
             plan.batch.append(s.id)
             if s.last_block_planned():  # its client's end flag, or its set length
-                reason = EndReason.ENDED if s.state is State.ENDING else EndReason.FINISHED
-                self._end(s.id, Ending(reason), plan, before_batch=False)
+                self._end(s.id, s.ending or Ending(EndReason.FINISHED), plan, before_batch=False)
 
     def _recache(self, s: SharedSession, plan: Plan) -> None:
         """Its event's prompt takes hold now, with its cache recomputed; its block runs at a later boundary, on

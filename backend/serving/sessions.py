@@ -1,10 +1,11 @@
 """A session's lifecycle and its two parts: what every rank plans over, and what only its owning rank holds.
 
 `SharedSession` is identical on every rank: it travels in the events of a block boundary and changes only in
-`Scheduler.plan`, which every rank runs on the same events; its `state` (with `Ending`, why it ended) is the one
-record of where the session stands. `OwnerPart` (the stream that answers the client, the sequence id, the
-clocks of a steered session's limits) exists in the owning rank's intake only (serving/intake); it never writes
-the state.
+`Scheduler.plan`, which every rank runs on the same events; its `status` (one of `Status`, moved only along
+`TRANSITIONS`, by the scheduler) is the one record of where the session stands, and its payloads (`parking`,
+`park_copy`, `resume`, `ending`) are what that status holds. `OwnerPart` (the stream that answers the client, the
+sequence id, the clocks of a steered session's limits) exists in the owning rank's intake only (serving/intake); it
+never writes the status.
 """
 from __future__ import annotations
 
@@ -23,11 +24,35 @@ from .keys import ANONYMOUS, Principal
 from .streams import OwnerStream, Responder
 
 
-class State(enum.Enum):
-    PENDING = "pending"  # admitted by its owner, waiting for a slot
-    ACTIVE = "active"  # has a slot and blocks left
-    ENDING = "ending"  # steered: its client sent the end flag; its queued steps still run (a slot first, if it waits)
-    DONE = "done"  # ended (its `ending` says why): no slot, no caches
+class Status(enum.Enum):
+    """Where a session stands, its whole life (docs/serving.md, "A session's lifecycle")."""
+
+    WAITING_SEAT = "waiting for a seat"  # the fleet's books have not seated it: it waits in its key's fleet queue
+    WAITING_SLOT = "waiting for a slot"  # in the group's queue (fair between keys)
+    RUNNING = "running"  # holds a slot: runs its blocks
+    PARKING = "parking"  # holds a slot while its park copy is written (`parking`)
+    PARKED = "parked"  # off its slot, its world in its park copy (`park_copy`)
+    RETURNING = "returning"  # parked, and a step asks for a block: first in the queue for a slot
+    ENDED = "ended"  # out of the table (`ending` says why): no slot, no caches, no copy
+
+
+# The only moves a status makes (`SharedSession.move`); any status may end.
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.WAITING_SEAT: frozenset({Status.WAITING_SLOT, Status.ENDED}),
+    Status.WAITING_SLOT: frozenset({Status.RUNNING, Status.ENDED}),
+    Status.RUNNING: frozenset({Status.PARKING, Status.ENDED}),
+    Status.PARKING: frozenset({Status.RUNNING, Status.PARKED, Status.ENDED}),
+    Status.PARKED: frozenset({Status.RETURNING, Status.ENDED}),
+    Status.RETURNING: frozenset({Status.RUNNING, Status.ENDED}),
+    Status.ENDED: frozenset(),
+}
+WAITING = frozenset({Status.WAITING_SEAT, Status.WAITING_SLOT})  # new sessions, before their first slot
+HOLDS_SLOT = frozenset({Status.RUNNING, Status.PARKING})
+IN_PARK = frozenset({Status.PARKED, Status.RETURNING})  # off its slot, its world in its park copy
+
+
+class TransitionError(RuntimeError):
+    """A status asked to move where `TRANSITIONS` does not lead: a scheduler bug, never a client's doing."""
 
 
 class EndReason(enum.Enum):
@@ -102,19 +127,21 @@ class SharedSession:
     request: SessionRequest
     geometry: VideoGeometry  # resolved once, by the owner's admission step; every rank opens the session with it
     owner: int = 0  # the rank that answers the client
-    state: State = State.PENDING
-    ending: Ending | None = None  # set with state DONE
-    admitted: bool = False  # holds a slot (generating)
+    # Where it stands. Its owner gives its first (WAITING_SEAT where the fleet's books have not seated it) as it
+    # shares it; from then on only the scheduler moves it (`move`).
+    status: Status = Status.WAITING_SLOT
+    # Why it ends: set as it ends (ENDED), or before, by its client's end flag (ENDED by its client, its queued steps
+    # run first, in whatever status it stands).
+    ending: Ending | None = None
     computed: int = 0  # blocks planned
     delivered: int = 0  # blocks sent to the client, as the owner last reported
     steps: deque[Step] = field(default_factory=deque)  # steered: steps received, not run yet
     requests: int = 1  # steered: requests that want a block (the first one included)
     recached: bool = False  # its cache was recomputed at the last boundary: its next block says so
     principal: Principal = ANONYMOUS  # whose key it runs on (its name, never the key), with that key's limits
-    resume: ResumeFrom | None = None  # opened from a snapshot, where it was saved
-    seated: bool = True  # the fleet's books let it hold a slot (False: it waits in its key's queue across the fleet)
-    parking: Parking | None = None  # a park under way (it keeps its slot until its copy is durable)
-    parked: ResumeFrom | None = None  # parked: off its slot (not admitted), its world in its park copy
+    resume: ResumeFrom | None = None  # where it opens: a snapshot, or (a returning world given a slot) its park copy
+    parking: Parking | None = None  # PARKING: the copy under way
+    park_copy: ResumeFrom | None = None  # PARKED, RETURNING: its park copy, where it opens again
 
     @classmethod
     def submitted(cls, id: str, request: SessionRequest, geometry: VideoGeometry, owner: int,
@@ -153,14 +180,24 @@ class SharedSession:
         return self.request.max_blocks if self.steered else self.geometry.num_blocks
 
     @property
-    def live(self) -> bool:
-        """Holds a slot and has blocks left (a parked session holds none)."""
-        return self.admitted and self.state is not State.DONE
+    def holds_slot(self) -> bool:
+        return self.status in HOLDS_SLOT
 
     @property
-    def returning(self) -> bool:
-        """Parked, and a step asks for its next block: it wants its slot back (the front of the queue)."""
-        return self.parked is not None and self.has_camera()
+    def in_park(self) -> bool:
+        return self.status in IN_PARK
+
+    def move(self, status: Status) -> None:
+        """Its status moves on along `TRANSITIONS` (the scheduler's call alone), or TransitionError."""
+        if status not in TRANSITIONS[self.status]:
+            raise TransitionError(f"session {self.id} cannot move from {self.status.name} to {status.name}")
+        self.status = status
+
+    def end(self, ending: Ending) -> None:
+        """It ends (the scheduler's call alone), why `ending` says; it holds nothing from now on (its owner drops its
+        copies as it ends)."""
+        self.move(Status.ENDED)
+        self.ending, self.parking, self.park_copy = ending, None, None
 
     def lags(self, max_blocks_ahead: int) -> bool:
         """Whether its client is too far behind for another block (backpressure)."""
@@ -171,7 +208,7 @@ class SharedSession:
         every request so far has its block (at most one block beyond what the client asked for)."""
         if not self.steered or self.steps:
             return True
-        return self.request.on_starve == "hold" and self.state is not State.ENDING and self.computed == self.requests
+        return self.request.on_starve == "hold" and self.ending is None and self.computed == self.requests
 
     def recache_due(self) -> bool:
         """Its next step is a prompt event that asks for its cached frames to be recomputed first."""
@@ -179,7 +216,7 @@ class SharedSession:
 
     def last_block_planned(self) -> bool:
         """Its set length is planned, or its client ended it and no step is left."""
-        return 0 < self.num_blocks <= self.computed or (self.state is State.ENDING and not self.steps)
+        return 0 < self.num_blocks <= self.computed or (self.ending is not None and not self.steps)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .settings import ServingSettings
 from .scheduler import Scheduler
-from .sessions import SharedSession, State
+from .sessions import WAITING, SharedSession
 
 UNKNOWN_WAIT_S = -1.0  # no block measured yet since the model loaded
 UNMEASURED_RETRY_S = 5.0  # a full queue's retry hint before any block was measured
@@ -63,7 +63,7 @@ def queue_waits(scheduler: Scheduler, clocks: Clocks, opened_s: dict[str, float]
     waiting = scheduler.waiting()
     if clocks.batch.value is None:
         return [UNKNOWN_WAIT_S] * (len(waiting) + extra)
-    live = [s for s in scheduler.table.values() if s.admitted]
+    live = [s for s in scheduler.table.values() if s.holds_slot]
     # A slot's session runs one block every round: each batch serves max_batch sessions of those that hold one.
     round_s = clocks.batch.value * max(1, math.ceil(len(live) / settings.max_batch))
     life_s = clocks.life.value if clocks.life.value is not None else settings.session_idle_timeout_s
@@ -80,11 +80,12 @@ def queue_waits(scheduler: Scheduler, clocks: Clocks, opened_s: dict[str, float]
 
 @dataclass(frozen=True)
 class QueueCounts:
-    """The group's sessions by state (the same on every rank), for the metrics port."""
+    """The group's sessions by status (the same on every rank), for the metrics port: a parked or returning world
+    counts as parked alone; one its client ended, its queued steps to run, as ending."""
 
-    pending: int
-    active: int  # on their slot (a parked one counts as parked)
-    ending: int
+    pending: int  # WAITING_SEAT, WAITING_SLOT
+    active: int  # RUNNING, PARKING
+    ending: int  # its client ended it (on a slot or waiting for one)
     waiting: int  # the queue's length (a session whose client ended it before its slot waits too)
     free_slots: int
     waited_s: list[float] = field(default_factory=list)  # this rank's sessions that left the queue since the last
@@ -92,9 +93,9 @@ class QueueCounts:
 
     @classmethod
     def of(cls, scheduler: Scheduler, settings: ServingSettings, waited_s: list[float]) -> QueueCounts:
-        states = [s.state for s in scheduler.table.values() if s.parked is None]
-        parked = sum(s.parked is not None for s in scheduler.table.values())
-        holding = sum(s.admitted for s in scheduler.table.values())
-        return cls(sum(s is State.PENDING for s in states), sum(s is State.ACTIVE for s in states),
-                   sum(s is State.ENDING for s in states), len(scheduler.waiting()),
-                   max(0, settings.max_sessions - holding), waited_s, parked)
+        table = list(scheduler.table.values())
+        on = [s for s in table if not s.in_park and s.ending is None]
+        holding = sum(s.holds_slot for s in table)
+        return cls(sum(s.status in WAITING for s in on), sum(s.holds_slot for s in on),
+                   sum(not s.in_park and s.ending is not None for s in table), len(scheduler.waiting()),
+                   max(0, settings.max_sessions - holding), waited_s, sum(s.in_park for s in table))
