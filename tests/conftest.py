@@ -82,10 +82,10 @@ def engine(tiny_checkpoint: str):
 def sp1_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str, snapshot_dir: str):
     """One real tritonserver (one CPU instance) on the tiny checkpoint for the whole run, saving worlds into the
     shared snapshot store."""
-    from triton_harness import running_server
+    from triton_harness import SP1_QUEUE, SP1_SESSIONS, running_server
 
-    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4",
-                        snapshot_dir=snapshot_dir) as s:
+    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions=str(SP1_SESSIONS),
+                        max_queue=str(SP1_QUEUE), snapshot_dir=snapshot_dir) as s:
         yield s
 
 
