@@ -113,12 +113,13 @@ def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def sp2_group(tiny_checkpoint: str, snapshot_dir: str):
     """One SP2 serving group of two local processes (launch/local_group, no tritonserver) for the whole run:
     one session per forward (latents compare bit for bit with SP1), no frame decode, a short steered-session
-    idle limit."""
+    idle limit; each member counts its request checks and session openings (sp_workers:admission_counts)."""
     from backend.serving.settings import ServingSettings
     from backend.launch.local_group import LocalGroup
     from factories import tiny_settings
 
     serving = ServingSettings(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,
                             snapshot_dir=snapshot_dir)
-    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, ranks=2) as group:
+    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, ranks=2,
+                    setup="sp_workers:count_admissions") as group:
         yield group
