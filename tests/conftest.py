@@ -82,10 +82,10 @@ def engine(tiny_checkpoint: str):
 def sp1_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: str, snapshot_dir: str):
     """One real tritonserver (one CPU instance) on the tiny checkpoint for the whole run, saving worlds into the
     shared snapshot store."""
-    from triton_harness import running_server
+    from triton_harness import SP1_QUEUE, SP1_SESSIONS, running_server
 
-    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions="3", max_queue="4",
-                        snapshot_dir=snapshot_dir) as s:
+    with running_server(tmp_path_factory.mktemp("sp1"), tiny_checkpoint, sp=1, max_sessions=str(SP1_SESSIONS),
+                        max_queue=str(SP1_QUEUE), snapshot_dir=snapshot_dir) as s:
         yield s
 
 
@@ -113,12 +113,13 @@ def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def sp2_group(tiny_checkpoint: str, snapshot_dir: str):
     """One SP2 serving group of two local processes (launch/local_group, no tritonserver) for the whole run:
     one session per forward (latents compare bit for bit with SP1), no frame decode, a short steered-session
-    idle limit."""
+    idle limit; each member counts its request checks and session openings (sp_workers:admission_counts)."""
     from backend.serving.settings import ServingSettings
     from backend.launch.local_group import LocalGroup
     from factories import tiny_settings
 
     serving = ServingSettings(max_batch=1, max_sessions=3, session_idle_timeout_s=GROUP_IDLE_S, collective_timeout_s=30.0,
                             snapshot_dir=snapshot_dir)
-    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, ranks=2) as group:
+    with LocalGroup(tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False), serving, ranks=2,
+                    setup="sp_workers:count_admissions") as group:
         yield group

@@ -22,19 +22,11 @@ from polling import wait_until
 pytestmark = pytest.mark.server  # starts groups of processes
 
 
-@pytest.fixture(scope="module")
-def counted_sp2(tiny_checkpoint: str):
-    settings = tiny_settings(tiny_checkpoint, sp_degree=2, decode_frames=False)
-    with LocalGroup(settings, ServingSettings(max_batch=1, collective_timeout_s=30.0), ranks=2,
-                    setup="sp_workers:count_admissions") as group:
-        yield group
-
-
-def test_a_start_is_validated_once_on_its_owner_and_opened_on_every_rank(counted_sp2, engine) -> None:
-    before = [counted_sp2.call(r, "sp_workers:admission_counts") for r in range(2)]
+def test_a_start_is_validated_once_on_its_owner_and_opened_on_every_rank(sp2_group, engine) -> None:
+    before = [sp2_group.call(r, "sp_workers:admission_counts") for r in range(2)]
     request = tiny_request(num_frames=21, decode=False)
-    blocks = counted_sp2.stream(request, rank=1)
-    after = [counted_sp2.call(r, "sp_workers:admission_counts") for r in range(2)]
+    blocks = sp2_group.stream(request, rank=1)
+    after = [sp2_group.call(r, "sp_workers:admission_counts") for r in range(2)]
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     assert delta[1] == {"check_request": 1, "request_geometry": 1, "open_session": 1}  # the owner: parsed, admitted
     assert delta[0] == {"check_request": 0, "request_geometry": 0, "open_session": 1}  # the other rank: opens only
@@ -43,18 +35,18 @@ def test_a_start_is_validated_once_on_its_owner_and_opened_on_every_rank(counted
     assert [b.block_index for b in blocks] == [0, 1] and blocks[-1].final
 
 
-def test_a_refused_start_is_refused_by_its_owner_alone_naming_the_input(counted_sp2) -> None:
-    before = [counted_sp2.call(r, "sp_workers:admission_counts") for r in range(2)]
+def test_a_refused_start_is_refused_by_its_owner_alone_naming_the_input(sp2_group) -> None:
+    before = [sp2_group.call(r, "sp_workers:admission_counts") for r in range(2)]
     with pytest.raises(LocalStreamError, match=r"num_frames=13 gives 4 latent frames, not a multiple of block_frames"):
-        counted_sp2.stream(tiny_request(num_frames=13), rank=0)
-    after = [counted_sp2.call(r, "sp_workers:admission_counts") for r in range(2)]
+        sp2_group.stream(tiny_request(num_frames=13), rank=0)
+    after = [sp2_group.call(r, "sp_workers:admission_counts") for r in range(2)]
     assert after[1] == before[1] and after[0]["open_session"] == before[0]["open_session"]
 
 
-def test_a_steered_session_on_either_rank_plays_and_ends(counted_sp2) -> None:
+def test_a_steered_session_on_either_rank_plays_and_ends(sp2_group) -> None:
     first = dataclasses.replace(tiny_request(num_frames=9, decode=False), num_frames=None, poses=None, keys="w")
     for rank in (0, 1):
-        session = counted_sp2.steered(first, rank=rank)
+        session = sp2_group.steered(first, rank=rank)
         assert session.next_block().block_index == 0
         session.step(Controls(keys="d"))
         assert session.next_block().block_index == 1

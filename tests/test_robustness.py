@@ -36,13 +36,11 @@ def reads_ready(client: grpcclient.InferenceServerClient) -> bool:
 
 
 def wait_not_ready(url: str, timeout: float) -> float:
+    """Seconds until the model reads not ready (a rank failed); fails after `timeout`."""
     start = time.monotonic()
     with grpcclient.InferenceServerClient(url) as client:
-        while time.monotonic() - start < timeout:
-            if not client.is_model_ready(MODEL):
-                return time.monotonic() - start
-            time.sleep(0.25)
-    raise AssertionError(f"the model still reads ready {timeout} s after a rank failed")
+        wait_until(lambda: not client.is_model_ready(MODEL), timeout, "the model to read not ready after a rank failed")
+    return time.monotonic() - start
 
 
 def idle_cpu(server, seconds: float) -> list[float]:

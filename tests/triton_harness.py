@@ -22,6 +22,7 @@ from client.stream import StreamingSession, request_inputs
 from factories import tiny_settings, tiny_request
 
 SP2_IDLE_S = 4.0  # session_idle_timeout_s of the shared SP2 server (conftest.sp2_server)
+SP1_SESSIONS, SP1_QUEUE = 3, 4  # max_sessions and max_queue of the shared SP1 server (conftest.sp1_server)
 
 
 def tiny_parameters(checkpoint: str, sp: int, **overrides: str) -> dict[str, str]:
