@@ -47,7 +47,8 @@ def bridge_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def player_url(sp1_server, bridge_log: Path) -> Iterator[str]:
     """`python -m client serve` against the tiny server, as a user starts it."""
-    with running_bridge(sp1_server.grpc_url, bridge_log) as base:
+    # --reconnect-s 1: a closed tab's world waits a second for its page, then its session ends
+    with running_bridge(sp1_server.grpc_url, bridge_log, "--reconnect-s", "1") as base:
         yield base + "/"
 
 

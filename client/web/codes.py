@@ -70,9 +70,9 @@ CODES: tuple[BridgeCode, ...] = (
     BridgeCode(REJOIN_REFUSED, 403, False, "a page's `?rejoin=TOKEN` names no world this bridge holds for it: a "
                "guessed token, one used already (each rejoin gets a new one), or one issued to another key; the "
                "websocket closes, one try a connection", "start a new world (or resume a saved one)"),
-    BridgeCode(REJOIN_EXPIRED, 410, False, "a page's `?rejoin=TOKEN` of a world that ended while its page was away: "
-               "longer than `--reconnect-s`, or the world's end came meanwhile; the sentence names its last save "
-               "where there is one", "resume the last save (`?resume=ID`) or start a new world"),
+    BridgeCode(REJOIN_EXPIRED, 410, False, "a page's `?rejoin=TOKEN` of a world that ended because its page was away "
+               "longer than `--reconnect-s`; the sentence names its last save where there is one; the websocket "
+               "closes", "resume the last save (`?resume=ID`) or start a new world"),
 )
 BY_NAME: dict[str, BridgeCode] = {c.name: c for c in CODES}
 
