@@ -131,6 +131,7 @@ class Player:
         self.save_asked = False  # the page asked for a save: the next step carries it
         self.stopping = False  # the page asked for the end: sent after the next block (the world's thread is busy)
         self.last_save: str | None = None  # the id of the world's last durable save
+        self.over = False  # the world's last word ("ended", "error") is told or on its way: no page waits for it
         self._world: PlayedWorld | None = None
         self._used: UsedSteps | None = None
         self._here = asyncio.Event()  # the page is there: blocks go on; away, no step is sent
@@ -204,6 +205,7 @@ class Player:
             try:
                 request = start if isinstance(start, ResumeStart) else await loop.run_in_executor(thread, start.request)
             except ValueError as exc:  # a first frame whose header read well but whose pixels do not decode
+                self.over = True
                 await self.send({"type": "error", "message": str(exc), "recorded": False, "code": INVALID_MESSAGE,
                                  "retry_after_s": None})
                 return
@@ -216,9 +218,11 @@ class Player:
                 on_failover=lambda failover: tell(failover_message(failover)), session_factory=SteeredSession)
             with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
                 await self._relay(self._world, request, mp4, recorder, thread)
+            self.over = True
             await self.send({"type": "ended", "frames": mp4.frames_written, "recorded": await save()})
         except (StreamError, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, StreamError) else None
+            self.over = True
             await self.send({"type": "error", "message": plain(exc), "recorded": await save(),
                              "code": refusal and refusal.code, "retry_after_s": refusal and refusal.retry_after_s})
         finally:  # the page's handler cancels this task when the page goes: the close and shutdown run all the same

@@ -53,8 +53,8 @@ class Page:
 
     @property
     def playing(self) -> bool:
-        """A world was started and has not ended."""
-        return self.world is not None and not self.world.done()
+        """A world was started and has not told its end."""
+        return self.world is not None and not self.world.done() and not self.player.over
 
     def jpeg(self) -> bool:
         """The world's frames go to the page as JPEG: it has no peer connection, or its connection failed."""
