@@ -173,6 +173,25 @@ def test_a_page_back_within_the_bound_plays_on_bit_for_bit_and_no_block_twice(mo
     run(both())
 
 
+def test_a_rejoin_while_the_old_socket_is_open_takes_the_world_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page whose old socket the bridge has not seen go (a link that dropped without a word) rejoins: the old
+    socket is closed and the world plays on on the new one, each block on one of them, in order."""
+    async def play() -> None:
+        async with served(monkeypatch, made := []) as client:
+            first = await started(client)
+            await first.blocks(2)
+            second = await page_of(client, rejoin=first.of("session")[0]["rejoin"], keys="w")
+            assert second.of("session")[0]["rejoined"]
+            await first.reader  # the bridge closed it
+            await second.blocks(3)
+            await stopped(second)
+            indices = [b["index"] for p in (first, second) for b in p.of("block")]
+            assert indices == list(range(len(indices))), indices
+            assert len(made) == 1
+
+    run(play())
+
+
 def test_past_the_bound_the_world_ends_and_its_page_is_told_its_last_save(monkeypatch: pytest.MonkeyPatch) -> None:
     """Away past reconnect_s: the world's session is closed, its place freed (a second page gets it; before, the
     bridge of one place is busy), its token refused REJOIN_EXPIRED naming the last save, which resumes."""

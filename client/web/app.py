@@ -182,18 +182,18 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
             await ws.send_json(refused.message())
             await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=refused.code.encode())
             return ws
-        page.token = rejoins.issue(page, key)
-        await page.back(ws, keys, session_message(request.app, page, rejoined=True))
+        rejoined = True
     else:
         sessions, limit = request.app[SESSIONS], request.app[ACCESS].max_pages
         if len(sessions) >= limit:
             await ws.send_json(Refused(PLAYER_BUSY, f"the player is busy: {limit} pages are playing; retry later").message())
             await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
             return ws
-        page = new_page(request, ws, key)
-        page.token = rejoins.issue(page, key)
-        await page.send(session_message(request.app, page, rejoined=False))
+        page, keys, rejoined = new_page(request, ws, key), "", False
+    page.token = rejoins.issue(page, key)
     try:
+        first = session_message(request.app, page, rejoined)
+        await (page.back(ws, keys, first) if rejoined else page.send(first))
         await page.serve(ws)
     finally:  # aiohttp cancels this handler when the page's connection goes: nothing below may hang on an await
         if page.ws is ws:  # (else the page came back on a newer socket)
@@ -230,9 +230,9 @@ def session_message(app: web.Application, page: Page, rejoined: bool) -> dict:
             "rejoin": page.token, "reconnect_s": app[REJOINS].reconnect_s, "rejoined": rejoined}
 
 
-async def end_session(app: web.Application, page: Page) -> str:
+async def end_session(app: web.Application, page: Page) -> str | None:
     """The page's world ends: its place is free, its Triton session cancelled, its video ended and its files
-    dropped. Says what its page is told should it come back (its last save)."""
+    dropped. Returns the id of its last save (None: none)."""
     app[SESSIONS].pop(page.sid, None)
     try:
         await page.close()
@@ -240,9 +240,7 @@ async def end_session(app: web.Application, page: Page) -> str:
     finally:
         page.player.video_path.unlink(missing_ok=True)
         page.player.recording_path.unlink(missing_ok=True)
-    last = page.player.last_save
-    return (f"your world ended: its page was away longer than {app[REJOINS].reconnect_s:g} s"
-            + (f"; its last save {last} resumes it (open the page with ?resume={last})" if last else ""))
+    return page.player.last_save
 
 
 async def watch_page(request: web.Request) -> web.FileResponse:

@@ -28,7 +28,7 @@ Held = TypeVar("Held")
 class _Seat(Generic[Held]):
     held: Held
     key: str | None
-    end: Callable[[], Awaitable[str]] | None = None  # while the page is away: the world's end...
+    end: Callable[[], Awaitable[str | None]] | None = None  # while the page is away: the world's end...
     timer: asyncio.TimerHandle | None = None  # ... and when it comes
 
 
@@ -65,9 +65,9 @@ class Rejoins(Generic[Held]):
             seat.timer.cancel()
         return seat.held
 
-    def away(self, token: str, end: Callable[[], Awaitable[str]]) -> None:
+    def away(self, token: str, end: Callable[[], Awaitable[str | None]]) -> None:
         """The page of `token` went: its world ends `reconnect_s` from now unless the token is taken first (`end`
-        ends it and says what its page is told then)."""
+        ends it and returns the id of its last save, or None)."""
         seat = self._seats[token]
         seat.end = end
         seat.timer = asyncio.get_running_loop().call_later(self.reconnect_s,
@@ -90,7 +90,10 @@ class Rejoins(Generic[Held]):
             return
         if seat.timer is not None:
             seat.timer.cancel()
-        self._ended[token] = (seat.key, f"your world ended: its page was away longer than {self.reconnect_s:g} s")
+        ended = f"your world ended: its page was away longer than {self.reconnect_s:g} s"
+        self._ended[token] = (seat.key, ended)
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
-        self._ended[token] = (seat.key, await seat.end())
+        if (last := await seat.end()) is not None:
+            self._ended[token] = (seat.key, f"{ended}; its last save {last} resumes it (open the page with "
+                                            f"?resume={last})")
