@@ -7,7 +7,8 @@ The page's messages and the bridge's are described in client/web/page.py and cli
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
 short-lived token cookie; GET /whoami says whether the page must sign in), while fewer than `max_pages` pages are
-open; videos are served by session id from this bridge's own table. A watcher needs a watch link and an allowed
+open; videos are served by session id from this bridge's own table. A page whose socket went opens /ws with
+?rejoin=TOKEN to take its world back (client/web/rejoin). A watcher needs a watch link and an allowed
 origin only (GET /watch/ID, then POST /watch/ID/offer with its SDP offer: client/web/watch); a WHEP client posts
 its offer to /watch/ID/whep and deletes the resource its answer names to leave.
 """

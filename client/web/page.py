@@ -7,7 +7,8 @@ WebRTC; "jpeg" when its WebRTC failed); on the data channel the page opens (labe
 {"type": "watch", id, path} (id null and "revoked": the watchers told, after a revoke); on the data channel
 {"type": "on_air", block, pts} when a block's first frame goes out on the video (pts: its RTP timestamp less the
 stream's origin, 90 kHz). A block's frames go as JPEG on the websocket unless the page's peer connection is up (or
-still connecting).
+still connecting). While the page is away (its socket gone, client/web/rejoin) what the world tells is held for it,
+in order, and sent when it is back.
 """
 from __future__ import annotations
 
