@@ -41,8 +41,8 @@ STATIC = Path(__file__).parent / "static"
 VIDEOS = web.AppKey("videos", Path)
 SESSIONS = web.AppKey("sessions", dict)  # session id -> its video, for the open pages' sessions (this bridge's own)
 SETTINGS = web.AppKey("settings", dict)
-TOKENS = web.AppKey("tokens", Tokens)
-REJOINS = web.AppKey("rejoins", Rejoins)  # the pages' rejoin tokens, and the worlds waiting for their pages  # sign-in tokens (present when the bridge asks pages to sign in)
+TOKENS = web.AppKey("tokens", Tokens)  # sign-in tokens (present when the bridge asks pages to sign in)
+REJOINS = web.AppKey("rejoins", Rejoins)  # the pages' rejoin tokens, and the worlds waiting for their pages
 MAX_KEY_CHARS = 256
 
 
