@@ -47,7 +47,8 @@ def bridge_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def player_url(sp1_server, bridge_log: Path) -> Iterator[str]:
     """`python -m client serve` against the tiny server, as a user starts it."""
-    with running_bridge(sp1_server.grpc_url, bridge_log) as base:
+    # --reconnect-s 1: a closed tab's world waits a second for its page, then its session ends
+    with running_bridge(sp1_server.grpc_url, bridge_log, "--reconnect-s", "1") as base:
         yield base + "/"
 
 
@@ -226,6 +227,27 @@ def test_tabs_play_at_once_and_closing_one_frees_its_session(player_url, sp1_ser
     wait_until(lambda: blocks(b) > reached, BLOCK_S, "the other tab to keep playing")
     b.close()
     wait_until(lambda: len(session_ends(log, "cancelled")) > cancelled_before + 1, 30, "the second session to end")
+
+
+def test_a_reloaded_page_plays_on_in_its_world(player_url, sp1_server, browser, first_frame: Path) -> None:
+    """A reload mid-world: the page rejoins with the token in its sessionStorage and its world goes on from the
+    next block over WebRTC again, on the same server session (none ended or started meanwhile)."""
+    log = Path(sp1_server.log_path)
+    page = browser.new_page()
+    start(page, player_url, first_frame)
+    wait_until(lambda: blocks(page) >= 2, BLOCK_S * 2, "two blocks")
+    ends_before = len(session_ends(log, "cancelled")) + len(session_ends(log, "ended by its client"))
+    before = int(status(page, "index"))
+    page.reload()
+    wait_until(lambda: status(page, "rejoins") == "1" and (blocks(page) or 0) >= 2, BLOCK_S * 3,
+               "the rejoined world's blocks")
+    assert int(status(page, "first-index")) > before and status(page, "state") == "playing"
+    wait_until(lambda: video_via(page) == "webrtc" and decoded(page) > 0, BLOCK_S * 2, "its video over WebRTC")
+    assert len(session_ends(log, "cancelled")) + len(session_ends(log, "ended by its client")) == ends_before
+    page.click("#stop")
+    wait_until(lambda: status(page, "state") == "ended", BLOCK_S * 3, "the session to end")
+    assert page.evaluate("() => sessionStorage.getItem('lingbot-rejoin')") is None  # its end spends the token
+    page.close()
 
 
 def test_a_refused_start_shows_in_plain_words(player_url, browser) -> None:

@@ -7,7 +7,8 @@ The page's messages and the bridge's are described in client/web/page.py and cli
 Who gets in (`Access`): a page from an allowed origin (this bridge's own by default), with the token if one is
 set, signed in with a user's key when the bridge asks for sign-in (client/web/signin: POST /signin {"key"} sets a
 short-lived token cookie; GET /whoami says whether the page must sign in), while fewer than `max_pages` pages are
-open; videos are served by session id from this bridge's own table. A watcher needs a watch link and an allowed
+open; videos are served by session id from this bridge's own table. A page whose socket went opens /ws with
+?rejoin=TOKEN to take its world back (client/web/rejoin). A watcher needs a watch link and an allowed
 origin only (GET /watch/ID, then POST /watch/ID/offer with its SDP offer: client/web/watch); a WHEP client posts
 its offer to /watch/ID/whep and deletes the resource its answer names to leave.
 """
@@ -24,10 +25,12 @@ from pathlib import Path
 
 from aiohttp import WSCloseCode, web
 
+from backend.api.controls import parse_keys
 from client.connection import Connection
 from client.web.bridge import recording_path
-from client.web.codes import ORIGIN_REFUSED, PLAYER_BUSY, SDP_CONTENT_TYPE, SDP_TOO_LARGE, Refused
+from client.web.codes import INVALID_MESSAGE, ORIGIN_REFUSED, PLAYER_BUSY, SDP_CONTENT_TYPE, SDP_TOO_LARGE, Refused
 from client.web.page import Page
+from client.web.rejoin import RECONNECT_S, Rejoins
 from client.web.rtc import MAX_SDP_BYTES, IceServers
 from client.web.schema import MAX_MESSAGE_BYTES
 from client.web.signin import COOKIE, Tokens, check_key
@@ -39,6 +42,7 @@ VIDEOS = web.AppKey("videos", Path)
 SESSIONS = web.AppKey("sessions", dict)  # session id -> its video, for the open pages' sessions (this bridge's own)
 SETTINGS = web.AppKey("settings", dict)
 TOKENS = web.AppKey("tokens", Tokens)  # sign-in tokens (present when the bridge asks pages to sign in)
+REJOINS = web.AppKey("rejoins", Rejoins)  # the pages' rejoin tokens, and the worlds waiting for their pages
 MAX_KEY_CHARS = 256
 
 
@@ -162,19 +166,52 @@ def _loads_small(text: str) -> dict:
 
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
+    """A page session: a new one, or with ?rejoin=TOKEN (&keys=KEYS held) the page's own world back
+    (client/web/rejoin)."""
     if (refusal := request.app[ACCESS].refusal(request)) is not None:
         raise web.HTTPForbidden(text=refusal)
     key = signed_in_key(request)
     ws = web.WebSocketResponse(heartbeat=30, max_msg_size=MAX_MESSAGE_BYTES)
     await ws.prepare(request)
-    sessions, limit = request.app[SESSIONS], request.app[ACCESS].max_pages
-    if len(sessions) >= limit:
-        await ws.send_json(Refused(PLAYER_BUSY, f"the player is busy: {limit} pages are playing; retry later").message())
-        await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
-        return ws
+    rejoins = request.app[REJOINS]
+    if (token := request.query.get("rejoin")) is not None:
+        try:
+            keys = parse_keys(request.query.get("keys") or "-")
+            page = rejoins.take(token, key)
+        except (Refused, ValueError) as exc:  # one try a connection
+            refused = exc if isinstance(exc, Refused) else Refused(INVALID_MESSAGE, str(exc))
+            await ws.send_json(refused.message())
+            await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=refused.code.encode())
+            return ws
+        rejoined = True
+    else:
+        sessions, limit = request.app[SESSIONS], request.app[ACCESS].max_pages
+        if len(sessions) >= limit:
+            await ws.send_json(Refused(PLAYER_BUSY, f"the player is busy: {limit} pages are playing; retry later").message())
+            await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
+            return ws
+        page, keys, rejoined = new_page(request, ws, key), "", False
+    page.token = rejoins.issue(page, key)
+    try:
+        first = session_message(request.app, page, rejoined)
+        await (page.back(ws, keys, first) if rejoined else page.send(first))
+        await page.serve(ws)
+    finally:  # aiohttp cancels this handler when the page's connection goes: nothing below may hang on an await
+        if page.ws is ws:  # (else the page came back on a newer socket)
+            if page.playing and not page.refused and rejoins.reconnect_s > 0:  # its world waits for it
+                page.away()
+                rejoins.away(page.token, lambda: end_session(request.app, page))
+            else:
+                rejoins.drop(page.token)
+                await asyncio.shield(end_session(request.app, page))
+    return ws
+
+
+def new_page(request: web.Request, ws: web.WebSocketResponse, key: str | None) -> Page:
+    """A new page session on `ws`, of a page signed in with `key` (None: the bridge asks for none)."""
     sid = secrets.token_hex(16)
     path = request.app[VIDEOS] / f"{sid}.mp4"
-    sessions[sid] = path
+    request.app[SESSIONS][sid] = path
     settings, rtc = request.app[SETTINGS], request.app[RTC]
 
     def may_start() -> str | None:  # a socket kept past its sign-in starts nothing
@@ -183,26 +220,28 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
 
     player = settings | {"video_path": path,
                          "connection": settings["connection"].with_key(key) if key else settings["connection"]}
-    page = Page(sid, ws, player, request.app[WATCHING], rtc.ice, rtc.offers_per_minute, may_start)
+    return Page(sid, ws, player, request.app[WATCHING], rtc.ice, rtc.offers_per_minute, may_start)
+
+
+def session_message(app: web.Application, page: Page, rejoined: bool) -> dict:
+    """What a page hears first: its session, its files, its WebRTC servers and its rejoin token."""
+    sid = page.sid
+    return {"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4",
+            "recording": f"/sessions/{sid}/recording.npz", "webrtc": {"ice_servers": app[RTC].ice.for_page(sid)},
+            "rejoin": page.token, "reconnect_s": app[REJOINS].reconnect_s, "rejoined": rejoined}
+
+
+async def end_session(app: web.Application, page: Page) -> str | None:
+    """The page's world ends: its place is free, its Triton session cancelled, its video ended and its files
+    dropped. Returns the id of its last save (None: none)."""
+    app[SESSIONS].pop(page.sid, None)
     try:
-        await page.send({"type": "session", "id": sid, "video": f"/sessions/{sid}/video.mp4",
-                         "recording": f"/sessions/{sid}/recording.npz",
-                         "webrtc": {"ice_servers": rtc.ice.for_page(sid)}})
-        await page.serve()
-    finally:  # the page went: its place is free, its Triton session cancelled, its video ended and its files dropped
-        # aiohttp cancels this handler when the page's connection goes, so nothing below may hang on an await.
-        sessions.pop(sid, None)
-
-        async def leave() -> None:
-            await page.close()
-            await asyncio.to_thread(page.player.close)
-
-        try:
-            await asyncio.shield(leave())
-        finally:
-            path.unlink(missing_ok=True)
-            recording_path(path).unlink(missing_ok=True)
-    return ws
+        await page.close()
+        await asyncio.to_thread(page.player.close)
+    finally:
+        page.player.video_path.unlink(missing_ok=True)
+        page.player.recording_path.unlink(missing_ok=True)
+    return page.player.last_save
 
 
 async def watch_page(request: web.Request) -> web.FileResponse:
@@ -274,17 +313,20 @@ def refusal_response(refused: Refused) -> web.Response:
 
 def make_app(url: str, model: str, timeout: float, access: Access, lookahead: int = 1,
              connection: Connection = Connection(), tokens: Tokens | None = None,
-             save_every: int = DEFAULT_SAVE_EVERY, rtc: RtcSettings = RtcSettings()) -> web.Application:
+             save_every: int = DEFAULT_SAVE_EVERY, rtc: RtcSettings = RtcSettings(),
+             reconnect_s: float = RECONNECT_S) -> web.Application:
     """connection: how the bridge reaches the server (TLS, its own key); tokens: pages must sign in with a key;
-    save_every: each page's world is saved every this many blocks (client/world); rtc: WebRTC's settings."""
+    save_every: each page's world is saved every this many blocks (client/world); rtc: WebRTC's settings;
+    reconnect_s: how long a world waits for its page after its socket goes (0: it ends at once)."""
     app = web.Application()
     app[SETTINGS] = {"url": url, "model": model, "timeout": timeout, "lookahead": lookahead, "connection": connection,
                      "save_every": save_every}
-    app[ACCESS], app[SESSIONS], app[RTC] = access, {}, rtc
+    app[ACCESS], app[SESSIONS], app[RTC], app[REJOINS] = access, {}, rtc, Rejoins(reconnect_s)
     app[WATCHING] = Watching(rtc.max_watchers, rtc.max_watchers_per_world, rtc.offers_per_minute, rtc.ice)
     if tokens is not None:
         app[TOKENS] = tokens
     app[VIDEOS] = Path(tempfile.mkdtemp(prefix="lingbot-player-"))
+    app.on_shutdown.append(lambda app: app[REJOINS].close())
     app.on_cleanup.append(lambda app: asyncio.to_thread(shutil.rmtree, app[VIDEOS], True))
     app.router.add_get("/", index)
     app.router.add_get("/ws", websocket)

@@ -130,7 +130,14 @@ class Player:
         self.pending: Controls | None = None  # a prompt event not sent yet (its prompt, its recache)
         self.save_asked = False  # the page asked for a save: the next step carries it
         self.stopping = False  # the page asked for the end: sent after the next block (the world's thread is busy)
+        self.last_save: str | None = None  # the id of the world's last durable save
+        self.over = False  # the world's last word ("ended", "error") is told or on its way: no page waits for it
         self._world: PlayedWorld | None = None
+        self._used: UsedSteps | None = None
+        self._here = asyncio.Event()  # the page is there: blocks go on; away, no step is sent
+        self._here.set()
+        self._asked = 0  # the start's and steps' blocks not come yet
+        self._owed = 0  # steps not sent while the page was away (one for each block that came meanwhile)
 
     def hold(self, keys: str) -> None:
         self.keys = parse_keys(keys or "-")
@@ -154,6 +161,21 @@ class Player:
     def stop(self) -> None:
         """End the session after the blocks already asked for."""
         self.stopping = True
+
+    def away(self) -> None:
+        """The page went: no step is sent until it is back (the world makes the blocks asked for, then waits), and
+        it holds no keys."""
+        self._here.clear()
+        self.keys = ""
+
+    def back(self, keys: str) -> None:
+        """The page is back, holding `keys`: the steps owed go out now, and the world goes on."""
+        self.keys = keys
+        self._here.set()
+        while self._owed and self._world is not None and self._used is not None and not self.stopping:
+            self._owed -= 1
+            self._send_step(self._world, self._used)
+            self._asked += 1
 
     def close(self) -> None:
         """Cancel the Triton stream: the server frees the session's caches. Safe to call twice."""
@@ -183,6 +205,7 @@ class Player:
             try:
                 request = start if isinstance(start, ResumeStart) else await loop.run_in_executor(thread, start.request)
             except ValueError as exc:  # a first frame whose header read well but whose pixels do not decode
+                self.over = True
                 await self.send({"type": "error", "message": str(exc), "recorded": False, "code": INVALID_MESSAGE,
                                  "retry_after_s": None})
                 return
@@ -191,13 +214,15 @@ class Player:
                 self.url, model_name=self.model, connection=self.connection, save_every=self.save_every,
                 on_place=lambda place: tell({"type": "place", "position": place.position, "wait_s": place.wait_s,
                                              "text": show_place(place)}),
-                on_snapshot=lambda saved: tell(saved_message(saved, recorder)),
+                on_snapshot=lambda saved: tell(self._saved(saved, recorder)),
                 on_failover=lambda failover: tell(failover_message(failover)), session_factory=SteeredSession)
             with Mp4Writer(self.video_path, DEFAULT_FPS) as mp4:
                 await self._relay(self._world, request, mp4, recorder, thread)
+            self.over = True
             await self.send({"type": "ended", "frames": mp4.frames_written, "recorded": await save()})
         except (StreamError, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, StreamError) else None
+            self.over = True
             await self.send({"type": "error", "message": plain(exc), "recorded": await save(),
                              "code": refusal and refusal.code, "retry_after_s": refusal and refusal.retry_after_s})
         finally:  # the page's handler cancels this task when the page goes: the close and shutdown run all the same
@@ -217,16 +242,26 @@ class Player:
         else:
             await on_thread(world.start, request)
             used = UsedSteps(Controls(keys=request.keys or ""), request.prompt)
+        self._used, self._asked = used, 1
         for _ in range(self.lookahead):
             self._send_step(world, used)
+            self._asked += 1
         received, rate, ending = 0, DeliveryRate(), False
-        while (block := await on_thread(world.next_block, self.timeout)) is not None:
+        while True:
+            if not self._asked and not ending:  # the page is away and every block asked for came: the world waits
+                await self._here.wait()
+            if (block := await on_thread(world.next_block, self.timeout)) is None:
+                break
             latency = world.step_latency_s
+            self._asked -= 0 if block.held else 1  # a held block answers no step
             if self.stopping and not ending:
                 ending = True
                 world.end()
-            elif not ending:
+            elif not ending and self._here.is_set():
                 self._send_step(world, used)
+                self._asked += 1
+            elif not ending:
+                self._owed += 1
             label = used.label(block)  # what the server ran it on (its held flag, its prompt_used)
             if recorder is not None:
                 recorder.add(block)
@@ -244,6 +279,11 @@ class Player:
             for jpeg in jpegs:
                 await self.send(jpeg)
             received += 1
+
+    def _saved(self, saved: Saved, recorder: Recorder | None) -> dict[str, Any]:
+        if saved.error is None:
+            self.last_save = saved.snapshot_id
+        return saved_message(saved, recorder)
 
     def _send_step(self, world: PlayedWorld, used: UsedSteps) -> None:
         if self.save_asked:

@@ -35,6 +35,8 @@ WATCHER_UNKNOWN = "WATCHER_UNKNOWN"
 WATCH_REVOKED = "WATCH_REVOKED"
 WATCH_READ_ONLY = "WATCH_READ_ONLY"
 WORLD_ENDED = "WORLD_ENDED"
+REJOIN_REFUSED = "REJOIN_REFUSED"
+REJOIN_EXPIRED = "REJOIN_EXPIRED"
 
 CODES: tuple[BridgeCode, ...] = (
     BridgeCode(PLAYER_BUSY, 503, False, "`--max-pages` pages are open on this bridge", "retry later"),
@@ -65,6 +67,12 @@ CODES: tuple[BridgeCode, ...] = (
                "logged, and the watcher's connection closes", "none: watch only"),
     BridgeCode(WORLD_ENDED, 410, False, "to a watcher: the world's player stopped or closed its page; the stream ends",
                "none"),
+    BridgeCode(REJOIN_REFUSED, 403, False, "a page's `?rejoin=TOKEN` names no world this bridge holds for it: a "
+               "guessed token, one used already (each rejoin gets a new one), or one issued to another key; the "
+               "websocket closes, one try a connection", "start a new world (or resume a saved one)"),
+    BridgeCode(REJOIN_EXPIRED, 410, False, "a page's `?rejoin=TOKEN` of a world that ended because its page was away "
+               "longer than `--reconnect-s`; the sentence names its last save where there is one; the websocket "
+               "closes", "resume the last save (`?resume=ID`) or start a new world"),
 )
 BY_NAME: dict[str, BridgeCode] = {c.name: c for c in CODES}
 

@@ -7,13 +7,15 @@ WebRTC; "jpeg" when its WebRTC failed); on the data channel the page opens (labe
 {"type": "watch", id, path} (id null and "revoked": the watchers told, after a revoke); on the data channel
 {"type": "on_air", block, pts} when a block's first frame goes out on the video (pts: its RTP timestamp less the
 stream's origin, 90 kHz). A block's frames go as JPEG on the websocket unless the page's peer connection is up (or
-still connecting).
+still connecting). While the page is away (its socket gone, client/web/rejoin) what the world tells is held for it,
+in order, and sent when it is back.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -45,17 +47,63 @@ class Page:
         self.channel: RTCDataChannel | None = None
         self.watch_id: str | None = None
         self.world: asyncio.Task | None = None
+        self.token = ""  # the page's rejoin token now (client/web/rejoin)
+        self.refused = False  # the page broke the protocol: its world ends with its socket
+        self.here = True  # the page's socket is up: what the world tells goes to it, else it is held
+        self.held: deque[dict[str, Any] | bytes] = deque()  # for the page, while it is away (its blocks, in order)
+
+    @property
+    def playing(self) -> bool:
+        """A world was started and has not told its end."""
+        return self.world is not None and not self.world.done() and not self.player.over
 
     def jpeg(self) -> bool:
         """The world's frames go to the page as JPEG: it has no peer connection, or its connection failed."""
         return self.pc is None or self.pc.connectionState in ("failed", "closed")
 
     async def send(self, message: dict[str, Any] | bytes) -> None:
-        await (self.ws.send_bytes(message) if isinstance(message, bytes) else self.ws.send_json(message))
+        """To the page; held for it while it is away (a send that fails: it has gone)."""
+        if self.here:
+            try:
+                return await self._write(self.ws, message)
+            except ConnectionError:
+                self.away()
+        self.held.append(message)
 
-    async def serve(self) -> None:
-        """Read the page's messages until it goes or breaks the protocol (then it is told why and closed)."""
-        async for msg in self.ws:
+    @staticmethod
+    async def _write(ws: web.WebSocketResponse, message: dict[str, Any] | bytes) -> None:
+        await (ws.send_bytes(message) if isinstance(message, bytes) else ws.send_json(message))
+
+    def away(self) -> None:
+        """The page's socket went: the world sends nothing more to it, steps no more, and closes its video."""
+        if self.here:
+            self.here = False
+            self.player.away()
+            asyncio.ensure_future(self._close_peer())
+
+    async def back(self, ws: web.WebSocketResponse, keys: str, first: dict[str, Any]) -> None:
+        """The page is back on `ws` (its older socket, still open, is closed) holding `keys`: `first`, then what was
+        held for it, then the world goes on (its video as JPEG until the page offers anew)."""
+        old, self.ws = self.ws, ws
+        self.away()
+        if old is not ws:
+            asyncio.ensure_future(old.close(code=WSCloseCode.GOING_AWAY, message=b"rejoined"))
+        await self._close_peer()
+        self.player.back(keys)
+        self.held.appendleft(first)
+        while self.held:  # what the world tells meanwhile joins the queue
+            message = self.held.popleft()
+            try:
+                await self._write(ws, message)
+            except ConnectionError:  # gone again
+                self.held.appendleft(message)
+                self.player.away()
+                return
+        self.here = True
+
+    async def serve(self, ws: web.WebSocketResponse) -> None:
+        """Read the page's messages on `ws` until it goes or breaks the protocol (then it is told why and closed)."""
+        async for msg in ws:
             try:
                 if msg.type == WSMsgType.ERROR:  # e.g. larger than MAX_MESSAGE_BYTES
                     raise ValueError(f"the bridge could not read a message ({msg.data})")
@@ -63,7 +111,8 @@ class Page:
                     raise ValueError("the bridge takes JSON text messages only")
                 await self.handle(parse_message(msg.data))
             except (Refused, ValueError) as exc:  # a page that breaks the protocol gets why, and the door
-                await self.refuse(exc)
+                if ws is self.ws:
+                    await self.refuse(exc)
                 break
 
     async def handle(self, message: dict[str, Any]) -> None:
@@ -99,6 +148,7 @@ class Page:
     async def refuse(self, exc: Refused | ValueError) -> None:
         """Tell the page why, and close its websocket (a policy violation)."""
         refusal = exc if isinstance(exc, Refused) else Refused(INVALID_MESSAGE, str(exc))
+        self.refused = True
         with contextlib.suppress(ConnectionError):
             await self.send(refusal.message())
         await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=refusal.code.encode())

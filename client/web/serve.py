@@ -5,7 +5,8 @@
 
 Only pages this player serves may open sessions (their origin), unless --allow-origin names others; with
 --token the page's address needs ?token=TOKEN (one user); with --sign-in each user signs in with their own key
-and the page holds only a short-lived token (client/web/signin); at most --max-pages pages play at once. With
+and the page holds only a short-lived token (client/web/signin); at most --max-pages pages play at once; a page
+whose link drops or that reloads gets its world back within --reconnect-s (client/web/rejoin). With
 --tls-cert the page, its websocket and the videos are HTTPS and WSS only. The video goes over WebRTC (UDP on
 --media-address, by default --host's address; STUN and TURN with --ice-server), JPEG on the websocket when the
 page's WebRTC fails; a world's watchers (a watch link each world's page asks for) are bounded by --max-watchers and
@@ -24,6 +25,7 @@ from aiohttp import web
 from client.connection import connection_of
 from client.stream import add_server_args
 from client.web.app import Access, RtcSettings, make_app
+from client.web.rejoin import RECONNECT_S
 from client.web.rtc import WILDCARD_HOSTS, IceServers, bind_media, media_addresses
 from client.web.signin import TOKEN_TTL_S, Tokens
 from client.world import DEFAULT_SAVE_EVERY
@@ -62,6 +64,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--save-every", type=count, default=DEFAULT_SAVE_EVERY, metavar="N",
                    help="save each page's world every N blocks, to resume it when the server is lost (0: only when "
                         "the page asks; default: %(default)s, docs/worlds.md)")
+    p.add_argument("--reconnect-s", type=float, default=RECONNECT_S, metavar="SECONDS",
+                   help="how long a page's world waits for it after its link drops or it reloads (its rejoin token "
+                        "brings it back; 0: the world ends with its socket; default: %(default)s)")
     p.add_argument("--tls-cert", type=Path, help="serve HTTPS and WSS only, with this PEM certificate chain "
                    "(with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
@@ -118,6 +123,6 @@ def main(argv: list[str]) -> int:
           f"{', '.join(media) if media else 'every interface but loopback'}", flush=True)
     tokens = Tokens(args.token_ttl) if args.sign_in else None
     app = make_app(args.url, args.model, args.timeout, access(args), args.lookahead, connection, tokens,
-                   args.save_every, rtc)
+                   args.save_every, rtc, args.reconnect_s)
     web.run_app(app, host=args.host, port=args.port, print=None, ssl_context=context)
     return 0

@@ -9,6 +9,9 @@
 // The world survives its server: the bridge saves it and, when the server is lost, resumes it elsewhere (a "failover"
 // message when lost, another once it goes on). "Save world" shows the saved world's id and a link that resumes it;
 // a page opened with ?resume=ID starts from that saved world.
+// The world survives its page's link too: the bridge gives each session a rejoin token, kept in sessionStorage; when
+// the socket closes while the world plays (a drop, a reload), the page opens a new one with ?rejoin=TOKEN&keys=KEYS
+// (every second, for the bridge's reconnect_s) and plays on from the next block; each rejoin brings a new token.
 "use strict";
 const FPS = 16;
 const SLACK_FRAMES = 4;  // queued beyond the newest block's frames before the oldest are skipped (a quarter second)
@@ -27,6 +30,8 @@ let startedAt = 0;     // when Start was pressed (ms), for the "starting" status
 let told = "";         // the bridge's first word on this session ("starting": what the server does now)
 let startMessage = null;  // the session's start message, sent when the bridge opened the session
 const resumeId = new URLSearchParams(location.search).get("resume");  // a saved world to start from
+const REJOIN = "lingbot-rejoin";  // sessionStorage: {token, reconnect_s} of the world this tab plays
+let awaySince = null;  // when (ms) the socket went while the world played: the page rejoins until reconnect_s
 
 function show(state, extra = "") {
   const s = $("status");
@@ -154,9 +159,16 @@ function onMessage(event) {
   }
   const msg = JSON.parse(event.data);
   if (msg.type === "session") {
+    sessionStorage.setItem(REJOIN, JSON.stringify({token: msg.rejoin, reconnect_s: msg.reconnect_s}));
     $("download").href = msg.video;
     $("download-recording").href = msg.recording;
-    ws.send(JSON.stringify(startMessage()));  // the world starts while its video connects (JPEG until it does)
+    if (msg.rejoined) {  // the world plays on: the blocks made while the page was away come first
+      awaySince = null;
+      $("status").dataset.rejoins = Number($("status").dataset.rejoins || 0) + 1;
+      show(stats.blocks ? "playing" : "starting");
+    } else {
+      ws.send(JSON.stringify(startMessage()));  // the world starts while its video connects (JPEG until it does)
+    }
     openVideo(ws, msg.webrtc);
   } else if (msg.type === "answer") {
     if (answered) answered.resolve(msg);
@@ -204,11 +216,13 @@ function onMessage(event) {
     }
     $("failover").hidden = false;
   } else if (msg.type === "ended") {
+    sessionStorage.removeItem(REJOIN);
     show("ended");
     $("download").hidden = msg.frames === 0;
     $("download-recording").hidden = !msg.recorded;
     finish();
   } else if (msg.type === "error") {
+    sessionStorage.removeItem(REJOIN);  // the world ended (or was not found: REJOIN_REFUSED, REJOIN_EXPIRED)
     if (answered) answered.reject(new Error(msg.message));
     answered = null;
     $("status").dataset.code = msg.code || "";
@@ -273,12 +287,24 @@ async function start(event) {
   }
   if (rtc) rtc.pc.close();
   rtc = answered = null;
+  sessionStorage.removeItem(REJOIN);
   startMessage = () => resumeId ? {type: "start", resume: resumeId, keys: heldKeys()} : {
     type: "start", prompt: $("prompt").value, image, keys: heldKeys(),
     width: Number($("width").value), height: Number($("height").value),
   };
+  fresh();
+  connect({});
+  playing();
+  screen.focus();
+  startedAt = performance.now();
+  show("starting");
+}
+
+// A new session's counters and state on the page.
+function fresh() {
   queue = [];
   told = "";
+  awaySince = null;
   delete $("status").dataset.toldMs;
   delete $("status").dataset.place;
   delete $("status").dataset.code;
@@ -289,19 +315,42 @@ async function start(event) {
   $("saved").hidden = true;
   stats = {blocks: 0, frames: 0, held: 0, first: 0, latency: 0, rtf: null, keys: [], prompt: "", events: 0,
     skipped: 0, stopping: false};
-  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws${location.search}`);  // ?token=...
-  ws = socket;
-  socket.binaryType = "blob";
-  socket.onmessage = (e) => { if (socket === ws) onMessage(e); };
-  socket.onclose = () => { if (socket === ws && !["ended", "failed"].includes($("status").dataset.state)) {
-    fail("the connection to the player closed"); show("closed"); finish(); } };
+}
+
+function playing() {
   $("start").disabled = true;
   $("stop").disabled = false;
   $("save").disabled = false;
   $("watch").disabled = false;
-  screen.focus();
-  startedAt = performance.now();
-  show("starting");
+}
+
+// The session's websocket (the page's query: ?token=...), with `extra` parameters (a rejoin's).
+function connect(extra) {
+  const query = new URLSearchParams(location.search);
+  for (const [name, value] of Object.entries(extra)) query.set(name, value);
+  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws?${query}`);
+  ws = socket;
+  socket.binaryType = "blob";
+  socket.onmessage = (e) => { if (socket === ws) onMessage(e); };
+  socket.onclose = () => { if (socket === ws) closed(); };
+}
+
+// The socket closed: while the world plays and its token holds (reconnect_s since the drop), rejoin; else it ended.
+function closed() {
+  if (["ended", "failed"].includes($("status").dataset.state)) return;
+  const held = JSON.parse(sessionStorage.getItem(REJOIN) || "null");
+  if (held && (awaySince === null || performance.now() - awaySince < held.reconnect_s * 1000)) {
+    if (awaySince === null) awaySince = performance.now();
+    if (rtc) rtc.pc.close();
+    rtc = answered = null;
+    show("rejoining");
+    setTimeout(() => connect({rejoin: held.token, keys: heldKeys() || "-"}), 1000);
+    return;
+  }
+  sessionStorage.removeItem(REJOIN);
+  fail("the connection to the player closed");
+  show("closed");
+  finish();
 }
 
 $("setup").addEventListener("submit", start);
@@ -370,5 +419,21 @@ $("signin").addEventListener("submit", async (event) => {
   $("key").value = "";
   if (!answer.ok) fail(await answer.text());
   await showSignIn();
+const heldWorld = JSON.parse(sessionStorage.getItem(REJOIN) || "null");
+if (heldWorld) {  // a reload while the world played: back to it at once
+  fresh();
+  playing();
+  startedAt = awaySince = performance.now();
+  show("rejoining");
+  connect({rejoin: heldWorld.token, keys: "-"});
+}
 });
 showSignIn();
+const heldWorld = JSON.parse(sessionStorage.getItem(REJOIN) || "null");
+if (heldWorld) {  // a reload while the world played: back to it at once
+  fresh();
+  playing();
+  startedAt = awaySince = performance.now();
+  show("rejoining");
+  connect({rejoin: heldWorld.token, keys: "-"});
+}
