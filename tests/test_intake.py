@@ -4,8 +4,10 @@ in the orders that race in a server."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import queue
 import secrets
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +24,14 @@ from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.bootstrap import owner_side
+from backend.serving.books import CALL_TIMEOUT_S, Hour, Taken
 from backend.serving.news import FilesWritten, Park, Parked
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
 from backend.serving.sequences import KEEP_ENDED
-from backend.serving.keys import Principal
-from backend.serving.sessions import Tier
+from backend.serving.keys import Principal, Quota
+from backend.serving.sessions import Status, Tier
 from factories import tiny_settings, tiny_request
 from polling import wait_until
 from test_one_rank import RecordingResponder
@@ -402,3 +405,86 @@ def test_a_step_racing_its_worlds_park_keeps_it_on_its_slot_and_its_copy_is_drop
 def held(store: Path) -> list[str]:
     """What a store's folder holds beside its lock file: snapshots, saves under way."""
     return [p.name for p in store.iterdir() if p.name != ".lock"]
+
+
+class SlowBooks:
+    """The fleet's books answering each call at the end of its bound (books.CALL_TIMEOUT_S): `sessions` seats, then
+    places in the queue; no seat ever frees."""
+
+    def __init__(self, sessions: int) -> None:
+        self.sessions, self.calls = sessions, 0
+
+    def _call(self) -> None:
+        self.calls += 1
+        time.sleep(CALL_TIMEOUT_S)  # the store's bound, spent
+
+    def take(self, name, lease_id, quota, lease_s) -> Taken:
+        self._call()
+        self.sessions -= 1
+        return Taken("seat" if self.sessions >= 0 else "queue")
+
+    def promote(self, name, lease_id, sessions, lease_s) -> bool:
+        self._call()
+        return False
+
+    def renew(self, leases, lease_s) -> bool:
+        self._call()
+        return True
+
+    def add_blocks(self, name, blocks) -> Hour:
+        self._call()
+        return Hour(time.time(), ())
+
+    def release(self, name, lease_id) -> None:
+        self._call()
+
+
+class SlowAddress:
+    def __init__(self, books: SlowBooks) -> None:
+        self.books = books
+
+    def connect(self) -> SlowBooks:
+        return self.books
+
+
+class TimedResponder(RecordingResponder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_at: list[float] = []
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        self.sent_at.append(time.monotonic())
+        super().send_block(output, frames, decode_ms, final)
+
+
+def test_a_slow_store_never_delays_a_running_session_s_block(engine: WorldModelEngine) -> None:
+    """The books answer every call at the end of its bound, and the key's sessions ask them all the time (its hour's
+    blocks, a waiting world's seat, the leases' renewals): the running world's blocks still reach its client as the
+    loop hands them over, not a store's call later."""
+    loop = FakeLoop()
+    books = SlowBooks(sessions=1)
+    settings = ServingSettings(books_lease_s=1.0)  # renewed every third of a second
+    side = owner_side(0, 1, settings, engine, loop.post, queue.SimpleQueue(), books=SlowAddress(books))
+    alice = principal("alice", sessions=1, queue=1, blocks_per_hour=10**6)
+    try:
+        first = TimedResponder()  # a whole trajectory: every block goes out as it comes
+        side.arrive("", tiny_request(decode=False), first, principal=alice)
+        sid = loop.next(mail.Submitted).session.id
+        side.arrive("", tiny_request(decode=False), RecordingResponder(), principal=alice)  # waits for a seat
+        assert loop.next(mail.Submitted).session.status is Status.WAITING_SEAT
+        posted = []
+        for index in range(40):  # one block every 40 ms for 1.6 s, the loop's pace
+            posted.append(time.monotonic())
+            side.post(mail.Decoded(sid, block(index), np.zeros(1), 0.0, False))
+            time.sleep(0.04)
+        wait_until(lambda: len(first.sent_at) == len(posted), 5, "every block sent (not held by the store)")
+        delays = sorted(sent - at for sent, at in zip(first.sent_at, posted))
+        assert books.calls > 4  # the store was asked while the blocks went out
+        assert delays[-1] < CALL_TIMEOUT_S / 2, f"blocks delayed up to {delays[-1]:.3f} s by the store"
+    finally:
+        side.close()
+
+
+def principal(name: str, **quota: int) -> Principal:
+    digest = hashlib.sha256(name.encode()).hexdigest()
+    return Principal(name, digest[:12], Quota(**quota), digest)
