@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import queue
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.bootstrap import owner_side
-from backend.serving.books import CALL_TIMEOUT_S, Hour, Taken
+from backend.serving.books import CALL_TIMEOUT_S, BooksUnavailable, Hour, Taken
 from backend.serving.news import FilesWritten, Park, Parked
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
@@ -488,3 +489,145 @@ def test_a_slow_store_never_delays_a_running_session_s_block(engine: WorldModelE
 def principal(name: str, **quota: int) -> Principal:
     digest = hashlib.sha256(name.encode()).hexdigest()
     return Principal(name, digest[:12], Quota(**quota), digest)
+
+
+class GatedBooks:
+    """The fleet's books as the owner's books thread sees them: each start's lease answered `kind` once `gate` is open;
+    a waiting lease seated when `promoted`; the key's hour counted here; `down`: every call refused."""
+
+    def __init__(self, kind: str = "seat", promoted: bool = False) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.kind, self.promoted, self.down = kind, promoted, False
+        self.calls: list[str] = []
+        self.used = 0
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if self.down:
+            raise BooksUnavailable("the books did not answer: stopped")
+
+    def take(self, name, lease_id, quota, lease_s) -> Taken:
+        self._call("take")
+        assert self.gate.wait(10)
+        return Taken(self.kind)
+
+    def promote(self, name, lease_id, sessions, lease_s) -> bool:
+        self._call("promote")
+        return self.promoted
+
+    def renew(self, leases, lease_s) -> bool:
+        self._call("renew")
+        return True
+
+    def add_blocks(self, name, blocks) -> Hour:
+        self._call("add_blocks")
+        self.used += blocks
+        return Hour(time.time(), ((int(time.time() // 60), self.used),))
+
+    def release(self, name, lease_id) -> None:
+        self._call("release")
+
+
+@pytest.fixture()
+def booked(tiny_checkpoint: str):
+    """An intake of a group that shares the fleet's books (GatedBooks)."""
+    loop, books = FakeLoop(), GatedBooks()
+    settings = ServingSettings()
+    spec = checked_spec(tiny_settings(tiny_checkpoint), 1)
+    side = Intake(0, settings, Admission(settings, spec), Saves(None, None, 1, keep_commits=False), loop.post,
+                  every_s=0.05, books=books)
+    yield side, loop, books
+    side.close()
+
+
+ALICE = principal("alice", sessions=1, queue=1, blocks_per_hour=1)
+
+
+def test_a_start_waiting_for_its_lease_answers_its_sequence_s_later_requests_after_it(booked) -> None:
+    """The books take their time over a start's lease: nothing of it reaches the group before their answer, and the
+    pause and the second start its sequence sent meanwhile are answered after it, as if the books had answered at
+    once (the pause held on its stream until the next request, the start told its sequence has a session); its lease
+    is released once, as it ends."""
+    side, loop, books = booked
+    books.gate.clear()
+    first, pause, again = RecordingResponder(), RecordingResponder(), RecordingResponder()
+    side.arrive(STEERED_SEQUENCE, steered_start(), first, principal=ALICE)
+    wait_until(lambda: books.calls == ["take"], 5, "the books asked for the start's lease")
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, None, pause=True), pause, principal=ALICE)
+    side.arrive(STEERED_SEQUENCE, steered_start(), again, principal=ALICE)
+    with pytest.raises(queue.Empty):  # no work before the key's limits across the fleet let it in
+        loop.letters.get(timeout=0.3)
+    assert not (pause.closed.is_set() or again.closed.is_set())
+    books.gate.set()
+    sid = loop.next(mail.Submitted).session.id
+    assert again.closed.wait(5) and again.code == c.SESSION_EXISTS
+    assert pause.closed.is_set() and pause.error is None  # held on its session's stream, answered by the next request
+    side.post(mail.Ended(sid, None, Refusal(c.SESSION_UNKNOWN, "it finished")))
+    assert first.closed.wait(5) and first.error is None
+    wait_until(lambda: "release" in books.calls, 5, "the lease released")
+    side.close()
+    assert books.calls.count("release") == 1
+
+
+def test_the_books_answers_are_told_with_their_codes_and_a_key_without_limits_never_waits_for_them(booked) -> None:
+    side, loop, books = booked
+    books.kind = "full"
+    full = RecordingResponder()
+    side.arrive("", tiny_request(decode=False), full, principal=ALICE)
+    assert full.closed.wait(5) and (full.code, full.error) == (c.USER_SESSION_LIMIT,
+                                                               messages.user_session_limit("alice", 1, 1).sentence)
+    books.down = True
+    down, soon = RecordingResponder(), RecordingResponder()
+    side.arrive("", tiny_request(decode=False), down, principal=ALICE)
+    assert down.closed.wait(5) and (down.code, down.error) == (c.BOOKS_UNAVAILABLE, messages.BOOKS_UNAVAILABLE.sentence)
+    asked = len(books.calls)
+    side.arrive("", tiny_request(decode=False), soon, principal=ALICE)  # within RETRY_S: the store is not asked
+    assert soon.closed.wait(5) and soon.code == c.BOOKS_UNAVAILABLE and len(books.calls) == asked
+    books.gate.clear()  # a key without limits the books count never waits for them
+    side.arrive("", tiny_request(decode=False), RecordingResponder(), principal=principal("carol"))
+    assert loop.next(mail.Submitted).session.user == "carol"
+    assert loop.quiet() and not full.blocks
+
+
+def test_a_drain_or_a_close_while_a_start_waits_for_its_lease_refuses_it_and_its_lease_goes(booked) -> None:
+    side, loop, books = booked
+    books.gate.clear()
+    drained = RecordingResponder()
+    side.arrive("7", steered_start("7"), drained, principal=ALICE)
+    wait_until(lambda: books.calls == ["take"], 5, "the books asked for the start's lease")
+    side.post(mail.Drain())
+    books.gate.set()
+    assert drained.closed.wait(5) and drained.code == c.SERVER_STOPPING and drained.error == messages.DRAINING.sentence
+    wait_until(lambda: books.calls == ["take", "release"], 5, "the drained start's lease released")
+    assert loop.quiet()
+
+
+def test_a_close_while_a_start_waits_for_its_lease_answers_it_at_once(booked) -> None:
+    side, loop, books = booked
+    books.gate.clear()
+    waiting, pause = RecordingResponder(), RecordingResponder()
+    side.arrive("7", steered_start("7"), waiting, principal=ALICE)
+    wait_until(lambda: books.calls == ["take"], 5, "the books asked for the start's lease")
+    side.arrive("7", StepRequest("7", None, pause=True), pause, principal=ALICE)
+    side.post(mail.Closed(messages.GROUP_FAILED))
+    for r in (waiting, pause):  # before the books answer
+        assert r.closed.wait(5) and r.code == c.GROUP_FAILED
+    books.gate.set()
+    side.close()
+    assert books.calls == ["take", "release"] and loop.quiet()  # the lease went as the books thread closed
+
+
+def test_a_waiting_lease_s_seat_and_its_key_s_hour_reach_the_group_after_its_start(booked) -> None:
+    """Told by the books thread, handed on by the intake: a session waiting in its key's queue is seated after the
+    group was given it, and one whose key used its hour across the fleet ends."""
+    side, loop, books = booked
+    books.kind, books.promoted = "queue", True
+    side.arrive("", tiny_request(decode=False), RecordingResponder(), principal=ALICE)
+    shared = loop.next(mail.Submitted).session
+    assert shared.status is Status.WAITING_SEAT
+    assert loop.next(mail.Seated) == mail.Seated((shared.id,))
+    side.post(mail.Decoded(shared.id, block(0), np.zeros(1), 0.0, False))
+    assert loop.next(mail.Delivered).blocks == 1
+    over = loop.next(mail.OverQuota)
+    assert over.session_id == shared.id and over.why.code == c.QUOTA_EXHAUSTED
