@@ -4,8 +4,11 @@ in the orders that race in a server."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import queue
 import secrets
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +25,14 @@ from backend.engine.validation import checked_spec
 from backend.serving import mail, messages
 from backend.serving.admission import Admission
 from backend.serving.bootstrap import owner_side
+from backend.serving.books import CALL_TIMEOUT_S, BooksUnavailable, Hour, Taken
 from backend.serving.news import FilesWritten, Park, Parked
 from backend.serving.saves import Saves
 from backend.serving.settings import ServingSettings
 from backend.serving.intake import Intake
 from backend.serving.sequences import KEEP_ENDED
-from backend.serving.keys import Principal
-from backend.serving.sessions import Tier
+from backend.serving.keys import Principal, Quota
+from backend.serving.sessions import Status, Tier
 from factories import tiny_settings, tiny_request
 from polling import wait_until
 from test_one_rank import RecordingResponder
@@ -402,3 +406,228 @@ def test_a_step_racing_its_worlds_park_keeps_it_on_its_slot_and_its_copy_is_drop
 def held(store: Path) -> list[str]:
     """What a store's folder holds beside its lock file: snapshots, saves under way."""
     return [p.name for p in store.iterdir() if p.name != ".lock"]
+
+
+class SlowBooks:
+    """The fleet's books answering each call at the end of its bound (books.CALL_TIMEOUT_S): `sessions` seats, then
+    places in the queue; no seat ever frees."""
+
+    def __init__(self, sessions: int) -> None:
+        self.sessions, self.calls = sessions, 0
+
+    def _call(self) -> None:
+        self.calls += 1
+        time.sleep(CALL_TIMEOUT_S)  # the store's bound, spent
+
+    def take(self, name, lease_id, quota, lease_s) -> Taken:
+        self._call()
+        self.sessions -= 1
+        return Taken("seat" if self.sessions >= 0 else "queue")
+
+    def promote(self, name, lease_id, sessions, lease_s) -> bool:
+        self._call()
+        return False
+
+    def renew(self, leases, lease_s) -> bool:
+        self._call()
+        return True
+
+    def add_blocks(self, name, blocks) -> Hour:
+        self._call()
+        return Hour(time.time(), ())
+
+    def release(self, name, lease_id) -> None:
+        self._call()
+
+
+class SlowAddress:
+    def __init__(self, books: SlowBooks) -> None:
+        self.books = books
+
+    def connect(self) -> SlowBooks:
+        return self.books
+
+
+class TimedResponder(RecordingResponder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_at: list[float] = []
+
+    def send_block(self, output: BlockOutput, frames: np.ndarray, decode_ms: float, final: bool) -> None:
+        self.sent_at.append(time.monotonic())
+        super().send_block(output, frames, decode_ms, final)
+
+
+def test_a_slow_store_never_delays_a_running_session_s_block(engine: WorldModelEngine) -> None:
+    """The books answer every call at the end of its bound, and the key's sessions ask them all the time (its hour's
+    blocks, a waiting world's seat, the leases' renewals): the running world's blocks still reach its client as the
+    loop hands them over, not a store's call later."""
+    loop = FakeLoop()
+    books = SlowBooks(sessions=1)
+    settings = ServingSettings(books_lease_s=1.0)  # renewed every third of a second
+    side = owner_side(0, 1, settings, engine, loop.post, queue.SimpleQueue(), books=SlowAddress(books))
+    alice = principal("alice", sessions=1, queue=1, blocks_per_hour=10**6)
+    try:
+        first = TimedResponder()  # a whole trajectory: every block goes out as it comes
+        side.arrive("", tiny_request(decode=False), first, principal=alice)
+        sid = loop.next(mail.Submitted).session.id
+        side.arrive("", tiny_request(decode=False), RecordingResponder(), principal=alice)  # waits for a seat
+        assert loop.next(mail.Submitted).session.status is Status.WAITING_SEAT
+        posted = []
+        for index in range(40):  # one block every 40 ms for 1.6 s, the loop's pace
+            posted.append(time.monotonic())
+            side.post(mail.Decoded(sid, block(index), np.zeros(1), 0.0, False))
+            time.sleep(0.04)
+        wait_until(lambda: len(first.sent_at) == len(posted), 5, "every block sent (not held by the store)")
+        delays = sorted(sent - at for sent, at in zip(first.sent_at, posted))
+        assert books.calls > 4  # the store was asked while the blocks went out
+        assert delays[-1] < CALL_TIMEOUT_S / 2, f"blocks delayed up to {delays[-1]:.3f} s by the store"
+    finally:
+        side.close()
+
+
+def principal(name: str, **quota: int) -> Principal:
+    digest = hashlib.sha256(name.encode()).hexdigest()
+    return Principal(name, digest[:12], Quota(**quota), digest)
+
+
+class GatedBooks:
+    """The fleet's books as the owner's books thread sees them: each start's lease answered `kind` once `gate` is open;
+    a waiting lease seated when `promoted`; the key's hour counted here; `down`: every call refused."""
+
+    def __init__(self, kind: str = "seat", promoted: bool = False) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.kind, self.promoted, self.down = kind, promoted, False
+        self.calls: list[str] = []
+        self.used = 0
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if self.down:
+            raise BooksUnavailable("the books did not answer: stopped")
+
+    def take(self, name, lease_id, quota, lease_s) -> Taken:
+        self._call("take")
+        assert self.gate.wait(10)
+        return Taken(self.kind)
+
+    def promote(self, name, lease_id, sessions, lease_s) -> bool:
+        self._call("promote")
+        return self.promoted
+
+    def renew(self, leases, lease_s) -> bool:
+        self._call("renew")
+        return True
+
+    def add_blocks(self, name, blocks) -> Hour:
+        self._call("add_blocks")
+        self.used += blocks
+        return Hour(time.time(), ((int(time.time() // 60), self.used),))
+
+    def release(self, name, lease_id) -> None:
+        self._call("release")
+
+
+@pytest.fixture()
+def booked(tiny_checkpoint: str):
+    """An intake of a group that shares the fleet's books (GatedBooks)."""
+    loop, books = FakeLoop(), GatedBooks()
+    settings = ServingSettings()
+    spec = checked_spec(tiny_settings(tiny_checkpoint), 1)
+    side = Intake(0, settings, Admission(settings, spec), Saves(None, None, 1, keep_commits=False), loop.post,
+                  every_s=0.05, books=books)
+    yield side, loop, books
+    side.close()
+
+
+ALICE = principal("alice", sessions=1, queue=1, blocks_per_hour=1)
+
+
+def test_a_start_waiting_for_its_lease_answers_its_sequence_s_later_requests_after_it(booked) -> None:
+    """The books take their time over a start's lease: nothing of it reaches the group before their answer, and the
+    pause and the second start its sequence sent meanwhile are answered after it, as if the books had answered at
+    once (the pause held on its stream until the next request, the start told its sequence has a session); its lease
+    is released once, as it ends."""
+    side, loop, books = booked
+    books.gate.clear()
+    first, pause, again = RecordingResponder(), RecordingResponder(), RecordingResponder()
+    side.arrive(STEERED_SEQUENCE, steered_start(), first, principal=ALICE)
+    wait_until(lambda: books.calls == ["take"], 5, "the books asked for the start's lease")
+    side.arrive(STEERED_SEQUENCE, StepRequest(STEERED_SEQUENCE, None, pause=True), pause, principal=ALICE)
+    side.arrive(STEERED_SEQUENCE, steered_start(), again, principal=ALICE)
+    with pytest.raises(queue.Empty):  # no work before the key's limits across the fleet let it in
+        loop.letters.get(timeout=0.3)
+    assert not (pause.closed.is_set() or again.closed.is_set())
+    books.gate.set()
+    sid = loop.next(mail.Submitted).session.id
+    assert again.closed.wait(5) and again.code == c.SESSION_EXISTS
+    assert pause.closed.is_set() and pause.error is None  # held on its session's stream, answered by the next request
+    side.post(mail.Ended(sid, None, Refusal(c.SESSION_UNKNOWN, "it finished")))
+    assert first.closed.wait(5) and first.error is None
+    wait_until(lambda: "release" in books.calls, 5, "the lease released")
+    side.close()
+    assert books.calls.count("release") == 1
+
+
+def test_the_books_answers_are_told_with_their_codes_and_a_key_without_limits_never_waits_for_them(booked) -> None:
+    side, loop, books = booked
+    books.kind = "full"
+    full = RecordingResponder()
+    side.arrive("", tiny_request(decode=False), full, principal=ALICE)
+    assert full.closed.wait(5) and (full.code, full.error) == (c.USER_SESSION_LIMIT,
+                                                               messages.user_session_limit("alice", 1, 1).sentence)
+    books.down = True
+    down, soon = RecordingResponder(), RecordingResponder()
+    side.arrive("", tiny_request(decode=False), down, principal=ALICE)
+    assert down.closed.wait(5) and (down.code, down.error) == (c.BOOKS_UNAVAILABLE, messages.BOOKS_UNAVAILABLE.sentence)
+    asked = len(books.calls)
+    side.arrive("", tiny_request(decode=False), soon, principal=ALICE)  # within RETRY_S: the store is not asked
+    assert soon.closed.wait(5) and soon.code == c.BOOKS_UNAVAILABLE and len(books.calls) == asked
+    books.gate.clear()  # a key without limits the books count never waits for them
+    side.arrive("", tiny_request(decode=False), RecordingResponder(), principal=principal("carol"))
+    assert loop.next(mail.Submitted).session.user == "carol"
+    assert loop.quiet() and not full.blocks
+
+
+def test_a_drain_or_a_close_while_a_start_waits_for_its_lease_refuses_it_and_its_lease_goes(booked) -> None:
+    side, loop, books = booked
+    books.gate.clear()
+    drained = RecordingResponder()
+    side.arrive("7", steered_start("7"), drained, principal=ALICE)
+    wait_until(lambda: books.calls == ["take"], 5, "the books asked for the start's lease")
+    side.post(mail.Drain())
+    books.gate.set()
+    assert drained.closed.wait(5) and drained.code == c.SERVER_STOPPING and drained.error == messages.DRAINING.sentence
+    wait_until(lambda: books.calls == ["take", "release"], 5, "the drained start's lease released")
+    assert loop.quiet()
+
+
+def test_a_close_while_a_start_waits_for_its_lease_answers_it_at_once(booked) -> None:
+    side, loop, books = booked
+    books.gate.clear()
+    waiting, pause = RecordingResponder(), RecordingResponder()
+    side.arrive("7", steered_start("7"), waiting, principal=ALICE)
+    wait_until(lambda: books.calls == ["take"], 5, "the books asked for the start's lease")
+    side.arrive("7", StepRequest("7", None, pause=True), pause, principal=ALICE)
+    side.post(mail.Closed(messages.GROUP_FAILED))
+    for r in (waiting, pause):  # before the books answer
+        assert r.closed.wait(5) and r.code == c.GROUP_FAILED
+    books.gate.set()
+    side.close()
+    assert books.calls == ["take", "release"] and loop.quiet()  # the lease went as the books thread closed
+
+
+def test_a_waiting_lease_s_seat_and_its_key_s_hour_reach_the_group_after_its_start(booked) -> None:
+    """Told by the books thread, handed on by the intake: a session waiting in its key's queue is seated after the
+    group was given it, and one whose key used its hour across the fleet ends."""
+    side, loop, books = booked
+    books.kind, books.promoted = "queue", True
+    side.arrive("", tiny_request(decode=False), RecordingResponder(), principal=ALICE)
+    shared = loop.next(mail.Submitted).session
+    assert shared.status is Status.WAITING_SEAT
+    assert loop.next(mail.Seated) == mail.Seated((shared.id,))
+    side.post(mail.Decoded(shared.id, block(0), np.zeros(1), 0.0, False))
+    assert loop.next(mail.Delivered).blocks == 1
+    over = loop.next(mail.OverQuota)
+    assert over.session_id == shared.id and over.why.code == c.QUOTA_EXHAUSTED

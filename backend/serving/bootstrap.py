@@ -45,7 +45,6 @@ from .loop import GroupLoop, LoopHooks
 from .description import check_description
 from .waits import QueueCounts
 from .loop_cpu import LoopCpu, Report
-from .leases import Leases
 from .parks import Parks
 from .stores import clear_park_tier, park_root
 from .saves import Saves
@@ -230,18 +229,17 @@ def owner_side(rank: int, ranks: int, serving: ServingSettings, engine: WorldMod
                books: BooksAddress | None = None) -> Intake:
     """The intake of a rank of `ranks`, with what its thread alone owns beside the streams: the admission's checks,
     the rank's snapshot store and the ledger of its saves, the park tier's store in host memory and the ledger of its
-    parked worlds, and its leases in the fleet's books (`books`)."""
+    parked worlds, and a client of the fleet's books (`books`) for its books thread."""
     hooks = hooks or Hooks()
     store = snapshot_store(serving)
     facts = engine.snapshot_facts
     saves = Saves(store, facts, ranks, keep_commits=engine.window_frames != GLOBAL_WINDOW, on_outcome=hooks.on_snapshot)
-    leases = Leases(None if books is None else books.connect(), serving.books_lease_s, to_loop)
     root = park_root(serving)
     # No parked world outlives its session: the tier's copies live max_session_s at most.
     memory = None if root is None else SnapshotStore(root, serving.park_memory_bytes, serving.max_session_s)
     parks = Parks(rank, serving, saves, memory, hooks.on_park, hooks.on_parked_bytes)
     return Intake(rank, serving, Admission(serving, engine.spec, facts, store), saves, to_loop, inbox,
-                  on_request=hooks.on_request, leases=leases, parks=parks)
+                  on_request=hooks.on_request, books=None if books is None else books.connect(), parks=parks)
 
 
 def snapshot_store(serving: ServingSettings) -> SnapshotStore | None:

@@ -2,14 +2,17 @@
 
 One thread (`lingbot-intake`) owns it all: the streams of the sessions this rank owns, the sequence-key index of
 its steered sessions, the keys whose session ended (to tell a late step why), the owner's clocks of each
-session's limits, their saves with the rank's snapshot store (serving/saves), their parks with the park tier's
-store in host memory (serving/parks), and their leases in the fleet's books where the group shares them
-(serving/leases: the one reader of the store on this rank). Triton's execute thread hands it each request
-(`arrive`); the group loop and the decode sender hand it what to answer, and the loop the saves' files (`post`); it
-hands the group loop its news (the loop's `post`, which rings the doorbell). It reads the open streams' cancelled
-flags before each block and every `EVERY_S` (Triton's Python backend has no cancellation callback), asks the books
-about its sessions as often, and wakes for the soonest limit or park of its steered sessions. Nothing here is shared
-with another thread: no lock.
+session's limits, their saves with the rank's snapshot store (serving/saves), and their parks with the park tier's
+store in host memory (serving/parks). Triton's execute thread hands it each request (`arrive`); the group loop and
+the decode sender hand it what to answer, and the loop the saves' files (`post`); it hands the group loop its news
+(the loop's `post`, which rings the doorbell). It reads the open streams' cancelled flags before each block and every
+`EVERY_S` (Triton's Python backend has no cancellation callback), and wakes for the soonest limit or park of its
+steered sessions. Nothing here is shared with another thread: no lock.
+
+Where the group shares the fleet's books, it never calls them: its books thread does (serving/bookkeeper), handed
+the leases to take, count and release as letters. A start of a key with limits they count waits for its lease's
+answer (in this inbox) before any work; the requests of its sequence that come meanwhile are answered after it, in
+their order.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..api import contract as c
 from ..api.codec import SnapshotNotice
@@ -27,15 +31,18 @@ from ..api.errors import InputError, Refused
 from ..api.refusal import Refusal
 from ..api.request import ResumeRequest, SavesRequest, SessionRequest, StepRequest
 from ..engine.snapshot.manifest import SnapshotError
+from ..engine.snapshot.restore import SharedState
 from . import key_saves, mail, messages
 from .admission import Admission
+from .bookkeeper import Bookkeeper
+from .books import Books
 from .keys import ANONYMOUS, KEY_NOT_THE_SESSIONS, Principal
-from .leases import Leases
+from .leases import counted
 from .news import FilesWritten, Parked, StepEvent
 from .parks import Parks
 from .saves import Outcome, Purpose, Saves
 from .sequences import Sequences
-from .sessions import OwnerPart, Status, Step
+from .sessions import OwnerPart, SharedSession, Status, Step
 from .settings import ServingSettings
 from .streams import Responder, SteeredStream, WholeStream
 
@@ -46,25 +53,39 @@ PLACE_RENEW_S = 1.0  # how often a parked world waiting for its slot back is tol
 _CLOSE = object()  # the intake's last letter
 
 
+@dataclass
+class Taking:
+    """A start the admission let in that waits for its lease in the fleet's books before any work, with the requests
+    of its sequence that came meanwhile."""
+
+    shared: SharedSession
+    saved: SharedState | None
+    request: SessionRequest | ResumeRequest
+    responder: Responder
+    principal: Principal
+    later: list[mail.Arrived] = field(default_factory=list)
+
+
 class Intake:
     def __init__(self, rank: int, settings: ServingSettings, admission: Admission, saves: Saves,
                  to_loop: Callable[[mail.LoopLetter], None], inbox: queue.SimpleQueue | None = None,
                  every_s: float = EVERY_S, on_request: Callable[[str], None] = lambda name: None,
-                 leases: Leases | None = None, parks: Parks | None = None) -> None:
+                 books: Books | None = None, parks: Parks | None = None) -> None:
         """saves: the ledger of this rank's saves (with its snapshot store); to_loop: the group loop's `post` (its
         inbox, then the doorbell); inbox: this intake's, made by the caller when the group loop must know it first;
-        on_request: told the key's name of each request its door let in (the metrics by key); leases: this rank's
-        part of the fleet's shared books (None: the group's books are in process); parks: the ledger of this rank's
-        parked worlds (None: one over `saves` alone, with no tier in memory)."""
+        on_request: told the key's name of each request its door let in (the metrics by key); books: a client of the
+        fleet's shared books, for this rank's books thread (None: the group's books are in process); parks: the
+        ledger of this rank's parked worlds (None: one over `saves` alone, with no tier in memory)."""
         self.rank, self.settings, self.every_s = rank, settings, every_s
         self._on_request = on_request
         self._admission: Admission | None = admission
         self._saves = saves
-        self._leases = leases or Leases(None, 0.0, to_loop)
         self._parks = parks or Parks(rank, settings, saves, None)
         self._to_loop = to_loop
         self._inbox: queue.SimpleQueue = inbox if inbox is not None else queue.SimpleQueue()
+        self._books = None if books is None else Bookkeeper(books, settings.books_lease_s, self._inbox.put)
         self._parts: dict[str, OwnerPart] = {}  # the sessions this rank owns that have not ended, by id
+        self._taking: dict[str, Taking] = {}  # starts waiting for their lease's answer, by session id
         self._sequences = Sequences()  # which session each Triton sequence steers, and how the last ones ended
         self._closed: Refusal | None = None  # the group loop has ended: what every request gets
         self._draining = False  # no new session is taken: the group moves its worlds elsewhere
@@ -85,9 +106,13 @@ class Intake:
         self._inbox.put(letter)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Answer what is in the inbox, then end the thread (after the group loop has ended)."""
+        """Answer what is in the inbox, then end the thread (after the group loop has ended), and the books
+        thread once it released every lease."""
         self._inbox.put(_CLOSE)
         self._thread.join(timeout_s)
+        if self._books is not None:
+            self._books.close()
+            self._books.join(timeout_s)
 
     # -- the intake's thread ----------------------------------------------------------------------------------
 
@@ -107,7 +132,6 @@ class Intake:
                 now = time.monotonic()
                 if now >= next_watch:
                     self._watch_cancellations()
-                    self._leases.tick()
                     next_watch = now + self.every_s
                 self._watch_limits(now)
                 for park in () if self._draining else self._parks.start_due(self._parts, now):
@@ -123,7 +147,8 @@ class Intake:
                 if (part := self._parts.get(sid)) is not None and not self._cancelled(sid, part):
                     sent = part.stream.sent
                     part.stream.send_block(output, frames, decode_ms, final)
-                    self._leases.delivered(sid)
+                    if part.leased:
+                        self._books.post(mail.Block(sid))
                     self._delivered(sid, part, sent)
             case mail.Placed(sid, place, wait_s):
                 if (part := self._parts.get(sid)) is not None:
@@ -143,6 +168,14 @@ class Intake:
                 self._told(self._saves.unsaved(snapshot_id))
             case mail.ParkRefused(snapshot_id, why):
                 self._told(self._parks.refused(snapshot_id, why))
+            case mail.Leased(sid, seated, refusal):
+                self._leased(sid, seated, refusal)
+            case mail.Seated(sids):  # after each one's Submitted (its lease's answer came first)
+                if seated := tuple(sid for sid in sids if sid in self._parts):
+                    self._to_loop(mail.Seated(seated))
+            case mail.OverQuota(sid):
+                if sid in self._parts:
+                    self._to_loop(letter)
             case mail.Drain():
                 self._drain()
             case mail.Closed(reason):
@@ -150,6 +183,9 @@ class Intake:
 
     def _arrived(self, letter: mail.Arrived) -> None:
         key, request, responder, who = letter.key, letter.request, letter.responder, letter.principal
+        if key and (taking := self._taking_of(key)) is not None:  # its sequence's start waits for the books
+            taking.later.append(letter)
+            return
         if who.name:  # its door let it in
             self._on_request(who.name)
         part = self._steered(key) if key else None
@@ -180,27 +216,56 @@ class Intake:
         try:
             shared, saved = (self._admission.resume(request, sid, self.rank, who) if isinstance(request, ResumeRequest)
                              else (self._admission.session(request, sid, self.rank, who), None))
-            if not self._leases.take(sid, who):  # the key's limits across the fleet, last before any work
-                shared.status = Status.WAITING_SEAT  # its first status, as its owner shares it
-            first = shared.steps[0].controls if shared.steps else None
-            if first is not None and first.save:  # the first block's save: reserved now, or the start is refused
-                try:
-                    shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry,
-                                                                      Purpose.ASKED, first.release, who, first.share))
-                except (InputError, SnapshotError):
-                    self._leases.ended(sid)
-                    raise
         except (InputError, SnapshotError, Refused) as exc:
             responder.send_error(exc.refusal)
             return
+        taking = Taking(shared, saved, request, responder, who)
+        if self._books is None or not counted(who.quota):
+            self._start(sid, taking, seated=True, leased=False)
+        else:  # the key's limits across the fleet, last before any work: the books thread asks them
+            self._taking[sid] = taking
+            self._books.post(mail.Lease(sid, who))
+
+    def _leased(self, sid: str, seated: bool, refusal: Refusal | None) -> None:
+        """The books' answer to a start's lease: it starts (seated, or waiting in its key's queue for its seat) or
+        is refused; then the requests of its sequence that came meanwhile are answered, in order."""
+        if (taking := self._taking.pop(sid, None)) is None:  # the group ended meanwhile: its lease went with it
+            return
+        if refusal is None and self._draining:  # no new session is taken
+            self._books.post(mail.Release(sid))
+            refusal = messages.DRAINING
+        if refusal is not None:
+            taking.responder.send_error(refusal)
+        else:
+            self._start(sid, taking, seated, leased=True)
+        for letter in taking.later:
+            self._arrived(letter)
+
+    def _start(self, sid: str, taking: Taking, seated: bool, leased: bool) -> None:
+        """An admitted session that its key's limits across the fleet let in is shared with the group (its first
+        block's save reserved first, or the start is refused)."""
+        shared, request, who = taking.shared, taking.request, taking.principal
+        if not seated:
+            shared.status = Status.WAITING_SEAT  # its first status, as its owner shares it
+        first = shared.steps[0].controls if shared.steps else None
+        if first is not None and first.save:
+            try:
+                shared.steps[0] = Step(first, self._saves.reserve(sid, shared.request, shared.geometry,
+                                                                  Purpose.ASKED, first.release, who, first.share))
+            except (InputError, SnapshotError) as exc:
+                if leased:
+                    self._books.post(mail.Release(sid))
+                taking.responder.send_error(exc.refusal)
+                return
         # A resumed session's blocks count on from its snapshot's, as the group loop's backpressure counts them.
-        stream = SteeredStream(responder, shared.delivered) if request.steered else WholeStream(responder)
-        part = OwnerPart(stream, key if request.steered else None, principal=who, request=shared.request,
-                         geometry=shared.geometry)
+        key = request.sequence_id
+        stream = SteeredStream(taking.responder, shared.delivered) if request.steered else WholeStream(taking.responder)
+        part = OwnerPart(stream, key if request.steered else None, principal=who, leased=leased,
+                         request=shared.request, geometry=shared.geometry)
         self._parts[sid] = part
         if request.steered:
             self._sequences.start(key, sid)
-        self._to_loop(mail.Submitted(shared, saved))
+        self._to_loop(mail.Submitted(shared, taking.saved))
 
     def _step(self, step: StepRequest, responder: Responder) -> None:
         """A step of a steered session this rank owns (Triton routes a sequence to one instance)."""
@@ -272,7 +337,8 @@ class Intake:
         if part.move_dropped and told.code == c.MOVED:  # nothing to resume: it only ends
             error = told = messages.DRAINING
         del self._parts[sid]
-        self._leases.ended(sid)
+        if part.leased:
+            self._books.post(mail.Release(sid))
         self._parks.forget(sid)  # a parked world's copy goes with it (unless MOVED names it)
         self._sequences.end(part.sequence_id, sid, told)
         part.stream.finish() if error is None else part.stream.send_error(error)
@@ -340,6 +406,10 @@ class Intake:
         parks = math.inf if self._draining else self._parks.next_due_of(self._parts)
         return min((*limits, parks), default=math.inf)
 
+    def _taking_of(self, key: str) -> Taking | None:
+        """The steered start of Triton sequence `key` that waits for its lease's answer."""
+        return next((t for t in self._taking.values() if t.request.steered and t.request.sequence_id == key), None)
+
     def _steered(self, key: str) -> OwnerPart | None:
         """The steered session that takes the steps of Triton sequence `key`."""
         sid = self._sequences.session_of(key)
@@ -349,7 +419,13 @@ class Intake:
         """The group loop ended: every open stream gets `reason`, and so does every later request. The admission
         (the engine's spec) goes with it."""
         self._closed, self._admission = reason, None
-        self._leases.close()
+        if self._books is not None:
+            self._books.close()  # every lease goes
+        takings, self._taking = list(self._taking.values()), {}
+        for taking in takings:
+            taking.responder.send_error(reason)
+            for letter in taking.later:
+                self._arrived(letter)
         for sid, part in self._parts.items():
             # A parked world whose copy is on disk goes on from it elsewhere: the copy is a durable snapshot.
             told = reason if (copy := self._parks.moved_from(sid)) is None else messages.moved(copy)

@@ -1,11 +1,12 @@
 """The owner rank's part of the fleet's shared books (serving/books): a lease for each session it owns whose key has
 a limit the books count (`sessions`, `queue`, `blocks_per_hour`), the blocks those sessions received, and what the
-books said of them. On the intake's thread, which owns it; what it learns enters the plan as news (a session seated,
-a session over its key's hour), so every rank's scheduler plans alike and none reads the store.
+books said of them. On the books thread (serving/bookkeeper), which owns it; what it learns goes to the intake, and
+enters the plan as news (a session seated, a session over its key's hour), so every rank's scheduler plans alike and
+none reads the store.
 
 - A start takes a lease: a seat (it may hold a slot), a place in its key's queue (it waits in this group's queue, its
   slot given only once the books seat it), or a refusal (USER_SESSION_LIMIT, QUOTA_EXHAUSTED): before any work.
-- Every tick (the intake's half-second watch): the blocks delivered since the last are added to their key's hour, and
+- Every tick (the books thread's, every half second): the blocks delivered since the last are added to their key's hour, and
   a key past its blocks_per_hour ends its sessions here; each waiting lease asks for a seat; every lease is renewed
   once a third of its life has passed, so a group that dies frees its keys' counts within `lease_s`.
 - A session's end releases its lease.
@@ -50,10 +51,10 @@ def counted(quota: Quota) -> bool:
 class Leases:
     """This rank's leases in the books (None: a lone group, whose books are in process: every call here is free)."""
 
-    def __init__(self, books: Books | None, lease_s: float, to_loop: Callable[[mail.LoopLetter], None],
+    def __init__(self, books: Books | None, lease_s: float, tell: Callable[[mail.Seated | mail.OverQuota], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """to_loop: the group loop's `post`, which the books' news goes to (from `tick`)."""
-        self.books, self.lease_s, self.to_loop, self.clock = books, lease_s, to_loop, clock
+        """tell: where the books' news goes (from `tick`): the intake's `post`, which hands it on to the group loop."""
+        self.books, self.lease_s, self.tell, self.clock = books, lease_s, tell, clock
         self._leases: dict[str, Lease] = {}  # by session id
         self._blocks: Counter[str] = Counter()  # by key name: delivered, not yet added to its hour
         self._over: set[str] = set()  # sessions already told to end for their key's hour
@@ -93,14 +94,14 @@ class Leases:
             self._ask(lambda: self.books.release(lease.name, lease.lease_id))
 
     def tick(self) -> None:
-        """What the books say of this rank's sessions goes to the group loop as news: those seated now may hold a
+        """What the books say of this rank's sessions is told, news for the group loop: those seated now may hold a
         slot; those whose key used its hour across the fleet end. Leases are renewed when due."""
         if self.books is None or not self._leases or self.clock() < self._down_until:
             return
         for sid, why in self._add_blocks():
-            self.to_loop(mail.OverQuota(sid, why))
+            self.tell(mail.OverQuota(sid, why))
         if seated := [sid for sid, lease in self._leases.items() if not lease.seated and self._promoted(lease)]:
-            self.to_loop(mail.Seated(tuple(seated)))
+            self.tell(mail.Seated(tuple(seated)))
         if self.clock() - self._renewed_s >= self.lease_s / 3:
             leases = [(lease.name, lease.lease_id, lease.seated) for lease in self._leases.values()]
             if self._ask(lambda: self.books.renew(leases, self.lease_s)) is not None:

@@ -5,7 +5,9 @@ To the group loop (serving/loop): news of this rank's clients from the intake (i
 news/Parked), the decode sender's failures and the snapshot writer's files (news/FilesWritten).
 To the intake (serving/intake): what to answer, from the group loop and the decode sender, and the saves of the
 sessions it owns (their files written on every rank: news/FilesWritten, handed on by the loop; or never run; a park
-the group refused).
+the group refused); from the books thread, the fleet's books' answers (a start's lease, and Seated, OverQuota: news
+the intake hands on to the group loop).
+To the books thread (serving/bookkeeper), from the intake: the leases of its sessions to take, count and release.
 """
 from __future__ import annotations
 
@@ -199,4 +201,42 @@ class Closed:
     reason: Refusal
 
 
-IntakeLetter = Arrived | Opened | Placed | Decoded | Ended | FilesWritten | Unsaved | ParkRefused | Drain | Closed
+@dataclass(frozen=True)
+class Leased:
+    """The fleet's books' answer to a start's lease: seated (it may hold a slot), waiting in its key's queue for a
+    seat (Seated comes later), or `refusal` (the key's limits across the fleet, or the books not answering)."""
+
+    session_id: str
+    seated: bool
+    refusal: Refusal | None = None
+
+
+IntakeLetter = (Arrived | Opened | Placed | Decoded | Ended | FilesWritten | Unsaved | ParkRefused | Drain | Closed
+                | Leased | Seated | OverQuota)
+
+# -- to the books thread ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A start of a key with limits the books count, admitted: its lease, asked before any work (answered Leased)."""
+
+    session_id: str
+    principal: Principal
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block reached the session's client: it counts in its key's hour."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """The session ended: its lease goes."""
+
+    session_id: str
+
+
+BooksLetter = Lease | Block | Release

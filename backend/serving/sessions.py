@@ -227,6 +227,7 @@ class OwnerPart:
     sequence_id: str | None  # steered: the Triton sequence that carries it
     started_s: float = field(default_factory=time.monotonic)
     principal: Principal = ANONYMOUS  # whose key it runs on, with that key's limits
+    leased: bool = False  # it holds a lease in the fleet's books (its key has limits they count): released as it ends
     request: SessionRequest | None = None  # steered: what a save's size is made of
     geometry: VideoGeometry | None = None
     ending: tuple[Refusal | None, Refusal] | None = None  # its end (error, told), held until its saves are told
