@@ -180,7 +180,7 @@ class Link:
 
     def set(self, delay_ms: float = 0, loss: float = 0, rate_kbit: int | None = None) -> None:
         """delay_ms: each way (so the round trip is twice it); loss: the share of packets towards the page
-        dropped; rate_kbit: the most towards the page, its queue at most 200 ms long."""
+        dropped; rate_kbit: the most towards the page (a burst of 50 ms at it), its queue at most 200 ms long."""
         self.clear()
         if loss:
             self.nat.run("iptables", "-t", "mangle", "-A", "LINK", "-o", "lan", "-m", "statistic", "--mode",
@@ -194,8 +194,9 @@ class Link:
                 raise RuntimeError(f"the link's delay did not start: {self._delay.stdout.read()}")
             self.nat.run("iptables", "-t", "mangle", "-A", "LINK", "-j", "NFQUEUE", "--queue-num", str(DELAY_QUEUE))
         if rate_kbit:
+            burst = max(1600, rate_kbit * 1000 // 8 // 20)  # bytes: 50 ms at the rate, at least a packet
             self.nat.run("tc", "qdisc", "replace", "dev", "lan", "root", "tbf", "rate", f"{rate_kbit}kbit",
-                         "burst", "16kb", "latency", "200ms")
+                         "burst", str(burst), "latency", "200ms")
 
     def clear(self) -> None:
         self.nat.run("iptables", "-t", "mangle", "-F", "LINK")
