@@ -6,8 +6,8 @@ encoder's range is 0.5 to 1.9 Mbit/s, where the tiny model's 64x64 picture has 0
 150 ms round trip and 1% loss, then also a 1.5 Mbit/s cap, then the cap lifted. The bridge encodes under the cap
 (within a bounded time) and what comes through stays under it; through all of it the picture keeps playing, the
 keys the page sends on its data channel keep reaching the world's steps, and the world keeps its pace as the page
-gets it. (The encoder does not move here: the receiver's estimate stays under its 0.5 Mbit/s floor, docs/player.md,
-"On a bad link".)"""
+gets it. (The encoder hardly moves here: the receiver's estimate stays near or under its 0.5 Mbit/s floor, so the
+cap is above the stream: docs/player.md, "On a bad link".)"""
 from __future__ import annotations
 
 import os
