@@ -679,15 +679,16 @@ def test_a_picture_s_target_is_the_estimate_between_its_floor_and_its_ceiling() 
     assert target(9_000_000, 64, 64, 16) == target(0, 64, 64, 16) == MIN_BITRATE  # a tiny picture: its ceiling
 
 
-def test_a_receiver_s_estimate_and_loss_reach_the_world_s_encoder() -> None:
-    """REMB for this sender's SSRC sets the bitrate (another SSRC's does not); PLI asks for a keyframe."""
+def test_a_receiver_s_estimate_and_loss_reach_the_world_s_encoder(caplog: pytest.LogCaptureFixture) -> None:
+    """REMB for this sender's SSRC sets the bitrate (another SSRC's does not), logged as it moves by more than a
+    tenth; PLI asks for a keyframe."""
     async def feed() -> tuple[list, int]:
         pc = RTCPeerConnection()
         broadcast = Broadcast()
         viewer = Viewer(broadcast)
         sender = pc.addTransceiver(viewer, direction="sendonly").sender
         keyframes: list[int] = []
-        follow_feedback(sender, lambda: keyframes.append(1), lambda bitrate: setattr(broadcast, "bitrate", bitrate))
+        follow_feedback(sender, lambda: keyframes.append(1), broadcast.follow)
         remb = RtcpPsfbPacket(fmt=RTCP_PSFB_APP, ssrc=1, media_ssrc=0)
         for bitrate, ssrc in ((750_000, sender._ssrc), (9_000_000, sender._ssrc + 1)):
             remb.fci = pack_remb_fci(bitrate, [ssrc])
@@ -697,7 +698,9 @@ def test_a_receiver_s_estimate_and_loss_reach_the_world_s_encoder() -> None:
         broadcast.end()
         return keyframes, broadcast.bitrate
 
-    assert asyncio.run(feed()) == ([1], 750_000)
+    with caplog.at_level(logging.INFO, logger="client.web"):
+        assert asyncio.run(feed()) == ([1], 750_000)
+    assert [r.getMessage() for r in caplog.records if "estimate" in r.getMessage()] == ["link estimate 750 kbit/s"]
 
 
 def offer_of(codecs: tuple[str, ...] | None = None, audio: bool = False) -> str:

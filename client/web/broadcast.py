@@ -26,7 +26,7 @@ import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from client.video import DEFAULT_FPS
-from client.web.encoder import DEFAULT_BITRATE, VIDEO_CLOCK, VideoEncoder
+from client.web.encoder import DEFAULT_BITRATE, VIDEO_CLOCK, VideoEncoder, target
 
 log = logging.getLogger("client.web")
 SLACK_FRAMES = 4  # queued beyond the newest block's frames (a quarter second), as the page's JPEG queue
@@ -109,6 +109,8 @@ class Broadcast:
         self.sent = 0  # frames that went out
         self.encoders: dict[str, VideoEncoder] = {}  # codec -> its one encoder
         self.bitrate = DEFAULT_BITRATE  # the encoders' target (they clamp it): the player's link's estimate
+        self._logged_bitrate = DEFAULT_BITRATE
+        self._size: tuple[int, int] | None = None  # the picture's (width, height), once a block came
         self.ended = False
         self._queue: deque[_Frame] = deque()
         self._arrived = asyncio.Event()
@@ -129,11 +131,21 @@ class Broadcast:
         """A block's frames [n, H, W, 3] to go out after those queued; the oldest beyond the bound are skipped."""
         if self.ended or not len(frames):
             return
+        self._size = frames.shape[2], frames.shape[1]
         self._queue.extend(_Frame(block, frame) for frame in frames)
         while len(self._queue) > len(frames) + SLACK_FRAMES:
             self._queue.popleft()
             self.skipped += 1
         self._arrived.set()
+
+    def follow(self, estimate: int) -> None:
+        """The player's receiver's estimate of its link (REMB, bit/s) becomes the encoders' target. A move by more
+        than a tenth from the last one logged is logged, with the bitrate it encodes this picture at."""
+        self.bitrate = estimate
+        if abs(estimate - self._logged_bitrate) > self._logged_bitrate / 10:
+            self._logged_bitrate = estimate
+            at = "" if self._size is None else f", encoding at {target(estimate, *self._size, self.fps) // 1000} kbit/s"
+            log.info("link estimate %d kbit/s%s", estimate // 1000, at)
 
     def join(self, viewer: Viewer) -> None:
         if self.ended:

@@ -184,7 +184,7 @@ class Page:
         self.pc = pc = await answer(offer, viewer, self.ice.configuration(self.sid))
         (sender,) = pc.getSenders()
         follow_feedback(sender, lambda: self.broadcast.request_keyframe(viewer.codec),
-                        lambda bitrate: setattr(self.broadcast, "bitrate", bitrate))
+                        self.broadcast.follow)
 
         @pc.on("datachannel")
         def on_channel(channel: RTCDataChannel) -> None:
