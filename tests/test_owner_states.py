@@ -472,6 +472,11 @@ class OwnerLife(RuleBasedStateMachine):
     def ended_sessions_hold_nothing_on_their_owner(self) -> None:
         side = self.side
         saving = {s.session_id for s in side._saves._saves.values()}
+        # An ended session's save still reserved is one whose block ran: the writer's files of it are still to come.
+        writing = {snapshot_id for snapshot_id, _ in self.writing} | {r.snapshot_id for r in self.written}
+        for save in side._saves._saves.values():
+            if (shared := self.shared.get(save.session_id)) is not None and shared.status is Status.ENDED:
+                assert save.snapshot_id in writing, (save.session_id, save.purpose, "a reservation left behind")
         for sid, shared in self.shared.items():
             if shared.status is not Status.ENDED or sid in saving:
                 continue
