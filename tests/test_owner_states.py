@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from backend.api import contract as c
+from backend.api.errors import Refused
 from backend.api.refusal import Refusal
 from backend.api.request import Controls, StepRequest
 from backend.engine.blocks import BlockOutput
@@ -49,7 +50,8 @@ KEYS = (ANONYMOUS, ALICE)
 
 
 class Clock:
-    """The owner's monotonic clock (the real one plus what the rules advanced it by); wall time stays real."""
+    """The owner's monotonic clock (the real one plus what the rules advanced it by); wall time stays real. A
+    session's lifetime counts on the real clock (`OwnerPart.started_s`): max_session_s is out of reach here."""
 
     def __init__(self) -> None:
         self.offset = 0.0
@@ -181,7 +183,7 @@ class Bookkeeper:
             case mail.Lease(sid, who):
                 try:
                     self.answers.append(mail.Leased(sid, self.leases.take(sid, who)))
-                except Exception as exc:  # Refused
+                except Refused as exc:
                     self.answers.append(mail.Leased(sid, False, exc.refusal))
             case mail.Block(sid):
                 self.leases.delivered(sid)
@@ -264,8 +266,9 @@ class OwnerLife(RuleBasedStateMachine):
             world.sid = new.pop()
         return reply
 
-    def _world(self, n: int, steered: bool = True) -> World | None:
-        live = [w for w in self.worlds if not w.gone and w.sid is not None and (w.steered or not steered)]
+    def _world(self, n: int, steered_only: bool = True) -> World | None:
+        """A world whose client is still there (a steered one: one that sends steps)."""
+        live = [w for w in self.worlds if not w.gone and w.sid is not None and (w.steered or not steered_only)]
         return live[n % len(live)] if live else None
 
     # -- clients ------------------------------------------------------------------------------------------------
@@ -311,7 +314,7 @@ class OwnerLife(RuleBasedStateMachine):
     @rule(n=st.integers(0, 15))
     def vanish(self, n: int) -> None:
         """The client goes away (its connection closes): its open requests read cancelled; it sends nothing more."""
-        if (world := self._world(n, steered=False)) is None:
+        if (world := self._world(n, steered_only=False)) is None:
             return
         world.gone = True
         for reply in world.replies:
