@@ -62,6 +62,7 @@ class Clock:
 
 REAL_MONOTONIC = time.monotonic
 CLOCK = Clock()
+REACHED: set = set()  # the statuses and endings the lives reached: each the invariants were checked in
 
 
 class Reply:
@@ -418,6 +419,8 @@ class OwnerLife(RuleBasedStateMachine):
         events.delivered = {sid: n for sid, n in delivered.items() if (s := self.scheduler.table.get(sid)) is not None
                             and n > s.delivered}
         plan = self.scheduler.plan([events])
+        REACHED.update(s.status for s in self.scheduler.table.values())
+        REACHED.update(ending.reason for _, ending in plan.ended + plan.finishing)
         to = self.side._handle
         for report in self.written:
             to(report)
@@ -515,9 +518,13 @@ def test_a_world_s_life_on_its_owner_in_every_order_of_its_events(engine, monkey
     """Bounded and derandomized: the same lives on every run."""
     global ENGINE
     ENGINE = engine
+    REACHED.clear()
     fake = types.SimpleNamespace(monotonic=CLOCK.monotonic, time=time.time)
     for module in (intake_module, parks_module, streams):
         monkeypatch.setattr(module, "time", fake)
     run_state_machine_as_test(OwnerLife, settings=settings(
         derandomize=True, database=None, max_examples=300, stateful_step_count=60, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
+    # The lives reach every status that outlasts a plan and every ending but a decode's failure and a key's hour.
+    assert set(Status) - {Status.RETURNING, Status.ENDED} <= REACHED
+    assert set(EndReason) - {EndReason.FAILED, EndReason.QUOTA} <= REACHED, set(EndReason) - REACHED
