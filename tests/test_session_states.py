@@ -291,5 +291,5 @@ def test_a_world_s_life_in_every_order_of_its_events(monkeypatch) -> None:
     """Bounded and derandomized: the same 300 lives of up to 80 rules each on every run."""
     monkeypatch.setattr(SharedSession, "move", recorded_move)
     run_state_machine_as_test(SessionLife, settings=settings(
-        derandomize=True, database=None, max_examples=300, stateful_step_count=80, deadline=None,
+        derandomize=True, database=None, max_examples=150, stateful_step_count=80, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))

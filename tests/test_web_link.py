@@ -75,6 +75,7 @@ def encoding(log: Path) -> int | None:
     return (estimates(log) or [(None, None)])[-1][1]
 
 
+@pytest.mark.slow  # about 30 s; test_web_nat plays the page through the same NAT and relay on a clean link
 def test_on_a_bad_link_the_picture_plays_the_keys_arrive_and_the_world_keeps_its_pace(
         nat: Nat, turn: Turn, replayed: tuple[str, int, Path], browser, tmp_path: Path) -> None:
     url, port, log = replayed

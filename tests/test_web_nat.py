@@ -130,6 +130,7 @@ def test_page_behind_a_nat_plays_over_a_turn_relay(nat: Nat, turn: Turn, bridge:
         page.close()
 
 
+@pytest.mark.slow  # 14 s of the page's ICE limits; test_web_player's failed WebRTC falls back to JPEG on loopback
 def test_behind_the_nat_with_no_way_to_the_turn_server_the_page_falls_back_to_jpeg(
         nat: Nat, bridge: tuple[str, int], browser, first_frame: Path) -> None:
     """The control: no candidate pair but the relay connects through this NAT, so with coturn's port closed too

@@ -476,7 +476,8 @@ def test_a_watcher_sees_the_world_cannot_steer_and_a_revoked_link_ends_its_strea
     page.click("#revoke")
     wait_until(lambda: watch_state(watcher) == "refused", 10, "the revoked watcher's stream to end")
     assert watcher.get_attribute("#status", "data-code") == "WATCH_REVOKED"
-    assert page.inner_text("#revoked") == "link revoked (1 watcher(s) ended)"
+    wait_until(lambda: page.inner_text("#revoked") == "link revoked (1 watcher(s) ended)", 10,
+               "the player told its link's revoke")  # the watcher may hear of it first
     late = new_page()
     late.goto(watch_url)
     wait_until(lambda: watch_state(late) == "refused", 10, "the revoked link refused")
