@@ -404,6 +404,18 @@ setInterval(() => {
   }
 }, 1000 / FPS);
 
+// A reload while the world played: back to it at once.
+function rejoinHeldWorld() {
+  const heldWorld = JSON.parse(sessionStorage.getItem(REJOIN) || "null");
+  if (heldWorld) {
+    fresh();
+    playing();
+    startedAt = awaySince = performance.now();
+    show("rejoining");
+    connect({rejoin: heldWorld.token, keys: "-"});
+  }
+}
+
 // Sign-in (a bridge started with --sign-in): the key goes to the bridge once, which keeps it and gives this page a
 // short-lived HttpOnly cookie instead; the page never stores the key.
 async function showSignIn() {
@@ -419,21 +431,7 @@ $("signin").addEventListener("submit", async (event) => {
   $("key").value = "";
   if (!answer.ok) fail(await answer.text());
   await showSignIn();
-const heldWorld = JSON.parse(sessionStorage.getItem(REJOIN) || "null");
-if (heldWorld) {  // a reload while the world played: back to it at once
-  fresh();
-  playing();
-  startedAt = awaySince = performance.now();
-  show("rejoining");
-  connect({rejoin: heldWorld.token, keys: "-"});
-}
+  rejoinHeldWorld();
 });
 showSignIn();
-const heldWorld = JSON.parse(sessionStorage.getItem(REJOIN) || "null");
-if (heldWorld) {  // a reload while the world played: back to it at once
-  fresh();
-  playing();
-  startedAt = awaySince = performance.now();
-  show("rejoining");
-  connect({rejoin: heldWorld.token, keys: "-"});
-}
+rejoinHeldWorld();
